@@ -1,0 +1,30 @@
+"""tierckpt: a thin client for the tierckpt multi-tier checkpoint daemon.
+
+    import tierckpt
+    with tierckpt.Client() as c:
+        fut = c.save("job", step=100, rank=0, world_size=4, shards={"model": array})
+        fut.result()
+        ck = c.restore("job", rank=0)
+"""
+
+from .client import Checkpoint, CheckpointInfo, Client, RankLocation, SaveFuture, SaveResult
+from .errors import (
+    AlreadyExistsError,
+    CapacityError,
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    TierckptError,
+    TierError,
+    UnavailableError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation",
+    "TierckptError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError", "CapacityError",
+    "UnavailableError", "DataLossError", "FailedPreconditionError", "DeadlineExceededError", "TierError",
+]

@@ -1,0 +1,484 @@
+"""The thin tierckpt client: save often, restore from the nearest tier.
+
+Same-node transfers move no shard bytes through gRPC: ``BeginSave`` returns staging files in the
+daemon's local directory and the client copies each buffer straight into them (``pwrite`` from
+several threads; the GIL is released). ``save()`` returns once the bytes are staged; hashing and
+the commit run in a background thread and resolve the returned :class:`SaveFuture`. Restore maps
+the committed files read-only and verifies their checksums. A client that cannot see the daemon's
+filesystem (checked with the daemon's ``.fs-token``) streams bytes over gRPC instead, with
+identical results.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+import grpc
+import numpy as np
+
+from . import _checksum
+from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
+from ._names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
+from ._status import error_from_rpc
+from .errors import (
+    DataLossError,
+    InvalidArgumentError,
+    TierckptError,
+)
+from .v1 import tierckpt_pb2 as pb
+from .v1 import tierckpt_pb2_grpc as pb_grpc
+
+__all__ = ["Client", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "DEFAULT_ADDRESS"]
+
+DEFAULT_ADDRESS = "unix:///run/tierckpt/tierckptd.sock"
+_COPY_PIECE = 64 << 20
+_STREAM_CHUNK = 4 << 20
+_TIER_NAMES = {pb.TIER_LOCAL: "local", pb.TIER_PEER: "peer", pb.TIER_PERSISTENT: "persistent"}
+_TIER_ENUM = {v: k for k, v in _TIER_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """A rank committed in the local tier."""
+
+    job: str
+    step: int
+    rank: int
+    nbytes: int
+    blocking_seconds: float  # time save() held the caller
+    commit_seconds: float  # from save() call to local commit
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One restored rank. ``shards`` are read-only numpy arrays (zero-copy maps on the same node)."""
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    tier: str  # "local", "peer" or "persistent": where the bytes were found
+    source_node: str
+    metadata: dict
+    shards: dict[str, np.ndarray]
+    dtypes: dict[str, str] = field(default_factory=dict, repr=False)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    _buffers: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def tensor(self, name: str):
+        """The shard as a torch tensor of its saved dtype (shares the read-only memory)."""
+        return to_tensor(self._buffers[name], self.dtypes[name], self.shapes[name])
+
+    def tensors(self) -> dict:
+        return {n: self.tensor(n) for n in self.shards}
+
+
+@dataclass(frozen=True)
+class RankLocation:
+    rank: int
+    tiers: tuple[str, ...]
+    nodes: tuple[str, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    world_size: int
+    complete: bool
+    tiers: tuple[str, ...]  # tiers in which every rank is held
+    ranks: tuple[RankLocation, ...]
+    created: float
+
+
+class SaveFuture(cf.Future):
+    """Resolves to a :class:`SaveResult` when the rank is committed in the local tier.
+
+    ``wait("peer" | "persistent")`` additionally waits for a background tier.
+    """
+
+    def __init__(self, client: "Client", job: str, step: int, rank: int) -> None:
+        super().__init__()
+        self._client = client
+        self.job, self.step, self.rank = job, step, rank
+        self.blocking_seconds = 0.0
+
+    def wait(self, tier: str = "local", timeout: float | None = None) -> list[str]:
+        """Block until the rank is in ``tier``; returns the nodes holding it there.
+
+        Raises:
+            TierError: the tier failed for this rank (names what failed).
+            DeadlineExceededError: not reached within ``timeout``.
+        """
+        if tier not in _TIER_ENUM:
+            raise InvalidArgumentError(f"tier: {tier!r} must be local, peer or persistent")
+        t0 = time.monotonic()
+        try:
+            self.result(timeout)
+        except cf.TimeoutError:
+            from .errors import DeadlineExceededError
+
+            raise DeadlineExceededError(f"{self.job} step {self.step} not committed locally within {timeout}s") from None
+        if tier == "local":
+            return [self._client._node_id or "local"]
+        remaining = None if timeout is None else max(0.001, timeout - (time.monotonic() - t0))
+        return self._client._wait_tier(self.job, self.step, self.rank, tier, remaining)
+
+
+class Client:
+    """A connection to the tierckpt daemon on this node.
+
+    Args:
+        address: ``unix:///path`` or ``host:port``; default ``$TIERCKPT_ADDRESS``, else
+            ``unix:///run/tierckpt/tierckptd.sock``.
+        timeout: deadline in seconds for control RPCs.
+        transfer: "auto" (shared filesystem when the daemon's local dir is visible, else
+            streaming), "shared" or "stream".
+        io_threads: threads copying bytes into staging files.
+        verify: check every shard's checksum on restore (a mismatch raises DataLossError).
+    """
+
+    def __init__(self, address: str | None = None, *, timeout: float = 60.0, transfer: str = "auto",
+                 io_threads: int | None = None, verify: bool = True) -> None:
+        if transfer not in ("auto", "shared", "stream"):
+            raise InvalidArgumentError(f"transfer: {transfer!r} must be auto, shared or stream")
+        self.address = address or os.environ.get("TIERCKPT_ADDRESS") or DEFAULT_ADDRESS
+        self.timeout = timeout
+        self.transfer = transfer
+        self.verify = verify
+        opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        self._channel = grpc.insecure_channel(self.address, options=opts)
+        self._stub = pb_grpc.TierckptStub(self._channel)
+        self._io = cf.ThreadPoolExecutor(io_threads or min(4, os.cpu_count() or 2), thread_name_prefix="tierckpt-io")
+        self._committer = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
+        self._shared_fs: dict[tuple[str, str], bool] = {}
+        self._plans: dict[tuple, list[pb.ShardSpec]] = {}
+        self._node_id: str | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Wait for pending commits, then close the channel."""
+        if self._closed:
+            return
+        self._closed = True
+        self._committer.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method: Callable, request, what: str, timeout: float | None = -1.0):
+        try:
+            return method(request, timeout=self.timeout if timeout == -1.0 else timeout)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, f"{what} at {self.address}") from None
+
+    # ------------------------------------------------------------------ saving
+
+    def _plan(self, buffers: list[ShardBuffer]) -> list[pb.ShardSpec]:
+        """The BeginSave shard list, cached per layout (as DCP caches save plans)."""
+        key = tuple((b.name, b.nbytes, b.dtype, b.shape) for b in buffers)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = [pb.ShardSpec(name=b.name, size=b.nbytes, dtype=b.dtype, shape=list(b.shape)) for b in buffers]
+            if len(self._plans) > 64:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def save(self, job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any], *,
+             metadata: Mapping[str, Any] | None = None, persist: bool = False) -> SaveFuture:
+        """Stage one rank's shards and commit them in the background.
+
+        Returns once the bytes are copied out of the caller's buffers: the caller may modify them
+        immediately. The future resolves when the rank is committed in the local tier.
+
+        Raises:
+            InvalidArgumentError: a bad name, rank, buffer or metadata (nothing is stored).
+            CapacityError: the local tier is full.
+            UnavailableError: the daemon cannot be reached.
+        """
+        t0 = time.perf_counter()
+        check_job(job)
+        check_step(step)
+        check_rank(rank, world_size)
+        if not isinstance(shards, Mapping) or not shards:
+            raise InvalidArgumentError("shards: a non-empty mapping of name -> buffer is required")
+        buffers = [as_buffer(check_shard(n, "shards"), v) for n, v in shards.items()]
+        meta = _encode_metadata(metadata)
+        stream = self.transfer == "stream"
+        req = pb.BeginSaveRequest(job=job, step=step, rank=rank, world_size=world_size, shards=self._plan(buffers),
+                                  transfer=pb.TRANSFER_STREAM if stream else pb.TRANSFER_SHARED_FS)
+        begun = self._call(self._stub.BeginSave, req, "BeginSave")
+        if not stream and not self._sees(begun.local_dir, begun.fs_token):
+            if self.transfer == "shared":
+                self._abort(begun.save_id)
+                raise InvalidArgumentError("transfer: 'shared' but the daemon's local_dir is not visible here")
+            self._abort(begun.save_id)
+            req.transfer = pb.TRANSFER_STREAM
+            begun = self._call(self._stub.BeginSave, req, "BeginSave")
+            stream = True
+        fut = SaveFuture(self, job, step, rank)
+        try:
+            if stream:
+                digests = self._stream_write(begun.save_id, buffers)
+            else:
+                paths = {s.name: s.path for s in begun.shards}
+                self._copy_into(buffers, paths)
+                digests = None
+        except BaseException:
+            self._abort(begun.save_id)
+            raise
+        fut.blocking_seconds = time.perf_counter() - t0
+        if not stream:
+            paths_sizes = [(b.name, paths[b.name], b.nbytes) for b in buffers]
+        else:
+            paths_sizes = []
+        self._committer.submit(self._finish, fut, begun.save_id, digests, paths_sizes, meta, persist, t0)
+        return fut
+
+    def _sees(self, local_dir: str, token: str) -> bool:
+        if self.transfer == "stream":
+            return False
+        key = (local_dir, token)
+        seen = self._shared_fs.get(key)
+        if seen is None:
+            try:
+                with open(os.path.join(local_dir, ".fs-token"), "rb") as fh:
+                    seen = fh.read().decode() == token
+            except OSError:
+                seen = False
+            self._shared_fs[key] = seen
+        return seen
+
+    def _copy_into(self, buffers: list[ShardBuffer], paths: dict[str, str]) -> None:
+        fds: dict[str, int] = {}
+        try:
+            pieces = []
+            for b in buffers:
+                fds[b.name] = os.open(paths[b.name], os.O_WRONLY)
+                for off in range(0, b.nbytes, _COPY_PIECE):
+                    pieces.append((fds[b.name], b.view[off : off + _COPY_PIECE], off))
+            for f in [self._io.submit(_pwrite_all, *p) for p in pieces]:
+                f.result()
+        except FileNotFoundError as e:
+            raise TierckptError(f"staging file vanished (the save was aborted or expired): {e.filename}") from None
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _stream_write(self, save_id: str, buffers: list[ShardBuffer]) -> dict[str, str]:
+        digests: dict[str, str] = {}
+
+        def chunks() -> Iterator[pb.WriteShardRequest]:
+            for b in buffers:
+                h = _checksum.new()
+                for off in range(0, b.nbytes, _STREAM_CHUNK):
+                    piece = b.view[off : off + _STREAM_CHUNK]
+                    h.update(piece)
+                    yield pb.WriteShardRequest(save_id=save_id, shard=b.name, offset=off, data=bytes(piece))
+                digests[b.name] = h.hexdigest()
+
+        self._call(self._stub.WriteShard, chunks(), "WriteShard", timeout=None)
+        return digests
+
+    def _finish(self, fut: SaveFuture, save_id: str, digests: dict[str, str] | None,
+                paths_sizes: list[tuple[str, str, int]], meta: str, persist: bool, t0: float) -> None:
+        if not fut.set_running_or_notify_cancel():
+            self._abort(save_id)
+            return
+        try:
+            if digests is None:
+                hashes = list(self._io.map(lambda p: _hash_path(p[1], p[2]), paths_sizes))
+                digests = {name: h for (name, _, _), h in zip(paths_sizes, hashes)}
+            req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist,
+                                       digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
+            resp = self._call(self._stub.CommitSave, req, "CommitSave")
+            fut.set_result(SaveResult(fut.job, fut.step, fut.rank, resp.bytes, fut.blocking_seconds,
+                                      time.perf_counter() - t0))
+        except BaseException as e:  # thread boundary: the future carries the error
+            self._abort(save_id)
+            fut.set_exception(e if isinstance(e, TierckptError) else TierckptError(f"commit failed: {e!r}"))
+
+    def _abort(self, save_id: str) -> None:
+        try:
+            self._stub.AbortSave(pb.AbortSaveRequest(save_id=save_id), timeout=self.timeout)
+        except grpc.RpcError:
+            pass  # best effort: the daemon reclaims expired staging anyway
+
+    def _wait_tier(self, job: str, step: int, rank: int, tier: str, timeout: float | None) -> list[str]:
+        req = pb.WaitTierRequest(job=job, step=step, rank=rank, tier=_TIER_ENUM[tier], timeout_seconds=timeout or 0)
+        return list(self._call(self._stub.WaitTier, req, "WaitTier",
+                               timeout=None if timeout is None else timeout + 5).nodes)
+
+    # ------------------------------------------------------------------ catalog
+
+    def latest(self, job: str) -> int | None:
+        """Newest step complete (every rank held) in some tier, or None."""
+        check_job(job)
+        resp = self._call(self._stub.Latest, pb.LatestRequest(job=job), "Latest")
+        return resp.step if resp.found else None
+
+    def list(self, job: str) -> list[CheckpointInfo]:
+        """Every known step of ``job``, oldest first, with where each rank is held."""
+        check_job(job)
+        resp = self._call(self._stub.List, pb.ListRequest(job=job), "List")
+        return [
+            CheckpointInfo(
+                step=c.step, world_size=c.world_size, complete=c.complete,
+                tiers=tuple(_TIER_NAMES[t] for t in c.tiers), created=c.created_unix,
+                ranks=tuple(RankLocation(r.rank, tuple(_TIER_NAMES[t] for t in r.tiers), tuple(r.nodes), r.bytes)
+                            for r in c.ranks),
+            )
+            for c in resp.checkpoints
+        ]
+
+    def status(self) -> pb.StatusResponse:
+        """The daemon's status (tiers, capacity, backlog, peers) as the protobuf message."""
+        resp = self._call(self._stub.Status, pb.StatusRequest(), "Status")
+        self._node_id = resp.node_id
+        return resp
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, job: str, rank: int, step: int | None = None, *,
+                progress: Callable[[int, int], None] | None = None) -> Checkpoint:
+        """Restore one rank from the nearest tier holding it (local, peer, persistent).
+
+        Args:
+            step: default: ``latest(job)``.
+            progress: called with (bytes_done, bytes_total) while bytes are verified / received.
+
+        Raises:
+            NotFoundError: no tier holds the step (or the job has no complete step).
+            DataLossError: every copy failed its checksum.
+        """
+        check_job(job)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise InvalidArgumentError(f"rank: {rank!r} must be a non-negative integer")
+        if step is not None:
+            check_step(step)
+        req = pb.RestoreRequest(job=job, rank=rank, has_step=step is not None, step=step or 0,
+                                transfer=pb.TRANSFER_STREAM if self.transfer == "stream" else pb.TRANSFER_SHARED_FS)
+        resp = self._call(self._stub.Restore, req, "Restore", timeout=None)
+        try:
+            return self._materialize(resp, job, rank, progress)
+        except DataLossError:
+            if self.transfer == "stream" or not self._sees(resp.local_dir, resp.fs_token):
+                raise
+            # The local copy is corrupt: the daemon drops it and tries the next tier.
+            req.local_corrupt = True
+            req.has_step, req.step = True, resp.step
+            resp = self._call(self._stub.Restore, req, "Restore", timeout=None)
+            return self._materialize(resp, job, rank, progress)
+
+    def _materialize(self, resp: pb.RestoreResponse, job: str, rank: int,
+                     progress: Callable[[int, int], None] | None) -> Checkpoint:
+        total = sum(s.size for s in resp.shards)
+        done = 0
+        lock = threading.Lock()
+
+        def advance(n: int) -> None:
+            nonlocal done
+            if progress:
+                with lock:
+                    done += n
+                    progress(done, total)
+
+        shared = self.transfer != "stream" and self._sees(resp.local_dir, resp.fs_token)
+        if shared:
+            bufs = list(self._io.map(lambda s: self._map_verified(job, resp.step, rank, s, advance), resp.shards))
+        else:
+            bufs = [self._read_stream(job, resp.step, rank, s, advance) for s in resp.shards]
+        arrays, buffers, dtypes, shapes = {}, {}, {}, {}
+        for s, buf in zip(resp.shards, bufs):
+            shape = tuple(s.shape)
+            arr = to_array(buf, s.dtype, shape)
+            arr.flags.writeable = False
+            arrays[s.name], buffers[s.name], dtypes[s.name], shapes[s.name] = arr, buf, s.dtype, shape
+        return Checkpoint(job=job, step=resp.step, rank=rank, world_size=resp.world_size,
+                          tier=_TIER_NAMES.get(resp.tier, "local"), source_node=resp.source_node,
+                          metadata=json.loads(resp.metadata_json or "{}"), shards=arrays,
+                          dtypes=dtypes, shapes=shapes, _buffers=buffers)
+
+    def _map_verified(self, job: str, step: int, rank: int, s: pb.RestoredShard, advance) -> Any:
+        if s.size == 0:
+            buf: Any = b""
+        else:
+            fd = os.open(s.path, os.O_RDONLY)
+            try:
+                buf = mmap.mmap(fd, s.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        if self.verify:
+            actual = _checksum.digest(buf)
+            if actual != s.checksum:
+                raise DataLossError(f"{job} step {step} rank {rank} shard {s.name!r}: checksum mismatch "
+                                    f"(expected {s.checksum}, got {actual})")
+        advance(s.size)
+        return buf
+
+    def _read_stream(self, job: str, step: int, rank: int, s: pb.RestoredShard, advance) -> bytearray:
+        buf = bytearray(s.size)
+        h = _checksum.new()
+        req = pb.ReadShardRequest(job=job, step=step, rank=rank, shard=s.name)
+        try:
+            got = 0
+            for chunk in self._stub.ReadShard(req, timeout=None):
+                n = len(chunk.data)
+                if chunk.offset != got or got + n > s.size:
+                    raise DataLossError(f"shard {s.name!r}: out-of-order or oversized stream at {chunk.offset}")
+                buf[got : got + n] = chunk.data
+                h.update(chunk.data)
+                got += n
+                advance(n)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, f"ReadShard at {self.address}") from None
+        if got != s.size or h.hexdigest() != s.checksum:
+            raise DataLossError(f"{job} step {step} rank {rank} shard {s.name!r}: checksum mismatch after streaming")
+        return buf
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _hash_path(path: str, size: int) -> str:
+    if size == 0:
+        return _checksum.digest(b"")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ) as mm:
+            return _checksum.digest(mm)
+    finally:
+        os.close(fd)
+
+
+def _encode_metadata(metadata: Mapping[str, Any] | None) -> str:
+    if metadata is None:
+        return "{}"
+    if not isinstance(metadata, Mapping):
+        raise InvalidArgumentError("metadata: must be a mapping (JSON object)")
+    try:
+        text = json.dumps(metadata, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"metadata: not JSON-serializable ({e})") from None
+    if len(text) > MAX_METADATA_BYTES:
+        raise InvalidArgumentError(f"metadata: larger than {MAX_METADATA_BYTES} bytes")
+    return text

@@ -1,0 +1,65 @@
+"""Exception hierarchy of tierckpt.
+
+Every error the client raises is a :class:`TierckptError`. Subclasses also derive from the
+matching builtin so that callers can catch either (``NotFoundError`` is a ``KeyError``).
+The daemon raises the same classes internally; :mod:`tierckpt._status` maps them to gRPC
+status codes in exactly one place, and the client maps them back.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TierckptError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "AlreadyExistsError",
+    "CapacityError",
+    "UnavailableError",
+    "DataLossError",
+    "FailedPreconditionError",
+    "DeadlineExceededError",
+    "TierError",
+]
+
+
+class TierckptError(Exception):
+    """Root of every tierckpt error."""
+
+
+class InvalidArgumentError(TierckptError, ValueError):
+    """A request field is malformed; the message names the field."""
+
+
+class NotFoundError(TierckptError, KeyError):
+    """The job, step, rank or shard does not exist in any reachable tier."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class AlreadyExistsError(TierckptError):
+    """The object already exists and may not be replaced."""
+
+
+class CapacityError(TierckptError):
+    """The local tier is full even after evicting what may be evicted."""
+
+
+class UnavailableError(TierckptError, ConnectionError):
+    """The daemon (or a peer / the object store it needs) cannot be reached."""
+
+
+class DataLossError(TierckptError):
+    """Stored bytes failed their checksum; they were not returned."""
+
+
+class FailedPreconditionError(TierckptError):
+    """The request is valid but the system is not in a state to serve it (e.g. shutting down)."""
+
+
+class DeadlineExceededError(TierckptError, TimeoutError):
+    """The operation did not finish before its deadline."""
+
+
+class TierError(TierckptError):
+    """A background tier (peer replication, persistent drain) failed for this checkpoint."""

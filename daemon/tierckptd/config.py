@@ -1,0 +1,276 @@
+"""Daemon configuration: read once, at the edge, into a frozen and validated dataclass.
+
+Sources, lowest precedence first: built-in defaults, the TOML file given by ``--config``, command
+line flags. TOML keys are the flag names with ``_`` for ``-``. Nothing else in the daemon reads
+``os.environ`` except the persistent backends, which follow the standard cloud SDK environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from tierckpt._names import check_node
+from tierckpt.errors import InvalidArgumentError
+
+__all__ = ["ConfigError", "DaemonConfig", "Peer", "parse_args", "load_config", "parse_size"]
+
+
+class ConfigError(InvalidArgumentError):
+    """The configuration is invalid; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    node_id: str
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Every option of tierckptd. Field names are the TOML keys; flags are the same with ``-``."""
+
+    node_id: str = "node0"
+    """Identity of this node among its peers; a replacement node reuses the id of the node it replaces."""
+    listen: str = "127.0.0.1:7070"
+    """TCP listener HOST:PORT for remote clients and peers (port 0 picks a free port). Empty disables it."""
+    socket: str = "/run/tierckpt/tierckptd.sock"
+    """Unix socket for clients on this node. Empty disables it."""
+    socket_mode: int = 0o660
+    """Permission bits of the Unix socket (TOML: an integer or an octal string such as "0660")."""
+    socket_group: str = ""
+    """Group owning the Unix socket (name or gid), so only the trainers' group can use it."""
+    local_dir: str = "/dev/shm/tierckpt"
+    """Local tier directory: a RAM disk (tmpfs) or a directory on NVMe."""
+    local_capacity: int = 0
+    """Bytes the local tier may hold (0 = 90% of the filesystem's size at start-up)."""
+    fsync: str = "auto"
+    """Flush data and manifests before a commit: "auto" (not on tmpfs), "always" or "never"."""
+    keep_local: int = 2
+    """Newest complete steps per job kept locally (>= 1)."""
+    staging_timeout: float = 600.0
+    """Seconds an uncommitted save may hold its staging files before they are reclaimed."""
+    max_shard_bytes: int = 1 << 40
+    """Largest single shard accepted."""
+    max_message_bytes: int = 16 << 20
+    """Largest gRPC message accepted or sent (bulk data moves in chunks below this)."""
+    max_concurrent_streams: int = 256
+    """Concurrent RPCs served; more wait."""
+    peers: tuple[Peer, ...] = ()
+    """Peer daemons as ID=HOST:PORT; this node's own id may appear and is ignored."""
+    peers_dns: str = ""
+    """NAME:PORT of a headless Service whose A records are the peers (Kubernetes)."""
+    replicas: int = 1
+    """Peer copies made of every committed rank (0 disables replication)."""
+    persistent: str = ""
+    """Object store URL: file:///dir, s3://bucket/prefix or gs://bucket/prefix (empty: no persistent tier)."""
+    persist_every: int = 0
+    """Drain every Nth saved step of a job to the persistent tier (0 = only saves with persist=True)."""
+    keep_persistent: int = 0
+    """Newest steps per job kept in the persistent tier (0 = keep all)."""
+    metrics_port: int = 0
+    """Prometheus /metrics port (0 = disabled)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds to."""
+    tls_cert: str = ""
+    """PEM certificate of this node for peer traffic (mTLS); needs tls_key and tls_ca."""
+    tls_key: str = ""
+    """PEM private key matching tls_cert."""
+    tls_ca: str = ""
+    """PEM CA bundle that signs every peer's certificate."""
+    log_level: str = "INFO"
+    """DEBUG, INFO, WARNING or ERROR."""
+    log_format: str = "plain"
+    """"plain" or "json"."""
+    shutdown_timeout: float = 30.0
+    """Seconds SIGTERM waits for in-flight commits and replication before exiting."""
+
+    @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls_cert)
+
+    def other_peers(self) -> tuple[Peer, ...]:
+        return tuple(p for p in self.peers if p.node_id != self.node_id)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4, "P": 1000**5,
+          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4, "PI": 1024**5}
+
+
+def parse_size(value: Any, key: str) -> int:
+    """Parse ``123``, ``"64MiB"``, ``"10G"`` into bytes, naming ``key`` on error."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            raise ConfigError(f"{key}: {value!r} is not a size (examples: 1073741824, 512MiB, 2GiB)")
+        unit = (m.group(2) or "").upper().rstrip("B")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n < 0:
+        raise ConfigError(f"{key}: must not be negative")
+    return n
+
+
+def parse_peers(value: Any, key: str = "peers") -> tuple[Peer, ...]:
+    if isinstance(value, str):
+        items = [s.strip() for s in value.split(",") if s.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = [str(s).strip() for s in value]
+    else:
+        raise ConfigError(f"{key}: expected 'ID=HOST:PORT,...' or a list of them")
+    peers: list[Peer] = []
+    seen: set[str] = set()
+    for item in items:
+        node, sep, addr = item.partition("=")
+        host, colon, port = addr.rpartition(":")
+        if not sep or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"{key}: {item!r} is not ID=HOST:PORT")
+        try:
+            check_node(node, key)
+        except InvalidArgumentError as e:
+            raise ConfigError(str(e)) from None
+        if node in seen:
+            raise ConfigError(f"{key}: node id {node!r} appears twice")
+        seen.add(node)
+        peers.append(Peer(node, host.strip("[]"), int(port)))
+    return tuple(peers)
+
+
+def _parse_mode(value: Any, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    else:
+        try:
+            mode = int(str(value), 8)
+        except ValueError:
+            raise ConfigError(f"{key}: {value!r} is not an octal mode such as 0660") from None
+    if not 0 <= mode <= 0o777:
+        raise ConfigError(f"{key}: {value!r} is out of range 0..0777")
+    return mode
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    if key in ("local_capacity", "max_shard_bytes", "max_message_bytes"):
+        return parse_size(value, key)
+    if key == "peers":
+        return parse_peers(value, key)
+    if key == "socket_mode":
+        return _parse_mode(value, key)
+    default = _FIELDS[key].default
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        try:
+            return int(value) if not isinstance(value, bool) else _bad(key, value, "an integer")
+        except (TypeError, ValueError):
+            _bad(key, value, "an integer")
+    if isinstance(default, float):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            _bad(key, value, "a number")
+    if not isinstance(value, str):
+        _bad(key, value, "a string")
+    return value
+
+
+def _bad(key: str, value: Any, what: str):
+    raise ConfigError(f"{key}: expected {what}, got {value!r}")
+
+
+def _validate(cfg: DaemonConfig) -> DaemonConfig:
+    try:
+        check_node(cfg.node_id, "node_id")
+    except InvalidArgumentError as e:
+        raise ConfigError(str(e)) from None
+    for key in ("keep_local",):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}: must be >= 1 (the newest complete step is always kept)")
+    for key in ("replicas", "persist_every", "keep_persistent", "metrics_port", "max_concurrent_streams"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key}: must not be negative")
+    if cfg.metrics_port > 65535:
+        raise ConfigError("metrics_port: must be <= 65535")
+    if cfg.staging_timeout <= 0 or cfg.shutdown_timeout < 0:
+        raise ConfigError("staging_timeout/shutdown_timeout: must be positive")
+    if cfg.fsync not in ("auto", "always", "never"):
+        raise ConfigError(f"fsync: {cfg.fsync!r} must be auto, always or never")
+    if cfg.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(f"log_level: {cfg.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
+    if cfg.log_format not in ("plain", "json"):
+        raise ConfigError(f"log_format: {cfg.log_format!r} must be plain or json")
+    if not cfg.local_dir:
+        raise ConfigError("local_dir: must not be empty")
+    if not cfg.listen and not cfg.socket:
+        raise ConfigError("listen/socket: at least one listener is required")
+    if cfg.listen:
+        host, colon, port = cfg.listen.rpartition(":")
+        if not colon or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"listen: {cfg.listen!r} is not HOST:PORT")
+    tls = [cfg.tls_cert, cfg.tls_key, cfg.tls_ca]
+    if any(tls) and not all(tls):
+        raise ConfigError("tls_cert/tls_key/tls_ca: give all three or none")
+    if cfg.persistent and not re.match(r"^(file|s3|gs)://", cfg.persistent):
+        raise ConfigError(f"persistent: {cfg.persistent!r} must start with file://, s3:// or gs://")
+    if cfg.peers_dns:
+        name, colon, port = cfg.peers_dns.rpartition(":")
+        if not colon or not name or not port.isdigit():
+            raise ConfigError(f"peers_dns: {cfg.peers_dns!r} is not NAME:PORT")
+    return cfg
+
+
+def load_config(file_values: Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
+    """Build a validated config from TOML values and flag overrides (both keyed by field name)."""
+    values: dict[str, Any] = {}
+    for source in (file_values or {}, overrides or {}):
+        for key, value in source.items():
+            if key not in _FIELDS:
+                raise ConfigError(f"{key}: unknown configuration key")
+            if value is None:
+                continue
+            values[key] = _coerce(key, value)
+    return _validate(DaemonConfig(**values))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierckptd", description="tierckpt per-node checkpoint daemon")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file; keys are the flag names with _ for -")
+    for name, f in _FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        doc = (f.metadata or {}).get("doc", "")
+        p.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=doc or argparse.SUPPRESS if False else None)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
+    """Parse flags (and the TOML file they name) into a validated config. Raises ConfigError."""
+    args = build_parser().parse_args(argv)
+    file_values: dict[str, Any] = {}
+    if args.config:
+        try:
+            with open(args.config, "rb") as fh:
+                file_values = tomllib.load(fh)
+        except OSError as e:
+            raise ConfigError(f"config: cannot read {args.config}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config: {args.config} is not valid TOML: {e}") from None
+    overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    return load_config(file_values, overrides)

@@ -1,0 +1,145 @@
+"""Entry point of ``tierckptd``: read the config, assemble the node, serve until SIGTERM.
+
+Shutdown is staged: stop accepting saves, finish in-flight commits and tier work within
+``shutdown_timeout``, stop the gRPC server with a grace period, exit 0. On start-up a line
+``READY {json}`` on stdout gives the bound ports (tests and scripts read it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Sequence
+
+from .config import ConfigError, DaemonConfig, parse_args
+
+log = logging.getLogger("tierckptd")
+
+
+def build_tiers(config: DaemonConfig, store, metrics):
+    """The remote tiers configured, in restore order (peer, then persistent)."""
+    tiers = []
+    if config.peers or config.peers_dns:
+        from .peer import PeerTier  # noqa: PLC0415 - optional part of the daemon
+
+        tiers.append(PeerTier(config, store, metrics))
+    if config.persistent:
+        from .drain import PersistentTier  # noqa: PLC0415
+
+        tiers.append(PersistentTier(config, store, metrics))
+    return tiers
+
+
+async def serve(config: DaemonConfig, *, ready_out=None) -> int:
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from .metrics import Metrics
+    from .node import Node
+    from .sdnotify import Notifier, watchdog_loop
+    from .server import create_server
+    from .store import LocalStore
+
+    notifier = Notifier.from_env(os.environ)
+    metrics = Metrics()
+    store = LocalStore(config.local_dir, config.node_id, capacity=config.local_capacity,
+                       keep_local=config.keep_local, fsync=config.fsync, max_shard_bytes=config.max_shard_bytes)
+    await asyncio.to_thread(store.open)
+    tiers = build_tiers(config, store, metrics)
+    node = Node(store, tiers, node_id=config.node_id, staging_timeout=config.staging_timeout, metrics=metrics)
+    for t in tiers:
+        if hasattr(t, "attach"):
+            t.attach(node)
+    await node.start()
+
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+
+    def add_extra(server):
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        for t in tiers:
+            if hasattr(t, "add_to_server"):
+                t.add_to_server(server)
+
+    creds = None
+    if config.tls_enabled:
+        from .tls import server_credentials
+
+        creds = server_credentials(config)
+    listening = await create_server(config, node, add_extra, creds)
+    metrics_port = None
+    if config.metrics_port:
+        metrics_port = metrics.start_http_server(config.metrics_host, config.metrics_port)
+    for svc in ("", "tierckpt.v1.Tierckpt"):
+        await _maybe_await(health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING))
+    info = {"node_id": config.node_id, "tcp_port": listening.tcp_port, "socket": listening.socket_path,
+            "metrics_port": metrics_port, "pid": os.getpid(), "local_dir": str(store.root)}
+    log.info("tierckptd %s ready: %s", config.node_id, json.dumps(info))
+    out = ready_out or sys.stdout
+    out.write("READY " + json.dumps(info) + "\n")
+    out.flush()
+    notifier.ready()
+
+    def status_text() -> str:
+        u = store.usage()
+        return f"{u.used}/{u.capacity} bytes used, {store.open_saves()} saves open"
+
+    wd = asyncio.create_task(watchdog_loop(notifier, status_text))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    log.info("shutdown: stop accepting saves")
+    notifier.stopping()
+    for svc in ("", "tierckpt.v1.Tierckpt"):
+        await _maybe_await(health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING))
+    await node.stop(config.shutdown_timeout)
+    log.info("shutdown: in-flight work finished; stopping gRPC server")
+    await listening.server.stop(grace=min(5.0, config.shutdown_timeout))
+    wd.cancel()
+    metrics.stop()
+    if listening.socket_path:
+        try:
+            os.unlink(listening.socket_path)
+        except OSError:
+            pass
+    log.info("shutdown complete")
+    return 0
+
+
+async def _maybe_await(x):
+    if asyncio.iscoroutine(x):
+        await x
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_args(argv)
+    except ConfigError as e:
+        print(f"tierckptd: config error: {e}", file=sys.stderr)
+        return 2
+    from .logs import setup_logging
+
+    setup_logging(config.log_level, config.log_format)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # uvloop is a [daemon] extra; asyncio's loop works, slower
+        runner = asyncio.run
+    try:
+        return runner(serve(config))
+    except ConfigError as e:
+        print(f"tierckptd: config error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"tierckptd: cannot start: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

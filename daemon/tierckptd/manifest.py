@@ -1,0 +1,118 @@
+"""The per-rank manifest: the commit marker of every tier.
+
+A manifest lists one rank's shards of one step (name, size, checksum, dtype/shape, data file),
+the world size, the owning node and user metadata. It is written last, by rename (local and peer
+tiers) or uploaded after every shard (persistent tier); readers ignore data without one.
+Manifests also arrive from peers and the object store, so parsing validates every field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tierckpt import _checksum
+from tierckpt._names import check_job, check_node, check_rank, check_shard, check_size, check_step
+from tierckpt.errors import DataLossError, InvalidArgumentError
+
+__all__ = ["FORMAT", "ShardEntry", "Manifest", "MANIFEST_NAME"]
+
+FORMAT = 1
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    name: str
+    size: int
+    checksum: str
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    file: str = ""  # data file name inside the rank directory (local/peer tiers)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    node: str  # node that owns (saved) this rank
+    generation: str  # id of the save that produced it; distinguishes re-saves of one step
+    shards: tuple[ShardEntry, ...]
+    metadata_json: str = "{}"
+    created: float = field(default_factory=time.time)
+    persist: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.job, self.step, self.rank)
+
+    def shard(self, name: str) -> ShardEntry:
+        for s in self.shards:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def to_json(self) -> bytes:
+        doc: dict[str, Any] = asdict(self)
+        doc["format"] = FORMAT
+        doc["checksum_algorithm"] = _checksum.ALGORITHM
+        doc["shards"] = [dict(asdict(s), shape=list(s.shape)) for s in self.shards]
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "Manifest":
+        """Parse and validate a manifest. Raises DataLossError if it is malformed."""
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != FORMAT or doc.get("checksum_algorithm") != _checksum.ALGORITHM:
+                raise ValueError("unsupported manifest format or checksum algorithm")
+            shards = []
+            for s in doc["shards"]:
+                shards.append(
+                    ShardEntry(
+                        name=check_shard(s["name"], "manifest.shards.name"),
+                        size=check_size(s["size"], "manifest.shards.size"),
+                        checksum=_check_hex(s["checksum"]),
+                        dtype=str(s.get("dtype", "")),
+                        shape=tuple(check_size(int(d), "manifest.shards.shape") for d in s.get("shape", ())),
+                        file=_check_file(s.get("file", "")),
+                    )
+                )
+            rank, world = check_rank(doc["rank"], doc["world_size"])
+            meta = doc.get("metadata_json", "{}")
+            if not isinstance(meta, str):
+                raise ValueError("metadata_json must be a string")
+            return cls(
+                job=check_job(doc["job"], "manifest.job"),
+                step=check_step(doc["step"], "manifest.step"),
+                rank=rank,
+                world_size=world,
+                node=check_node(doc["node"], "manifest.node"),
+                generation=str(doc["generation"]),
+                shards=tuple(shards),
+                metadata_json=meta,
+                created=float(doc.get("created", 0.0)),
+                persist=bool(doc.get("persist", False)),
+            )
+        except (ValueError, KeyError, TypeError, InvalidArgumentError) as e:
+            raise DataLossError(f"malformed manifest: {e}") from e
+
+
+def _check_hex(value: Any) -> str:
+    if not isinstance(value, str) or len(value) != 16 or any(c not in "0123456789abcdef" for c in value):
+        raise ValueError(f"checksum {value!r} is not 16 lowercase hex digits")
+    return value
+
+
+def _check_file(value: Any) -> str:
+    if value == "":
+        return value
+    return check_shard(value, "manifest.shards.file")

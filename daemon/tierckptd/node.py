@@ -1,0 +1,323 @@
+"""The node: domain logic behind the gRPC servicer.
+
+It owns the local store and the remote tiers (peer, persistent), runs saves through the commit
+protocol, answers catalog questions over all tiers and restores from the nearest tier. The
+servicer only validates and translates; everything here raises tierckpt exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tierckpt._names import check_job, check_step
+from tierckpt.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    TierckptError,
+    UnavailableError,
+)
+
+from .manifest import Manifest
+from .store import Eviction, LocalStore, Staging
+from .tiers import RankCopy, RemoteTier
+
+__all__ = ["Node", "StepView", "RestoreResult"]
+
+log = logging.getLogger(__name__)
+
+TIERS = ("local", "peer", "persistent")
+
+
+@dataclass
+class RankView:
+    rank: int
+    tiers: set[str] = field(default_factory=set)
+    nodes: set[str] = field(default_factory=set)
+    nbytes: int = 0
+
+
+@dataclass
+class StepView:
+    step: int
+    world_size: int
+    ranks: dict[int, RankView] = field(default_factory=dict)
+    created: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ranks) == self.world_size
+
+    def complete_in(self) -> list[str]:
+        return [t for t in TIERS if self.ranks and len(self.ranks) == self.world_size
+                and all(t in r.tiers for r in self.ranks.values())]
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    manifest: Manifest
+    tier: str
+    paths: list[str]
+    source_node: str
+
+
+class Node:
+    """Args:
+        store: the opened local store.
+        tiers: remote tiers in restore order (peer before persistent).
+        metrics: optional :class:`tierckptd.metrics.Metrics`.
+    """
+
+    def __init__(self, store: LocalStore, tiers: Sequence[RemoteTier] = (), *, node_id: str,
+                 staging_timeout: float = 600.0, metrics=None) -> None:
+        self.store = store
+        self.tiers = list(tiers)
+        self.node_id = node_id
+        self.staging_timeout = staging_timeout
+        self.metrics = metrics
+        self.accepting = True
+        self.started = time.time()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._reaper: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        store.on_evict.append(self._evicted)
+
+    def tier(self, name: str) -> RemoteTier | None:
+        return next((t for t in self.tiers if t.name == name), None)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for t in self.tiers:
+            await t.start()
+        self._reaper = asyncio.create_task(self._reap_staging())
+        self._update_gauges()
+
+    async def stop(self, timeout: float) -> None:
+        """Stop accepting saves, wait for in-flight commits, then stop the tiers."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("shutdown: %d saves still in flight after %.0fs", self._inflight, timeout)
+        for t in self.tiers:
+            await t.stop(max(0.0, deadline - time.monotonic()))
+        if self._reaper:
+            self._reaper.cancel()
+
+    # ------------------------------------------------------------------------- saving
+
+    def _enter(self) -> None:
+        if not self.accepting:
+            raise FailedPreconditionError("daemon is shutting down; not accepting new saves")
+        self._inflight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    async def begin_save(self, job: str, step: int, rank: int, world_size: int,
+                         specs: Sequence[tuple[str, int, str, Sequence[int]]], stream: bool) -> Staging:
+        self._enter()
+        try:
+            st = await asyncio.to_thread(self.store.begin, job, step, rank, world_size, specs, stream=stream)
+        finally:
+            self._leave()
+        self._update_gauges()
+        return st
+
+    async def commit_save(self, save_id: str, digests: dict[str, str], metadata_json: str,
+                          persist: bool) -> tuple[Manifest, float]:
+        self._enter()
+        t0 = time.perf_counter()
+        try:
+            st = self.store.get_staging(save_id)
+            man, _ = await asyncio.to_thread(self.store.commit, save_id, digests, metadata_json, persist=persist)
+        except TierckptError:
+            if self.metrics:
+                self.metrics.saves.labels(tier="local", result="error").inc()
+            raise
+        finally:
+            self._leave()
+        elapsed = time.perf_counter() - t0
+        if self.metrics:
+            self.metrics.saves.labels(tier="local", result="ok").inc()
+            self.metrics.saved_bytes.labels(tier="local").inc(man.nbytes)
+            self.metrics.commit_latency.observe(elapsed)
+            self.metrics.save_latency.observe(max(0.0, time.time() - st.begun_wall))
+        self._update_gauges()
+        self._committed(man, ingested=False)
+        return man, elapsed
+
+    def _committed(self, man: Manifest, *, ingested: bool) -> None:
+        for t in self.tiers:
+            t.on_commit(man, ingested=ingested)
+
+    def notify_ingested(self, man: Manifest) -> None:
+        """Called by a tier that committed a copy into the local store (replica, download)."""
+        self._update_gauges()
+        self._committed(man, ingested=True)
+
+    def _evicted(self, ev: Eviction) -> None:
+        if self.metrics:
+            self.metrics.evictions.labels(reason=ev.reason).inc()
+        loop = self._loop
+        for t in self.tiers:
+            if loop is not None and loop.is_running():
+                try:
+                    running = asyncio.get_running_loop()
+                except RuntimeError:
+                    running = None
+                if running is loop:
+                    t.on_evict(ev)
+                else:
+                    loop.call_soon_threadsafe(t.on_evict, ev)
+
+    async def abort_save(self, save_id: str) -> None:
+        await asyncio.to_thread(self.store.abort, save_id)
+        self._update_gauges()
+
+    async def wait_tier(self, job: str, step: int, rank: int, tier: str, timeout: float | None) -> list[str]:
+        check_job(job)
+        check_step(step)
+        if tier == "local":
+            if self.store.get(job, step, rank) is None:
+                raise NotFoundError(f"{job} step {step} rank {rank} is not committed on node {self.node_id}")
+            return [self.node_id]
+        t = self.tier(tier)
+        if t is None:
+            raise FailedPreconditionError(f"tier: the {tier} tier is not configured on node {self.node_id}")
+        if self.store.get(job, step, rank) is None and tier == "peer":
+            raise NotFoundError(f"{job} step {step} rank {rank} is not committed on node {self.node_id}")
+        try:
+            return await asyncio.wait_for(t.wait(job, step, rank, timeout), timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(
+                f"{job} step {step} rank {rank} did not reach the {tier} tier within {timeout}s"
+            ) from None
+
+    # ------------------------------------------------------------------------- catalog
+
+    async def views(self, job: str) -> dict[int, StepView]:
+        """Every step of ``job`` known to any tier, with where each rank is held."""
+        check_job(job)
+        views: dict[int, StepView] = {}
+
+        def add(step: int, rank: int, world: int, tier: str, nodes: Sequence[str], nbytes: int, created: float):
+            v = views.get(step)
+            if v is None:
+                v = views[step] = StepView(step, world, created=created)
+            if world != v.world_size:
+                log.warning("%s step %d: rank %d has world_size %d, others %d", job, step, rank, world, v.world_size)
+                return
+            r = v.ranks.setdefault(rank, RankView(rank))
+            r.tiers.add(tier)
+            r.nodes.update(nodes)
+            r.nbytes = max(r.nbytes, nbytes)
+            v.created = min(v.created, created) if v.created else created
+
+        for step, ranks in self.store.steps(job).items():
+            for rank, man in ranks.items():
+                add(step, rank, man.world_size, "local", [self.node_id], man.nbytes, man.created)
+        results = await asyncio.gather(*(t.catalog(job) for t in self.tiers), return_exceptions=True)
+        for t, res in zip(self.tiers, results):
+            if isinstance(res, BaseException):
+                log.warning("catalog of the %s tier unavailable for %s: %s", t.name, job, res)
+                continue
+            for step, ranks in res.items():
+                for rank, copy in ranks.items():
+                    add(step, rank, copy.world_size, t.name, copy.nodes, copy.nbytes, copy.created)
+        return views
+
+    async def latest(self, job: str) -> int | None:
+        views = await self.views(job)
+        complete = [s for s, v in views.items() if v.complete]
+        return max(complete) if complete else None
+
+    # ------------------------------------------------------------------------- restore
+
+    async def restore(self, job: str, rank: int, step: int | None, *, local_corrupt: bool = False) -> RestoreResult:
+        check_job(job)
+        t0 = time.perf_counter()
+        if step is None:
+            step = await self.latest(job)
+            if step is None:
+                raise NotFoundError(f"job {job!r} has no complete checkpoint in any tier")
+        check_step(step)
+        man = self.store.get(job, step, rank)
+        if man is not None and local_corrupt:
+            log.error("client reported a corrupt local copy of %s step %d rank %d; dropping it", job, step, rank)
+            if self.metrics:
+                self.metrics.checksum_failures.labels(tier="local").inc()
+            await asyncio.to_thread(self.store.remove_rank, job, step, rank, "checksum failure")
+            man = None
+        tier, source = "local", self.node_id
+        if man is None:
+            errors: list[str] = []
+            for t in self.tiers:
+                try:
+                    man = await t.fetch(job, step, rank)
+                except NotFoundError:
+                    continue
+                except (DataLossError, UnavailableError) as e:
+                    errors.append(f"{t.name}: {e}")
+                    continue
+                tier, source = t.name, man.node
+                break
+            if man is None:
+                if errors:
+                    raise DataLossError(f"{job} step {step} rank {rank}: every copy failed: " + "; ".join(errors))
+                raise NotFoundError(f"{job} step {step} rank {rank} is not held by any tier")
+        if rank >= man.world_size:
+            raise InvalidArgumentError(f"rank: {rank} is outside world_size {man.world_size}")
+        paths = [str(p) for p in self.store.lend(man)]
+        if self.metrics:
+            self.metrics.restores.labels(tier=tier, result="ok").inc()
+            self.metrics.restored_bytes.labels(tier=tier).inc(man.nbytes)
+            self.metrics.restore_latency.labels(tier=tier).observe(time.perf_counter() - t0)
+        return RestoreResult(man, tier, paths, source)
+
+    # ------------------------------------------------------------------------- housekeeping
+
+    async def _reap_staging(self) -> None:
+        interval = max(0.05, min(10.0, self.staging_timeout / 4))
+        while True:
+            await asyncio.sleep(interval)
+            n = await asyncio.to_thread(self.store.reclaim_expired, self.staging_timeout)
+            if n:
+                if self.metrics:
+                    self.metrics.staging_reclaimed.inc(n)
+                self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        if not self.metrics:
+            return
+        u = self.store.usage()
+        self.metrics.local_capacity_bytes.set(u.capacity)
+        self.metrics.local_used_bytes.set(u.used)
+        self.metrics.local_free_bytes.set(u.free)
+
+    def status(self) -> dict:
+        u = self.store.usage()
+        jobs = []
+        for job in self.store.jobs():
+            steps = self.store.steps(job)
+            complete = self.store.complete_steps(job)
+            jobs.append({
+                "job": job, "steps": len(steps), "latest": complete[-1] if complete else None,
+                "bytes": sum(m.nbytes for r in steps.values() for m in r.values()),
+            })
+        out = {"node_id": self.node_id, "usage": u, "jobs": jobs, "uptime": time.time() - self.started}
+        for t in self.tiers:
+            out[t.name] = t.status()
+        return out

@@ -1,0 +1,77 @@
+"""The plug-in point for background tiers (peer replication, persistent drain).
+
+A :class:`RemoteTier` is driven by the :class:`~tierckptd.node.Node`. Call order:
+
+1. ``start()`` once, after the local store is open.
+2. ``on_commit(manifest)`` after every local commit (including copies ingested from other
+   tiers, flagged by ``ingested=True``); it must not block: schedule background work and return.
+   ``on_evict(eviction)`` after local retention or capacity evicted a step.
+3. Concurrently: ``catalog(job)`` (what this tier holds), ``fetch(job, step, rank)`` (bring a
+   rank into the local store, verifying checksums), ``wait(job, step, rank, timeout)`` (until a
+   committed rank reached this tier), ``status()``.
+4. ``stop(timeout)`` once, on shutdown: finish or persist in-flight work within the timeout.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from .manifest import Manifest
+from .store import Eviction
+
+__all__ = ["RemoteTier", "RankCopy"]
+
+
+@dataclass(frozen=True)
+class RankCopy:
+    """Where one committed rank of a step is held in a tier."""
+
+    world_size: int
+    nodes: tuple[str, ...] = ()  # node ids (peer tier) or empty (persistent)
+    nbytes: int = 0
+    created: float = 0.0
+
+
+class RemoteTier(abc.ABC):
+    """A tier beyond the local one. ``name`` is "peer" or "persistent"."""
+
+    name: str = ""
+
+    async def start(self) -> None:
+        """Begin background work (connect, resume queues)."""
+
+    def on_commit(self, manifest: Manifest, *, ingested: bool) -> None:
+        """A rank was committed locally. Non-blocking."""
+
+    def on_evict(self, eviction: Eviction) -> None:
+        """Local retention or capacity evicted a step. Non-blocking."""
+
+    @abc.abstractmethod
+    async def catalog(self, job: str) -> dict[int, dict[int, RankCopy]]:
+        """step -> rank -> copy for the committed ranks this tier holds for ``job``."""
+
+    @abc.abstractmethod
+    async def fetch(self, job: str, step: int, rank: int) -> Manifest:
+        """Copy one rank into the local store (verified) and return its local manifest.
+
+        Raises:
+            NotFoundError: no copy exists in this tier.
+            DataLossError / UnavailableError: every copy failed (each failure logged and counted).
+        """
+
+    @abc.abstractmethod
+    async def wait(self, job: str, step: int, rank: int, timeout: float | None) -> list[str]:
+        """Wait until the rank is committed in this tier; returns the nodes/locations holding it.
+
+        Raises:
+            TierError: it failed after retries (the message names what failed).
+            DeadlineExceededError: not done within ``timeout``.
+        """
+
+    def status(self) -> dict:
+        """Figures for the Status RPC and metrics."""
+        return {}
+
+    async def stop(self, timeout: float) -> None:
+        """Finish or persist in-flight work within ``timeout`` seconds."""
