@@ -8,7 +8,7 @@ from .errors import InvalidArgumentError
 
 JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SHARD_RE = re.compile(r"[A-Za-z0-9._-]{1,255}")
-NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # Kubernetes node names are DNS names (<= 253)
 MAX_STEP = 2**64 - 1
 MAX_WORLD_SIZE = 1 << 20
 # A single shard above 1 TiB is refused as absurd; the daemon's --max-shard-bytes narrows it further.
@@ -35,7 +35,7 @@ def check_shard(name: object, field: str = "shard") -> str:
 
 def check_node(node: object, field: str = "node_id") -> str:
     if not isinstance(node, str) or not NODE_RE.fullmatch(node) or ".." in node:
-        raise InvalidArgumentError(f"{field}: {node!r} is not a valid node id (pattern [A-Za-z0-9][A-Za-z0-9._-]{{0,63}})")
+        raise InvalidArgumentError(f"{field}: {node!r} is not a valid node id (pattern [A-Za-z0-9][A-Za-z0-9._-]{{0,252}})")
     return node
 
 

@@ -250,13 +250,31 @@ def load_config(file_values: Mapping[str, Any] | None = None, overrides: Mapping
     return _validate(DaemonConfig(**values))
 
 
+def field_docs() -> dict[str, str]:
+    """The documentation string under each DaemonConfig field (used for --help and the README)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(DaemonConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name) and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierckptd", description="tierckpt per-node checkpoint daemon")
+    p = argparse.ArgumentParser(prog="tierckptd", description="tierckpt per-node checkpoint daemon. "
+                                "Flags override the --config file; TOML keys are the flag names with _ for -.")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file; keys are the flag names with _ for -")
+    docs = field_docs()
     for name, f in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
-        doc = (f.metadata or {}).get("doc", "")
-        p.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=doc or argparse.SUPPRESS if False else None)
+        default = ",".join(f"{x.node_id}={x.address}" for x in f.default) if name == "peers" else f.default
+        help_text = f"{docs.get(name, '')} (default: {default!r})".replace("%", "%%")
+        p.add_argument(flag, dest=name, default=None, metavar=name.split("_")[-1].upper(), help=help_text)
     return p
 
 
