@@ -53,7 +53,7 @@ def as_buffer(name: str, obj: Any) -> ShardBuffer:
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
             raise InvalidArgumentError(f"shards[{name}]: numpy object arrays cannot be saved (dtype {obj.dtype})")
-        arr = np.ascontiguousarray(obj)
+        arr = obj if obj.flags.c_contiguous else obj.copy(order="C")  # ascontiguousarray makes 0-d 1-d
         return ShardBuffer(name, memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b""),
                            arr.dtype.str, tuple(arr.shape))
     if isinstance(obj, (bytes, bytearray, memoryview)):

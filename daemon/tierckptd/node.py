@@ -255,7 +255,9 @@ class Node:
                 raise NotFoundError(f"job {job!r} has no complete checkpoint in any tier")
         check_step(step)
         man = self.store.get(job, step, rank)
+        errors: list[str] = []
         if man is not None and local_corrupt:
+            errors.append("local: checksum mismatch found by the client")
             log.error("client reported a corrupt local copy of %s step %d rank %d; dropping it", job, step, rank)
             if self.metrics:
                 self.metrics.checksum_failures.labels(tier="local").inc()
@@ -263,7 +265,6 @@ class Node:
             man = None
         tier, source = "local", self.node_id
         if man is None:
-            errors: list[str] = []
             for t in self.tiers:
                 try:
                     man = await t.fetch(job, step, rank)

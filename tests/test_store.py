@@ -1,0 +1,112 @@
+"""Unit tests of the local store (no daemon): recycling, pins, capacity, start-up recovery."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tierckpt import _checksum
+from tierckpt.errors import CapacityError, DataLossError, InvalidArgumentError
+from tierckptd.store import LocalStore
+
+
+def _save(store: LocalStore, job: str, step: int, data: dict[str, bytes], rank: int = 0, world: int = 1, **kw):
+    st = store.begin(job, step, rank, world, [(n, len(b), "", ()) for n, b in data.items()])
+    for n, b in data.items():
+        with open(st.files[n].path, "r+b") as fh:
+            fh.write(b)
+    man, ev = store.commit(st.save_id, {n: _checksum.digest(b) for n, b in data.items()}, **kw)
+    return st, man, ev
+
+
+@pytest.fixture
+def store(scratch):
+    s = LocalStore(scratch / "data", "n0", capacity=10_000, keep_local=1)
+    s.open()
+    return s
+
+
+def test_evicted_files_are_recycled_for_same_size_shards(store):
+    st1, _, _ = _save(store, "j", 1, {"a": b"1" * 100})
+    inode = os.stat(store.shard_path(store.get("j", 1, 0), "a")).st_ino
+    _save(store, "j", 2, {"a": b"2" * 100})  # keep_local=1 evicts step 1 into the recycle pool
+    assert store.get("j", 1, 0) is None and store.usage().recycle == 100
+    st3 = store.begin("j", 3, 0, 1, [("a", 100, "", ())])
+    assert st3.files["a"].recycled and os.stat(st3.files["a"].path).st_ino == inode
+    assert store.usage().recycle == 0
+    assert not st1.files["a"].recycled
+
+
+def test_lent_files_are_never_recycled(store):
+    _save(store, "j", 1, {"a": b"1" * 100})
+    store.lend(store.get("j", 1, 0))  # a reader maps it
+    _save(store, "j", 2, {"a": b"2" * 100})
+    assert store.usage().recycle == 0
+    assert not store.begin("j", 3, 0, 1, [("a", 100, "", ())]).files["a"].recycled
+
+
+def test_pinned_step_survives_retention_until_unpinned(store):
+    _save(store, "j", 1, {"a": b"x"})
+    store.pin("j", 1, "drain")
+    _save(store, "j", 2, {"a": b"y"})
+    assert store.get("j", 1, 0) is not None
+    store.unpin("j", 1, "drain")
+    assert store.get("j", 1, 0) is None
+
+
+def test_capacity_evicts_undrained_only_when_forced(scratch):
+    s = LocalStore(scratch / "d2", "n0", capacity=1000, keep_local=5)
+    s.open()
+    _save(s, "j", 1, {"a": b"1" * 400})
+    _save(s, "j", 2, {"a": b"2" * 400})
+    s.pin("j", 1, "drain")
+    evicted = []
+    s.on_evict.append(evicted.append)
+    s.begin("j", 3, 0, 1, [("a", 500, "", ())])
+    assert s.get("j", 1, 0) is None and s.counters["evictions_capacity_undrained"] == 1
+    with pytest.raises(CapacityError):
+        s.begin("j", 4, 0, 1, [("a", 500, "", ())])  # step 2 is the newest complete: kept
+    assert s.get("j", 2, 0) is not None
+
+
+def test_verify_rejects_bad_checksum_and_keeps_old_commit(store):
+    _save(store, "j", 1, {"a": b"good"})
+    st = store.begin("j", 1, 0, 1, [("a", 4, "", ())])
+    with open(st.files["a"].path, "r+b") as fh:
+        fh.write(b"evil")
+    with pytest.raises(DataLossError):
+        store.commit(st.save_id, {"a": _checksum.digest(b"good")}, verify=True)
+    man = store.get("j", 1, 0)
+    assert open(store.shard_path(man, "a"), "rb").read() == b"good"
+    assert not any((store.root / "staging").iterdir())
+
+
+def test_reopen_rebuilds_catalog_and_drops_uncommitted(scratch, store):
+    _save(store, "j", 1, {"a": b"one", "b": b"two"}, metadata_json='{"k": 1}')
+    rank_dir = store.shard_path(store.get("j", 1, 0), "a").parent
+    (rank_dir / "a.interrupted-resave").write_bytes(b"junk")
+    orphan = store.root / "jobs" / "j" / f"{5:020d}" / "rank-0000000"
+    orphan.mkdir(parents=True)
+    (orphan / "a.x").write_bytes(b"no manifest")
+    st = store.begin("j", 9, 0, 1, [("a", 3, "", ())])
+    again = LocalStore(store.root, "n0", capacity=10_000, keep_local=1)
+    again.open()
+    man = again.get("j", 1, 0)
+    assert man is not None and man.metadata_json == '{"k": 1}' and again.usage().committed == 6
+    assert not orphan.exists() and not (rank_dir / "a.interrupted-resave").exists()
+    assert not st.dir.exists()
+
+
+def test_write_chunk_bounds(store):
+    st = store.begin("j", 1, 0, 1, [("a", 4, "", ())], stream=True)
+    fds: dict = {}
+    with pytest.raises(InvalidArgumentError, match="offset"):
+        store.write_chunk(st.save_id, "a", 2, b"abc", fds)
+    with pytest.raises(InvalidArgumentError, match="shard"):
+        store.write_chunk(st.save_id, "zz", 0, b"a", fds)
+    store.write_chunk(st.save_id, "a", 0, b"ab", fds)
+    with pytest.raises(InvalidArgumentError, match="fewer bytes"):
+        store.commit(st.save_id, {"a": _checksum.digest(b"ab\0\0")})
+    for fd in fds.values():
+        os.close(fd)
