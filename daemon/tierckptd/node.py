@@ -304,9 +304,7 @@ class Node:
         if not self.metrics:
             return
         u = self.store.usage()
-        self.metrics.local_capacity_bytes.set(u.capacity)
-        self.metrics.local_used_bytes.set(u.used)
-        self.metrics.local_free_bytes.set(u.free)
+        self.metrics.set_local_usage(u.capacity, u.used)
 
     def status(self) -> dict:
         u = self.store.usage()
