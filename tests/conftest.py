@@ -4,7 +4,7 @@ import pytest
 
 from .harness import Daemon, scratch_dir
 
-pytest_plugins = []
+pytest_plugins = ["tests.servers"]
 
 
 @pytest.fixture
