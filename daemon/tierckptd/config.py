@@ -74,7 +74,7 @@ class DaemonConfig:
     persistent: str = ""
     """Object store URL: file:///dir, s3://bucket/prefix or gs://bucket/prefix (empty: no persistent tier)."""
     persist_every: int = 0
-    """Drain every Nth saved step of a job to the persistent tier (0 = only saves with persist=True)."""
+    """Drain to the persistent tier every step whose number is a multiple of N, and every save with persist=True (0 = only those)."""
     keep_persistent: int = 0
     """Newest steps per job kept in the persistent tier (0 = keep all)."""
     metrics_port: int = 0

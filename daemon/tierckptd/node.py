@@ -169,19 +169,12 @@ class Node:
         self._committed(man, ingested=True)
 
     def _evicted(self, ev: Eviction) -> None:
+        """Store callback (any thread): count it and forward it to the tiers on the event loop."""
         if self.metrics:
             self.metrics.evictions.labels(reason=ev.reason).inc()
-        loop = self._loop
-        for t in self.tiers:
-            if loop is not None and loop.is_running():
-                try:
-                    running = asyncio.get_running_loop()
-                except RuntimeError:
-                    running = None
-                if running is loop:
-                    t.on_evict(ev)
-                else:
-                    loop.call_soon_threadsafe(t.on_evict, ev)
+        if self._loop is not None and not self._loop.is_closed():
+            for t in self.tiers:
+                self._loop.call_soon_threadsafe(t.on_evict, ev)
 
     async def abort_save(self, save_id: str) -> None:
         await asyncio.to_thread(self.store.abort, save_id)
