@@ -322,3 +322,15 @@ def test_cli(daemon, tmp_path):
     assert run("latest", "../bad")[0] == 2
     assert run("restore", "job", "--rank", "-1", "--out", str(tmp_path / "p"))[0] == 2
     assert cli.main(["--address", "unix:///nonexistent.sock", "--timeout", "2", "status"]) == 3
+
+
+def test_writing_into_restored_tensor_never_changes_the_checkpoint(daemon):
+    import torch
+
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    with daemon.client() as c:
+        c.save("job", 1, 0, 1, {"t": t}).result(30)
+        view = c.restore("job", 0).tensor("t")
+        view.add_(1)  # copy-on-write pages: no crash, and the stored file is untouched
+        assert float(view[0]) == 1.0
+        assert torch.equal(c.restore("job", 0).tensor("t"), t)

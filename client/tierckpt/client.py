@@ -440,8 +440,11 @@ class Client:
         else:
             fd = os.open(s.path, os.O_RDONLY)
             try:
-                buf = mmap.mmap(fd, s.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                prot=mmap.PROT_READ)
+                # Private (copy-on-write) map: reads share the page cache with the stored file;
+                # a caller that writes into a tensor made from it gets private pages instead of a
+                # crash, and the stored copy never changes. (No MAP_POPULATE: on a private
+                # writable map it would copy every page.)
+                buf = mmap.mmap(fd, s.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
         if self.verify:

@@ -292,3 +292,13 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
             raise ConfigError(f"config: {args.config} is not valid TOML: {e}") from None
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     return load_config(file_values, overrides)
+
+
+def options_markdown() -> str:
+    """The README's configuration table (``python -c 'from tierckptd.config import *; print(options_markdown())'``)."""
+    docs = field_docs()
+    rows = []
+    for f in dataclasses.fields(DaemonConfig):
+        default = {"peers": "", "socket_mode": "0660"}.get(f.name, f.default)
+        rows.append(f"| `--{f.name.replace('_', '-')}` | `{f.name}` | `{default}` | {docs.get(f.name, '')} |")
+    return "\n".join(rows)
