@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.harness import Daemon, scratch_dir  # noqa: E402
+from tierckptd.testing import Daemon, scratch_dir  # noqa: E402
 
 
 def median_time(fn, runs: int, warmup: int = 1, setup=None) -> float:

@@ -1,0 +1,134 @@
+"""Run real tierckptd daemons as subprocesses: for integration tests, the demo, benchmarks and
+users' own tests of code that checkpoints through tierckpt.
+
+Each daemon gets its own local dir on tmpfs (/dev/shm), a short Unix socket path and a TCP port.
+Ports are either chosen by the daemon (port 0, read back from its READY line) or reserved up
+front with :func:`free_port` when peers must know them before start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["Daemon", "free_port", "scratch_dir"]
+
+_BIN_DIR = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scratch_dir(prefix: str = "tck-") -> Path:
+    """A fresh directory on tmpfs when available (short path: Unix sockets allow ~107 bytes)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+class Daemon:
+    """One tierckptd process. ``args`` are extra flags; the dir holds data/ and d.sock."""
+
+    def __init__(self, root: Path, node_id: str = "node0", *, port: int = 0, args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, log_name: str | None = None) -> None:
+        self.root = Path(root)
+        self.node_id = node_id
+        self.port = port
+        self.args = tuple(args)
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.info: dict = {}
+        self.log_path = self.root / (log_name or f"{node_id}.log")
+
+    @property
+    def local_dir(self) -> Path:
+        return self.root / f"{self.node_id}-data"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / f"{self.node_id}.sock"
+
+    @property
+    def address(self) -> str:
+        return f"unix://{self.socket}"
+
+    @property
+    def tcp_address(self) -> str:
+        return f"127.0.0.1:{self.info['tcp_port']}"
+
+    def command(self) -> list[str]:
+        return [str(_BIN_DIR / "tierckptd"), "--node-id", self.node_id, "--local-dir", str(self.local_dir),
+                "--socket", str(self.socket), "--listen", f"127.0.0.1:{self.port}", *self.args]
+
+    def start(self, timeout: float = 30.0) -> "Daemon":
+        self.root.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, **(self.env or {}))
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=log, env=env)
+        log.close()
+        line: list[bytes] = []
+
+        def read() -> None:
+            line.append(self.proc.stdout.readline())
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(timeout)
+        if not line or not line[0].startswith(b"READY "):
+            self.kill()
+            raise RuntimeError(f"tierckptd {self.node_id} did not start:\n{self.log_tail()}")
+        self.info = json.loads(line[0][6:])
+        if not self.port:
+            self.port = self.info["tcp_port"]
+        return self
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: nothing is flushed, nothing is cleaned up."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def restart(self) -> "Daemon":
+        self.kill()
+        return self.start()
+
+    def wipe(self) -> None:
+        """Lose the node's local tier (a replaced machine)."""
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+
+    def client(self, **kw):
+        import tierckpt
+
+        return tierckpt.Client(self.address, **kw)
