@@ -16,7 +16,6 @@ Usage: python bench/local_tier.py [--runs 5] [--arrays 16] [--mib 64]
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -77,7 +76,7 @@ def main() -> None:
             np.copyto(dst[k], v)
 
     results["memcpy (pre-faulted)"] = median_time(memcpy, args.runs)
-    del dst
+    dst = None  # free the 1 GiB
     raw_dir = work / "raw"
 
     def raw_write():
@@ -152,7 +151,7 @@ def main() -> None:
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(saved))
     target = {k: torch.empty_like(v) for k, v in tensors.items()}
     results["dcp.load"] = median_time(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(saved)), args.runs)
-    del target
+    target = None
     async_futs = []
     blocking = []
     for i in range(args.runs + 1):

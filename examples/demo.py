@@ -20,7 +20,6 @@ save blocking / commit times.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import subprocess

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from tierckpt._names import check_node

@@ -26,7 +26,7 @@ from tierckpt.errors import (
 
 from .manifest import Manifest
 from .store import Eviction, LocalStore, Staging
-from .tiers import RankCopy, RemoteTier
+from .tiers import RemoteTier
 
 __all__ = ["Node", "StepView", "RestoreResult"]
 

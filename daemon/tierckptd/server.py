@@ -8,7 +8,6 @@ import grpc
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 

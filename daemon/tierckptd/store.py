@@ -51,7 +51,6 @@ from tierckpt.errors import (
     CapacityError,
     DataLossError,
     InvalidArgumentError,
-    NotFoundError,
 )
 
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry

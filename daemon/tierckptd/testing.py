@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 __all__ = ["Daemon", "free_port", "scratch_dir"]

@@ -15,7 +15,7 @@ A :class:`RemoteTier` is driven by the :class:`~tierckptd.node.Node`. Call order
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .manifest import Manifest
 from .store import Eviction
