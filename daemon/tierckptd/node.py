@@ -142,7 +142,9 @@ class Node:
         t0 = time.perf_counter()
         try:
             st = self.store.get_staging(save_id)
-            man, _ = await asyncio.to_thread(self.store.commit, save_id, digests, metadata_json, persist=persist)
+            pin = next((r for r in (t.commit_pin(st.job, st.step, persist) for t in self.tiers) if r), None)
+            man, _ = await asyncio.to_thread(self.store.commit, save_id, digests, metadata_json, persist=persist,
+                                             pin=pin)
         except TierckptError:
             if self.metrics:
                 self.metrics.saves.labels(tier="local", result="error").inc()

@@ -373,6 +373,7 @@ class LocalStore:
         node: str | None = None,
         generation: str | None = None,
         created: float | None = None,
+        pin: str | None = None,
     ) -> tuple[Manifest, list[Eviction]]:
         """Publish an open save: move its files into place and write the manifest last.
 
@@ -381,6 +382,8 @@ class LocalStore:
             verify: hash the staged bytes here and compare (stream transfers, peer receive,
                 object-store download). A mismatch aborts the save and raises DataLossError.
             node, generation, created: kept from the source manifest when ingesting a copy.
+            pin: pin the step with this reason in the same critical section as the commit, so
+                retention cannot evict it before a background tier has taken it (see :meth:`pin`).
 
         Returns:
             The manifest and the evictions that retention made afterwards.
@@ -457,6 +460,8 @@ class LocalStore:
             if old is not None:
                 self._committed_bytes -= old.nbytes
                 self._release_files_locked(rdir, old)
+            if pin:
+                self._pins.setdefault((st.job, st.step), set()).add(pin)
             evictions = self._retain_locked(st.job)
         self._notify(evictions)
         return man, evictions
@@ -557,7 +562,9 @@ class LocalStore:
 
     def _retain_locked(self, job: str) -> list[Eviction]:
         complete = self._complete_locked(job)
-        if len(complete) <= self.keep_local:
+        # Steps older than the keep_local-th newest complete one go, complete or not: with
+        # cluster-wide completeness, other nodes' retention may already have made them partial.
+        if len(complete) < self.keep_local:
             return []
         oldest_kept = complete[-self.keep_local]
         out = []

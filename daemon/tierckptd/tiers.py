@@ -3,7 +3,8 @@
 A :class:`RemoteTier` is driven by the :class:`~tierckptd.node.Node`. Call order:
 
 1. ``start()`` once, after the local store is open.
-2. ``on_commit(manifest)`` after every local commit (including copies ingested from other
+2. ``commit_pin(job, step, persist)`` just before a local save commits (a pin reason or None);
+   ``on_commit(manifest)`` after every local commit (including copies ingested from other
    tiers, flagged by ``ingested=True``); it must not block: schedule background work and return.
    ``on_evict(eviction)`` after local retention or capacity evicted a step.
 3. Concurrently: ``catalog(job)`` (what this tier holds), ``fetch(job, step, rank)`` (bring a
@@ -40,6 +41,11 @@ class RemoteTier(abc.ABC):
 
     async def start(self) -> None:
         """Begin background work (connect, resume queues)."""
+
+    def commit_pin(self, job: str, step: int, persist: bool) -> str | None:
+        """A pin reason if a save of (job, step) must be kept from retention until this tier has
+        taken it; the store pins it atomically with the commit. Called before ``on_commit``."""
+        return None
 
     def on_commit(self, manifest: Manifest, *, ingested: bool) -> None:
         """A rank was committed locally. Non-blocking."""

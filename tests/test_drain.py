@@ -1,0 +1,359 @@
+"""Persistent tier end to end: real daemons draining to file://, moto (s3://) and fake-gcs-server (gs://)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierckpt
+from tierckptd.backends import open_backend
+from tierckptd.drain import (
+    DrainQueue,
+    data_key,
+    manifest_key,
+    not_selected_reason,
+    parse_manifest_key,
+    plan_retention,
+    selected,
+)
+from tierckptd.manifest import Manifest, ShardEntry
+
+from .harness import free_port
+
+MiB = 1 << 20
+
+
+def _shards(step: int, rank: int, nbytes: int = 64 * 1024) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step * 1000 + rank)
+    return {"model": rng.integers(0, 255, nbytes, dtype=np.uint8),
+            "optim": rng.standard_normal((16, 8)).astype(np.float32)}
+
+
+def _metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def _until(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _backlog(d) -> int:
+    with d.client() as c:
+        return c.status().drain_backlog_steps
+
+
+def _persistent(url: str, *more: str) -> tuple[str, ...]:
+    return ("--persistent", url, *more)
+
+
+# --------------------------------------------------------------------------------- pure parts
+
+
+def test_selection_layout_and_retention_plan(tmp_path: Path) -> None:
+    man = Manifest("job", 30, 1, 4, "n0", "g1", (ShardEntry("model", 3, "0" * 16, file="model.abc"),))
+    assert selected(man, 10) and selected(man, 3) and not selected(man, 7) and not selected(man, 0)
+    assert selected(Manifest(**{**man.__dict__, "persist": True}), 0)
+    assert not_selected_reason(Manifest(**{**man.__dict__, "step": 7}), 10) == \
+        "job step 7 is not selected for the persistent tier: persist_every=10 and persist=False"
+    key = manifest_key("job", 30, 1, 4)
+    assert key == "job/manifests/00000000000000000030/rank-0000001-of-0000004.json"
+    assert parse_manifest_key("job", key) == (30, 1, 4)
+    assert parse_manifest_key("jo", key) is None and parse_manifest_key("job", "job/data/x") is None
+    assert data_key("job", 30, 1, man.shards[0]) == "job/data/00000000000000000030/rank-0000001/model.abc"
+    steps = {1: {0: 2, 1: 2}, 2: {0: 2}, 3: {0: 2, 1: 2}, 4: {0: 2, 1: 2}, 5: {0: 2}}
+    assert plan_retention(steps, 0) == []
+    assert plan_retention(steps, 2) == [1, 2]  # incomplete 2 is older than the kept complete 3
+    assert plan_retention(steps, 3) == []
+    assert plan_retention(steps, 1) == [1, 2, 3]
+    queue = DrainQueue(tmp_path / "q", fsync=False)
+    assert queue.load() == []
+    queue.put(man, 5.0)
+    (tmp_path / "q" / ".leftover.tmp").write_text("x")
+    (tmp_path / "q" / "bad.00000000000000000001.0000000.json").write_text("{")
+    assert [(d["job"], d["step"], d["rank"], d["generation"]) for d in queue.load()] == [("job", 30, 1, "g1")]
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == ["job.00000000000000000030.0000001.json"]
+    queue.remove("job", 30, 1)
+    assert queue.load() == []
+
+
+# --------------------------------------------------------------------------------- every backend
+
+
+def test_drain_then_restore_on_a_brand_new_cluster(daemon_factory, backend_target) -> None:
+    """Steps selected by persist_every or persist=True drain; a node with an empty local dir restores them."""
+    url = backend_target.url
+    mport = free_port()
+    a = daemon_factory("a", args=_persistent(url, "--persist-every", "2", "--metrics-port", str(mport)))
+    with a.client() as c:
+        futs = {(step, rank): c.save("job", step, rank, 2, _shards(step, rank), metadata={"step": step},
+                                     persist=step == 1)
+                for step in (1, 2, 3, 4) for rank in (0, 1)}
+        for f in futs.values():
+            f.result(30)
+        for step in (1, 2, 4):
+            for rank in (0, 1):
+                assert futs[step, rank].wait("persistent", timeout=60) == [url]
+        with pytest.raises(tierckpt.TierError, match="step 3 is not selected .*persist_every=2 and persist=False"):
+            futs[3, 0].wait("persistent", timeout=10)
+        st = c.status()
+        assert (st.drain_backlog_steps, st.drain_backlog_bytes, st.persistent_url) == (0, 0, url)
+        infos = {i.step: i for i in c.list("job")}
+        assert "persistent" in infos[4].tiers and "persistent" not in infos[3].tiers
+        assert infos[1].tiers == ("persistent",)  # beyond keep_local: evicted locally once drained
+    values = _metrics(mport)
+    assert values['tierckpt_saves_total{result="ok",tier="persistent"}'] == 6
+    assert values["tierckpt_drain_backlog_bytes"] == 0
+    nbytes = sum(sum(a.nbytes for a in _shards(s, r).values()) for s in (1, 2, 4) for r in (0, 1))
+    assert values['tierckpt_saved_bytes_total{tier="persistent"}'] == nbytes
+    assert values["tierckpt_drained_bytes_total"] == nbytes
+    a.kill()
+    assert list((a.local_dir / "drain-queue").iterdir()) == []
+
+    with open_backend(url) as be:  # the documented layout
+        assert be.list("job/manifests/") == [manifest_key("job", s, r, 2) for s in (1, 2, 4) for r in (0, 1)]
+        man = Manifest.from_json(be.get_bytes(manifest_key("job", 4, 1, 2)))
+        objects = set(be.list("job/data/00000000000000000004/rank-0000001/"))
+        assert {data_key("job", 4, 1, s) for s in man.shards} == objects
+
+    b = daemon_factory("b", args=_persistent(url))  # a brand-new node: empty local dir
+    with b.client() as c:
+        assert c.latest("job") == 4
+        for rank in (0, 1):
+            ck = c.restore("job", rank)
+            assert (ck.step, ck.tier, ck.metadata) == (4, "persistent", {"step": 4})
+            for name, arr in _shards(4, rank).items():
+                np.testing.assert_array_equal(ck.shards[name], arr)
+        assert c.restore("job", 0, step=1).tier == "persistent"
+        assert c.restore("job", 0).tier == "local"  # the download was committed into the local tier
+        with pytest.raises(tierckpt.NotFoundError):
+            c.restore("job", 0, step=3)
+        assert c.status().drain_backlog_steps == 0  # downloaded copies are not drained again
+
+
+# --------------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("backend_target", ["gs"], indirect=True)
+def test_kill9_mid_drain_resumes_and_never_shows_a_partial_rank(daemon_factory, backend_target) -> None:
+    url, world = backend_target.url, 4
+    violations: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # a reader polling the bucket: every visible manifest must name stored shards
+        with open_backend(url) as be:
+            while not stop.is_set():
+                keys = set(be.list("job/"))
+                for key in [k for k in keys if k.startswith("job/manifests/")]:
+                    step, rank, _ = parse_manifest_key("job", key)
+                    man = Manifest.from_json(be.get_bytes(key))
+                    missing = {data_key("job", step, rank, s) for s in man.shards} - keys
+                    if missing:
+                        violations.append(f"{key} visible without {sorted(missing)}")
+                time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    a = daemon_factory("a", args=_persistent(url, "--persist-every", "1"))
+    killed_mid = False
+    try:
+        with open_backend(url) as be:
+            for step in (1, 2, 3):  # until the kill lands mid-drain (the drain may be too quick)
+                with a.client() as c:
+                    for f in [c.save("job", step, r, world, {"a": np.full((4 + 6 * r) * MiB, r, np.uint8),
+                                                              "b": np.full(3 * MiB, step, np.uint8)})
+                              for r in range(world)]:
+                        f.result(30)
+                prefix = f"job/data/{step:020d}/"
+                _until(lambda: be.list(prefix), 30, "a first data object")  # noqa: B023
+                a.kill()
+                done = len(be.list(f"job/manifests/{step:020d}/"))
+                if done < world:
+                    killed_mid = True
+                    assert list((a.local_dir / "drain-queue").iterdir()), "pending ranks are queued durably"
+                    break
+                a.start()
+        assert killed_mid, "the daemon was never killed mid-drain"
+        a.start()  # the same node restarts: its drain queue resumes
+        _until(lambda: _backlog(a) == 0, 60, "the resumed drain")
+        with open_backend(url) as be:
+            assert len(be.list(f"job/manifests/{step:020d}/")) == world
+    finally:
+        stop.set()
+        watcher.join(10)
+    assert violations == []
+    b = daemon_factory("b", args=_persistent(url))
+    with b.client() as c:
+        assert c.latest("job") == step
+        for r in range(world):
+            ck = c.restore("job", r)
+            assert ck.tier == "persistent" and int(ck.shards["a"].min()) == int(ck.shards["a"].max()) == r
+            assert ck.shards["a"].nbytes == (4 + 6 * r) * MiB
+
+
+@pytest.mark.parametrize("backend_target", ["gs"], indirect=True)
+def test_outage_delays_drains_and_the_backlog_drains_when_the_store_returns(daemon_factory, backend_target) -> None:
+    url, server = backend_target.url, backend_target.server
+    mport = free_port()
+    args = _persistent(url, "--persist-every", "1", "--shutdown-timeout", "2")
+    a = daemon_factory("a", args=(*args, "--metrics-port", str(mport)))
+    with a.client() as c:
+        c.save("job", 1, 0, 1, _shards(1, 0)).wait("persistent", timeout=30)
+        server.stop()
+        try:
+            futs = [c.save("job", step, 0, 1, _shards(step, 0)) for step in (2, 3, 4)]
+            with pytest.raises(tierckpt.DeadlineExceededError):
+                futs[0].wait("persistent", timeout=1.5)
+            t0 = time.monotonic()
+            assert c.latest("job") == 4  # the local tier answers; the unreachable store holds it up <= 5 s
+            assert time.monotonic() - t0 < 8
+            st = c.status()
+            assert st.drain_backlog_steps == 3 and st.drain_oldest_age_seconds > 1
+            assert _metrics(mport)["tierckpt_drain_backlog_bytes"] == st.drain_backlog_bytes > 0
+            t0 = time.monotonic()
+            assert a.terminate(timeout=20) == 0  # a graceful stop during the outage keeps the queue
+            assert time.monotonic() - t0 < 10
+            a.start()
+            assert _backlog(a) == 3
+            # The SDK's own retries give up after 15 s; then the daemon's backoff takes over.
+            _until(lambda: _metrics(mport)["tierckpt_drain_failures_total"] >= 1, 45, "a failed attempt", 0.5)
+        finally:
+            server.start()
+    _until(lambda: _backlog(a) == 0, 90, "the backlog to drain")
+    with open_backend(url) as be:
+        assert be.list("job/manifests/") == [manifest_key("job", s, 0, 1) for s in (1, 2, 3, 4)]
+    b = daemon_factory("b", args=_persistent(url))
+    with b.client() as c:
+        ck = c.restore("job", 0)
+        assert ck.step == 4 and ck.tier == "persistent"
+        np.testing.assert_array_equal(ck.shards["model"], _shards(4, 0)["model"])
+
+
+def test_corrupted_objects_are_detected_and_not_returned(daemon_factory, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    url = root.as_uri()
+    a = daemon_factory("a", args=_persistent(url, "--persist-every", "1"))
+    with a.client() as c:
+        for step in (1, 2):
+            c.save("job", step, 0, 1, _shards(step, 0)).wait("persistent", timeout=30)
+    a.kill()
+    data = next(root.glob("job/data/*1/rank-0000000/model.*"))
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF  # same size, one bit pattern changed
+    data.write_bytes(raw)
+    (root / manifest_key("job", 2, 0, 1)).write_text('{"format": 1, "job": "job"')  # truncated manifest
+
+    mport = free_port()
+    b = daemon_factory("b", args=_persistent(url, "--metrics-port", str(mport)))
+    with b.client() as c:
+        with pytest.raises(tierckpt.DataLossError, match="checksum mismatch"):
+            c.restore("job", 0, step=1)
+        with pytest.raises(tierckpt.DataLossError, match="corrupt"):
+            c.restore("job", 0, step=2)
+        assert c.status().jobs == []  # nothing was committed locally
+    assert list(b.local_dir.glob("jobs/*/*/*/manifest.json")) == []
+    assert _metrics(mport)['tierckpt_checksum_failures_total{tier="persistent"}'] == 2
+    assert "failed verification" in b.log_tail(200)
+
+
+def test_a_failing_drain_is_reported_and_capacity_eviction_fails_it_loudly(daemon_factory) -> None:
+    """file:///dev/null/... fails with ENOTDIR (not retryable); the steps stay queued until capacity evicts one."""
+    mport = free_port()
+    d = daemon_factory(args=_persistent("file:///dev/null/store", "--persist-every", "1", "--local-capacity",
+                                        "3MiB", "--metrics-port", str(mport)))
+    blob = np.zeros(MiB - 4096, np.uint8)
+    with d.client() as c:
+        first = c.save("job", 1, 0, 1, {"x": blob})
+        with pytest.raises(tierckpt.TierError, match="drain to file:///dev/null/store failed: .*Not a directory"):
+            first.wait("persistent", timeout=30)
+        for step in (2, 3, 4):  # step 4 only fits if undrained step 1 goes
+            c.save("job", step, 0, 1, {"x": blob}).result(30)
+        with pytest.raises(tierckpt.TierError, match=r"evicted from the local tier before it was drained "
+                                                     r"\(capacity_undrained\)"):
+            first.wait("persistent", timeout=10)
+        assert c.status().drain_backlog_steps == 3
+        assert [i.step for i in c.list("job")] == [2, 3, 4]
+    values = _until(lambda: (v := _metrics(mport))["tierckpt_drain_failures_total"] >= 5 and v, 10,
+                    "a failed attempt per step and the final failure of step 1")
+    assert values['tierckpt_evictions_total{reason="capacity_undrained"}'] == 1
+    assert values['tierckpt_saves_total{result="error",tier="persistent"}'] == 1
+    assert "evicting job step 1 before it was drained" in d.log_tail(200)
+
+
+def test_keep_persistent_and_resave(daemon_factory, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    d = daemon_factory(args=_persistent(root.as_uri(), "--persist-every", "1", "--keep-persistent", "2"))
+    with d.client() as c:
+        for step in (1, 2, 3):
+            c.save("job", step, 0, 1, {"x": b"v1-%d" % step}).wait("persistent", timeout=30)
+        c.save("job", 3, 0, 1, {"x": b"v2-3", "y": b"new"}).wait("persistent", timeout=30)  # re-save of step 3
+        c.save("job", 4, 0, 1, {"x": b"v1-4"}).wait("persistent", timeout=30)
+
+    def steps() -> list[str]:
+        with open_backend(root.as_uri()) as be:
+            return sorted({k.split("/")[2] for k in be.list("job/")})
+
+    _until(lambda: steps() == [f"{3:020d}", f"{4:020d}"], 10, "retention of steps 1 and 2")
+    with open_backend(root.as_uri()) as be:  # the re-save replaced the manifest and its data
+        man = json.loads(be.get_bytes(manifest_key("job", 3, 0, 1)))
+        assert sorted(be.list(f"job/data/{3:020d}/")) == sorted(
+            data_key("job", 3, 0, ShardEntry(s["name"], s["size"], s["checksum"], file=s["file"]))
+            for s in man["shards"])
+    d.kill()
+    d.wipe()
+    d.start()
+    with d.client() as c:
+        ck = c.restore("job", 0, step=3)
+        assert ck.tier == "persistent" and bytes(ck.shards["x"]) == b"v2-3" and bytes(ck.shards["y"]) == b"new"
+        with pytest.raises(tierckpt.NotFoundError):
+            c.restore("job", 0, step=1)
+
+
+def test_whole_cluster_loss_with_peers_restores_from_the_persistent_tier(daemon_factory, tmp_path: Path) -> None:
+    """Each node drains the ranks it owns (not its replicas); a cluster of wiped nodes restores every rank."""
+    url = (tmp_path / "store").as_uri()
+    ports = {n: free_port() for n in ("n0", "n1")}
+    args = ("--peers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "--replicas", "1",
+            *_persistent(url, "--persist-every", "1"))
+
+    def start(node: str):
+        return daemon_factory(node, port=ports[node], args=args)
+
+    nodes = {n: start(n) for n in ports}
+    for rank, node in enumerate(nodes.values()):
+        with node.client() as c:
+            fut = c.save("job", 1, rank, 2, _shards(1, rank))
+            fut.wait("peer", timeout=60)
+            fut.wait("persistent", timeout=60)
+    with open_backend(url) as be:
+        owners = [Manifest.from_json(be.get_bytes(manifest_key("job", 1, r, 2))).node for r in (0, 1)]
+    assert owners == ["n0", "n1"]
+    for rank, (name, node) in enumerate(nodes.items()):
+        log_text = node.log_tail(400)
+        assert "drained job step 1 rank %d " % rank in log_text
+        assert "drained job step 1 rank %d " % (1 - rank) not in log_text, f"{name} drained a replica"
+    for node in nodes.values():
+        node.kill()
+        node.wipe()
+    nodes = {n: start(n) for n in ports}
+    for rank, node in enumerate(nodes.values()):
+        with node.client() as c:
+            assert c.latest("job") == 1
+            ck = c.restore("job", rank)
+            assert ck.tier == "persistent" and ck.step == 1
+            np.testing.assert_array_equal(ck.shards["model"], _shards(1, rank)["model"])
