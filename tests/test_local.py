@@ -186,14 +186,16 @@ def test_client_killed_mid_save_leaves_nothing(daemon_factory):
         "fd = open(b.shards[0].path, 'r+b'); fd.write(b'partial'); fd.flush()\n"
         "print('STAGED', flush=True); time.sleep(60)\n"
     )
-    p = subprocess.Popen([sys.executable, "-c", script, d.address], stdout=subprocess.PIPE)
-    assert p.stdout.readline().startswith(b"STAGED")
+    p = subprocess.Popen([sys.executable, "-c", script, d.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = p.stdout.readline()
     p.send_signal(signal.SIGKILL)
-    p.wait()
-    deadline = time.monotonic() + 15
+    _, err = p.communicate()
+    assert line.startswith(b"STAGED"), err.decode()
+    deadline = time.monotonic() + 30
     while any((d.local_dir / "staging").iterdir()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any((d.local_dir / "staging").iterdir())
+    leftovers = list((d.local_dir / "staging").rglob("*"))
+    assert not leftovers, f"{leftovers}\n{d.log_tail()}"
     assert not _committed_manifests(d)
     with d.client() as c:
         assert c.latest("job") is None and c.status().staging_bytes == 0

@@ -289,7 +289,11 @@ class Node:
         interval = max(0.05, min(10.0, self.staging_timeout / 4))
         while True:
             await asyncio.sleep(interval)
-            n = await asyncio.to_thread(self.store.reclaim_expired, self.staging_timeout)
+            try:
+                n = await asyncio.to_thread(self.store.reclaim_expired, self.staging_timeout)
+            except Exception:  # task boundary: keep reaping after an unexpected error
+                log.exception("reclaiming expired staging failed")
+                continue
             if n:
                 if self.metrics:
                     self.metrics.staging_reclaimed.inc(n)
