@@ -1,0 +1,105 @@
+"""bench/goodput.py: the failure schedule and the wall-time accounting, on synthetic trainer logs.
+
+The benchmark itself runs for minutes (``--quick``: about one); these tests cover its pure parts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location("bench_goodput", Path(__file__).resolve().parents[1] / "bench" / "goodput.py")
+gp = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = gp  # dataclasses look their module up
+_SPEC.loader.exec_module(gp)  # type: ignore[union-attr]
+
+FRACTIONS = {"crash": 0.6, "node": 0.3, "cluster": 0.1}
+
+
+def test_schedule_is_seeded_increasing_and_follows_the_mix() -> None:
+    a = list(itertools.islice(gp.failure_schedule(1, 30.0, FRACTIONS), 4000))
+    assert a == list(itertools.islice(gp.failure_schedule(1, 30.0, FRACTIONS), 4000))
+    assert a != list(itertools.islice(gp.failure_schedule(2, 30.0, FRACTIONS), 4000))
+    times = [f.at_s for f in a]
+    assert all(t1 > t0 for t0, t1 in itertools.pairwise(times))
+    assert statistics.mean(t1 - t0 for t0, t1 in itertools.pairwise(times)) == pytest.approx(30.0, rel=0.1)
+    for kind, share in FRACTIONS.items():
+        assert sum(f.kind == kind for f in a) / len(a) == pytest.approx(share, abs=0.03)
+
+
+def _log(path: Path, events: list[tuple]) -> Path:
+    with open(path, "w") as fh:
+        fh.writelines(json.dumps({"event": e[0], "t": e[1], **(e[2] if len(e) > 2 else {})}) + "\n" for e in events)
+        fh.write('{"event": "step", "t": 9')  # a line cut short by SIGKILL is ignored
+    return path
+
+
+def _steps(first: int, last: int, t0: float, dt: float, saves: dict[int, float]) -> list[tuple]:
+    """Step events every ``dt`` (plus the stall of a save at the step before)."""
+    out, t = [], t0
+    for s in range(first, last + 1):
+        out.append(("step", t, {"step": s, "loss": 1.0 / s}))
+        if s in saves:
+            out.append(("save", t, {"step": s, "persist": False, "blocking_s": saves[s]}))
+            t += saves[s]
+        t += dt
+    return out
+
+
+def test_account_splits_wall_time(tmp_path: Path) -> None:
+    dt = 0.1
+    # Run 0: spawned at 0, first line at 3, steps 1..25 from 3.2 (saves at 10 and 20 stall 0.3 s),
+    # killed by a node loss 0.05 s after its last step; the daemon is replaced in 0.4 s. Run 1:
+    # spawned then, first line 3 s later, restores step 20 in 0.5 s, steps 21..30, exits 1 s later.
+    ev0 = [("start", 3.0), ("restore", 3.1, {"step": None})] + _steps(1, 25, 3.2, dt, {10: 0.3, 20: 0.3})
+    run0 = gp.Incarnation(0.0, _log(tmp_path / "0.jsonl", ev0), end_t=ev0[-1][1] + 0.05, killed_by="node",
+                          replacement_s=0.4)
+    t1 = run0.end_t + 0.4
+    ev1 = [("start", t1 + 3.0), ("restore", t1 + 3.5, {"step": 20, "tier": "peer"})] + _steps(21, 30, t1 + 3.6, dt, {})
+    run1 = gp.Incarnation(t1, _log(tmp_path / "1.jsonl", ev1), end_t=ev1[-1][1] + 1.0)
+    a = gp.account([run0, run1], 30)
+
+    assert a["step_s"] == pytest.approx(dt)
+    assert a["wall_s"] == pytest.approx(3.1 + 25 * dt + 0.6 + 0.05 + 0.4 + 3.0 + 0.5 + 10 * dt + 1.0)
+    assert a["useful_s"] == pytest.approx(3.0)
+    assert a["startup_s"] == pytest.approx(3.1)
+    assert a["restart_s"] == pytest.approx(3.0)
+    assert a["restore_s"] == pytest.approx(0.5)
+    assert (a["saves"], a["save_s"]) == (2, pytest.approx(0.6))
+    assert a["replacement_s"] == pytest.approx(0.4)
+    assert a["recomputed_steps"] == 5
+    assert a["partial_s"] == pytest.approx(0.05)
+    assert a["lost_s"] == pytest.approx(0.55)
+    assert a["exit_s"] == pytest.approx(1.0)
+    assert a["failures"] == {"crash": 0, "node": 1, "cluster": 0}
+    assert a["restored_from"] == {"peer": 1}
+    assert a["final_loss"] == pytest.approx(1 / 30)
+    assert a["other_s"] == pytest.approx(0.0, abs=1e-9)
+    assert a["goodput"] == pytest.approx(3.0 / a["wall_s"])
+
+
+def test_save_costs_charge_slow_steps_after_a_save(tmp_path: Path) -> None:
+    ev = [("start", 0.0), ("restore", 0.1, {"step": None})] + _steps(1, 31, 1.0, 0.1, {})
+    # Saves at 5, 15, 25 (local) and 10, 20 (persist): 10 ms stall; each local save's next step is
+    # 50 ms slower, each persist save's next two steps are.
+    at = {e[2]["step"]: e[1] for e in ev if e[0] == "step"}
+    shift, out = 0.0, []
+    for e in ev:
+        if e[0] == "step":
+            s = e[2]["step"]
+            shift += 0.05 if (s - 1) in (5, 15, 25, 10, 20) or (s - 2) in (10, 20) else 0.0
+            out.append(("step", at[s] + shift, e[2]))
+            if s % 5 == 0 and s <= 25:
+                out.append(("save", at[s] + shift, {"step": s, "persist": s % 10 == 0, "blocking_s": 0.01}))
+        else:
+            out.append(e)
+    costs = gp.save_costs([gp.Incarnation(0.0, _log(tmp_path / "c.jsonl", out))])
+    assert costs["local_stall_s"] == pytest.approx(0.01)
+    assert costs["local_cost_s"] == pytest.approx(0.05)
+    assert costs["persist_cost_s"] == pytest.approx(0.10)
