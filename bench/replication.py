@@ -1,0 +1,79 @@
+"""Peer-tier replication throughput vs a raw Python TCP socket, in one run.
+
+Two daemons on loopback (replicas=1, keep_local=1). Each round saves one 1 GiB shard on n0 and
+times ``fut.wait("peer")`` from the local commit until n1 has verified and committed its copy
+(prepare, bulk transfer, checksum, manifest). Rounds 1-2 write fresh tmpfs pages on the replica;
+from round 3 on, the daemons reuse the pages of evicted steps (the steady state of periodic
+checkpointing, and what the target is checked on). Right after each round the same file is moved
+over one raw socket (see ``_rawsock.py``), so both see the same machine load; the target is
+checked on the median of the per-round ratios.
+
+Usage: .venv/bin/python bench/replication.py [--gib 1] [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tierckptd.testing import Daemon, free_port, scratch_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rawsock import raw_copy_seconds
+
+TARGET = 0.7
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    nbytes = int(args.gib * (1 << 30))
+    root = scratch_dir("tck-bench-")
+    ports = {n: free_port() for n in ("n0", "n1")}
+    peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
+    flags = ("--peers", peers, "--replicas", "1", "--keep-local", "1", "--log-level", "WARNING")
+    ds = {n: Daemon(root, n, port=ports[n], args=flags) for n in ports}
+    try:
+        for d in ds.values():
+            d.start()
+        block = np.random.default_rng(0).integers(0, 256, 16 << 20, dtype=np.uint8)
+        data = np.resize(block, nbytes)
+        secs, raw = [], []
+        with ds["n0"].client() as c:
+            while not all(p.up for p in c.status().peers):
+                time.sleep(0.05)
+            for step in range(1, args.rounds + 1):
+                data[:8] = step  # a new checkpoint each round
+                fut = c.save("bench", step, 0, 1, {"w": data})
+                fut.result()
+                t0 = time.perf_counter()
+                assert fut.wait("peer", timeout=600) == ["n1"]
+                secs.append(time.perf_counter() - t0)
+                src = next((ds["n0"].local_dir / "jobs" / "bench" / f"{step:020d}").rglob("w.*"))
+                raw.append(raw_copy_seconds(src, rounds=1)[0])
+                print(f"round {step}: replicated {nbytes / 2**30:.2f} GiB in {secs[-1]:.3f}s "
+                      f"({nbytes / secs[-1] / 1e9:.2f} GB/s); raw socket {raw[-1]:.3f}s "
+                      f"({nbytes / raw[-1] / 1e9:.2f} GB/s); ratio {raw[-1] / secs[-1]:.2f}x", flush=True)
+        warm = list(range(2, len(secs))) or list(range(len(secs)))
+        ratio = statistics.median(raw[i] / secs[i] for i in warm)
+        print(f"\nmedian of rounds {warm[0] + 1}..{warm[-1] + 1}: replication "
+              f"{nbytes / statistics.median(secs[i] for i in warm) / 1e9:.2f} GB/s, raw socket "
+              f"{nbytes / statistics.median(raw[i] for i in warm) / 1e9:.2f} GB/s")
+        print(f"ratio replication/raw = {ratio:.2f}x (target >= {TARGET}x): {'PASS' if ratio >= TARGET else 'FAIL'}; "
+              f"round 1 (fresh pages on the replica): {raw[0] / secs[0]:.2f}x")
+        return 0 if ratio >= TARGET else 1
+    finally:
+        for d in ds.values():
+            d.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HelloRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("node_id", "instance", "bulk_port", "replicas")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    instance: str
+    bulk_port: int
+    replicas: int
+    def __init__(self, node_id: _Optional[str] = ..., instance: _Optional[str] = ..., bulk_port: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class CatalogRequest(_message.Message):
+    __slots__ = ("job", "node_id")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class CatalogEntry(_message.Message):
+    __slots__ = ("job", "step", "rank", "world_size", "owner", "generation", "bytes", "created_unix")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    owner: str
+    generation: str
+    bytes: int
+    created_unix: float
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owner: _Optional[str] = ..., generation: _Optional[str] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class CatalogResponse(_message.Message):
+    __slots__ = ("node_id", "instance", "bulk_port", "entries")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    instance: str
+    bulk_port: int
+    entries: _containers.RepeatedCompositeFieldContainer[CatalogEntry]
+    def __init__(self, node_id: _Optional[str] = ..., instance: _Optional[str] = ..., bulk_port: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[CatalogEntry, _Mapping]]] = ...) -> None: ...
+
+class PrepareReplicaRequest(_message.Message):
+    __slots__ = ("sender", "manifest_json")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    manifest_json: str
+    def __init__(self, sender: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+
+class PrepareReplicaResponse(_message.Message):
+    __slots__ = ("already_committed", "ticket", "bulk_port")
+    ALREADY_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    already_committed: bool
+    ticket: str
+    bulk_port: int
+    def __init__(self, already_committed: _Optional[bool] = ..., ticket: _Optional[str] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+
+class CommitReplicaRequest(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: str
+    def __init__(self, ticket: _Optional[str] = ...) -> None: ...
+
+class CommitReplicaResponse(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
+class AbortReplicaRequest(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: str
+    def __init__(self, ticket: _Optional[str] = ...) -> None: ...
+
+class AbortReplicaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenReadRequest(_message.Message):
+    __slots__ = ("requester", "job", "step", "rank")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    job: str
+    step: int
+    rank: int
+    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class OpenReadResponse(_message.Message):
+    __slots__ = ("manifest_json", "ticket", "bulk_port")
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    manifest_json: str
+    ticket: str
+    bulk_port: int
+    def __init__(self, manifest_json: _Optional[str] = ..., ticket: _Optional[str] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+
+class DropReplicasRequest(_message.Message):
+    __slots__ = ("owner", "job", "step", "ranks", "reason")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    job: str
+    step: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, owner: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DropReplicasResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...

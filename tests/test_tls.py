@@ -1,0 +1,130 @@
+"""mTLS for peer traffic: replication and restore over TLS (gRPC and the bulk channel), and a
+peer without a certificate signed by the cluster CA is refused on both channels."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import socket
+import ssl
+import struct
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from tierckpt.v1 import peer_pb2 as ppb
+from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
+
+from .harness import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _issue(subject: str, issuer_key, issuer_name: x509.Name | None, *, ca: bool):
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name or _name(subject))
+         .public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        b = b.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    cert = b.sign(issuer_key or key, hashes.SHA256())
+    return key, cert
+
+
+def _write(dir: Path, stem: str, key, cert) -> tuple[str, str]:
+    kp, cp = dir / f"{stem}.key", dir / f"{stem}.pem"
+    kp.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption()))
+    cp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(kp), str(cp)
+
+
+@pytest.fixture
+def pki(tmp_path):
+    """A cluster CA with a node certificate, and a rogue CA with its own node certificate."""
+    out = {}
+    for label in ("good", "rogue"):
+        ca_key, ca = _issue(f"{label}-ca", None, None, ca=True)
+        _, ca_path = _write(tmp_path, f"{label}-ca", ca_key, ca)
+        key, cert = _issue(f"{label}-node", ca_key, ca.subject, ca=False)
+        kp, cp = _write(tmp_path, f"{label}-node", key, cert)
+        out[label] = {"ca": ca_path, "key": kp, "cert": cp}
+    return out
+
+
+def _read(p: str) -> bytes:
+    return Path(p).read_bytes()
+
+
+def _hello(port: int, creds: grpc.ChannelCredentials) -> ppb.HelloResponse:
+    with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
+        return ppb_grpc.PeerStub(ch).Hello(ppb.HelloRequest(node_id="test"), timeout=5)
+
+
+def _bulk_probe(port: int, ctx: ssl.SSLContext | None) -> bytes:
+    """Send one bulk request; return what the server answers (b"" if it hung up)."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        sock = ctx.wrap_socket(raw, server_hostname="127.0.0.1") if ctx else raw
+        body = json.dumps({"v": 1, "op": "get", "ticket": "x", "shard": "a", "offset": 0, "length": 1}).encode()
+        sock.sendall(struct.pack(">I", len(body)) + body)
+        return sock.recv(100)
+    except (ssl.SSLError, ConnectionError):
+        return b""
+    finally:
+        raw.close()
+
+
+def test_peer_traffic_over_mtls_and_rogue_peers_refused(daemon_factory, pki):
+    good = pki["good"]
+    tls = ("--tls-cert", good["cert"], "--tls-key", good["key"], "--tls-ca", good["ca"])
+    ports = {n: free_port() for n in ("n0", "n1")}
+    args = ("--peers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "--replicas", "1", *tls)
+    d = {n: daemon_factory(n, port=ports[n], args=args) for n in ports}
+    data = {"w": np.random.default_rng(3).integers(0, 256, 3_000_000, dtype=np.uint8)}
+    with d["n0"].client() as c:
+        fut = c.save("tls", 1, 0, 1, data)
+        assert fut.wait("peer", timeout=60) == ["n1"]  # pushed over the TLS bulk channel
+    d["n0"].kill()
+    d["n0"].wipe()
+    d["n0"] = daemon_factory("n0", port=ports["n0"], args=args)
+    with d["n0"].client() as c:
+        ck = c.restore("tls", 0)  # fetched over the TLS bulk channel
+        assert ck.tier == "peer" and np.array_equal(ck.shards["w"], data["w"])
+
+    ok = grpc.ssl_channel_credentials(_read(good["ca"]), _read(good["key"]), _read(good["cert"]))
+    hello = _hello(ports["n1"], ok)
+    assert hello.node_id == "n1" and hello.bulk_port
+    rogue = pki["rogue"]
+    for creds in (grpc.ssl_channel_credentials(_read(good["ca"]), _read(rogue["key"]), _read(rogue["cert"])),
+                  grpc.ssl_channel_credentials(_read(good["ca"]))):  # rogue client cert, no client cert
+        with pytest.raises(grpc.RpcError) as e:
+            _hello(ports["n1"], creds)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    def ctx(client: dict | None) -> ssl.SSLContext:
+        c = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        c.load_verify_locations(good["ca"])
+        if client:
+            c.load_cert_chain(client["cert"], client["key"])
+        return c
+
+    assert _bulk_probe(hello.bulk_port, ctx(good))  # a CA-signed peer gets an answer (unknown ticket)
+    assert b"ticket" in _bulk_probe(hello.bulk_port, ctx(good))
+    assert _bulk_probe(hello.bulk_port, ctx(rogue)) == b""
+    assert _bulk_probe(hello.bulk_port, ctx(None)) == b""
+    assert _bulk_probe(hello.bulk_port, None) == b""  # plain TCP
+    assert "refused" in d["n1"].log_tail(100)
