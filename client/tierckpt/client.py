@@ -142,13 +142,18 @@ class Client:
         transfer: "auto" (shared filesystem when the daemon's local dir is visible, else
             streaming), "shared" or "stream".
         io_threads: threads copying bytes into staging files.
-        verify: check every shard's checksum on restore (a mismatch raises DataLossError).
+        verify: check shard checksums on restore (a mismatch raises DataLossError). True checks
+            copies served from the local tier; a copy the daemon has just fetched from a peer or
+            the object store was verified by the daemon as it arrived (that is its restore hop)
+            and is not hashed twice. "always" checks those too; False checks nothing.
     """
 
     def __init__(self, address: str | None = None, *, timeout: float = 60.0, transfer: str = "auto",
-                 io_threads: int | None = None, verify: bool = True) -> None:
+                 io_threads: int | None = None, verify: bool | str = True) -> None:
         if transfer not in ("auto", "shared", "stream"):
             raise InvalidArgumentError(f"transfer: {transfer!r} must be auto, shared or stream")
+        if verify not in (True, False, "always"):
+            raise InvalidArgumentError(f"verify: {verify!r} must be True, False or 'always'")
         self.address = address or os.environ.get("TIERCKPT_ADDRESS") or DEFAULT_ADDRESS
         self.timeout = timeout
         self.transfer = transfer
@@ -420,7 +425,9 @@ class Client:
 
         shared = self.transfer != "stream" and self._sees(resp.local_dir, resp.fs_token)
         if shared:
-            bufs = list(self._io.map(lambda s: self._map_verified(job, resp.step, rank, s, advance), resp.shards))
+            verify = self.verify == "always" or (self.verify is True and resp.tier == pb.TIER_LOCAL)
+            bufs = list(self._io.map(lambda s: self._map_verified(job, resp.step, rank, s, advance, verify),
+                                     resp.shards))
         else:
             bufs = [self._read_stream(job, resp.step, rank, s, advance) for s in resp.shards]
         arrays, buffers, dtypes, shapes = {}, {}, {}, {}
@@ -434,7 +441,7 @@ class Client:
                           metadata=json.loads(resp.metadata_json or "{}"), shards=arrays,
                           dtypes=dtypes, shapes=shapes, _buffers=buffers)
 
-    def _map_verified(self, job: str, step: int, rank: int, s: pb.RestoredShard, advance) -> Any:
+    def _map_verified(self, job: str, step: int, rank: int, s: pb.RestoredShard, advance, verify: bool) -> Any:
         if s.size == 0:
             buf: Any = b""
         else:
@@ -447,7 +454,7 @@ class Client:
                 buf = mmap.mmap(fd, s.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
-        if self.verify:
+        if verify:
             actual = _checksum.digest(buf)
             if actual != s.checksum:
                 raise DataLossError(f"{job} step {step} rank {rank} shard {s.name!r}: checksum mismatch "
