@@ -270,6 +270,10 @@ def test_client_validates_before_contacting_daemon(scratch):
     with pytest.raises(tierckpt.UnavailableError):
         c.latest("j")
     c.close()
+    with pytest.raises(tierckpt.InvalidArgumentError, match="verify"):
+        tierckpt.Client(f"unix://{scratch}/x.sock", verify="sometimes")
+    with pytest.raises(tierckpt.InvalidArgumentError, match="transfer"):
+        tierckpt.Client(f"unix://{scratch}/x.sock", transfer="carrier-pigeon")
 
 
 def test_sigterm_exits_zero_and_removes_socket(daemon):
