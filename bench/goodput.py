@@ -444,26 +444,14 @@ def dcp_worker(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("tck_train", ROOT / "examples" / "train.py")
     tr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tr)  # type: ignore[union-attr]
-    import numpy as np
-    import torch
     import torch.distributed.checkpoint as dcp
-    import torch.nn.functional as F
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     warnings.filterwarnings("ignore")  # DCP warns that it runs without a process group
     args = tr.parse_args(rest)
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
-    seed = args.seed + args.rank
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
     jlog = tr.JsonLog(args.log_json)
     jlog("start", job=args.job, rank=args.rank, world_size=args.world_size, pid=os.getpid())
-    model = tr.TinyLM(args.vocab, args.d_model, args.layers, args.heads, args.seq_len, args.dropout)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=max(args.steps, 2), pct_start=0.1)
-    data = tr.MarkovBatches(args.vocab, args.seq_len, args.batch_size, seed)
+    model, opt, sched, data = tr.build(args)
     extra = {"tokens_seen": 0}
     root = Path(own.dcp_dir)
 
@@ -489,14 +477,8 @@ def dcp_worker(argv: list[str]) -> int:
         jlog("restore", step=None)
     model.train()
     for step in range(start + 1, args.steps + 1):
-        x, y = data.next()
-        loss = F.cross_entropy(model(x).reshape(-1, args.vocab), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        extra["tokens_seen"] += x.numel()
+        loss, tokens = tr.train_step(model, opt, sched, data, args.vocab)
+        extra["tokens_seen"] += tokens
         jlog("step", step=step, loss=loss.item(), lr=sched.get_last_lr()[0])
         if args.save_every and step % args.save_every == 0:
             t0 = time.perf_counter()

@@ -186,23 +186,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"[rank{args.rank}] %(levelname)s %(name)s: %(message)s")
+def build(args: argparse.Namespace) -> tuple[TinyLM, torch.optim.Optimizer, Any, MarkovBatches]:
+    """Seed every RNG and build model, AdamW, one-cycle schedule and data (deterministic per rank)."""
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     seed = args.seed + args.rank
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    jlog = JsonLog(args.log_json)
-    jlog("start", job=args.job, rank=args.rank, world_size=args.world_size, pid=os.getpid())
-
     model = TinyLM(args.vocab, args.d_model, args.layers, args.heads, args.seq_len, args.dropout,
-                   args.activation_checkpointing)
+                   getattr(args, "activation_checkpointing", False))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=max(args.steps, 2), pct_start=0.1)
-    data = MarkovBatches(args.vocab, args.seq_len, args.batch_size, seed)
+    return model, opt, sched, MarkovBatches(args.vocab, args.seq_len, args.batch_size, seed)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, data: MarkovBatches,
+               vocab: int) -> tuple[torch.Tensor, int]:
+    """One optimizer step; returns the loss and the number of tokens consumed."""
+    x, y = data.next()
+    loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss, x.numel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"[rank{args.rank}] %(levelname)s %(name)s: %(message)s")
+    jlog = JsonLog(args.log_json)
+    jlog("start", job=args.job, rank=args.rank, world_size=args.world_size, pid=os.getpid())
+    model, opt, sched, data = build(args)
     state = {"model": model, "optim": opt, "sched": sched, "rng": RNGState(), "data": data,
              "extra": {"tokens_seen": 0}}
 
@@ -222,14 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model.train()
     for step in range(start + 1, args.steps + 1):
-        x, y = data.next()
-        loss = F.cross_entropy(model(x).reshape(-1, args.vocab), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        state["extra"]["tokens_seen"] += x.numel()
+        loss, tokens = train_step(model, opt, sched, data, args.vocab)
+        state["extra"]["tokens_seen"] += tokens
         lr = sched.get_last_lr()[0]
         jlog("step", step=step, loss=loss.item(), lr=lr)
         if args.log_every and step % args.log_every == 0:
