@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
 import platform
 import secrets
 import signal
@@ -55,7 +54,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, NamedTuple
 

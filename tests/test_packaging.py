@@ -1,0 +1,26 @@
+"""The client stays thin: no cloud SDK in its dependencies or its imports."""
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_base_dependencies_have_no_cloud_sdk_or_daemon_stack():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = " ".join(project["dependencies"]).lower()
+    for heavy in ("boto", "google-cloud", "torch", "uvloop", "prometheus", "aiofiles"):
+        assert heavy not in base
+    assert set(project["optional-dependencies"]) >= {"daemon", "torch", "dev", "s3", "gcs"}
+    assert project["scripts"] == {"tierckptd": "tierckptd.main:main", "tierckpt": "tierckpt.cli:main"}
+
+
+def test_importing_the_client_loads_no_cloud_sdk_torch_or_daemon():
+    code = ("import sys, tierckpt, tierckpt.cli, tierckpt.goodput\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('boto3', 'botocore', 'torch', 'tierckptd', 'uvloop', 'prometheus_client') or m.startswith('google.cloud')]\n"
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
