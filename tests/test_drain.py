@@ -356,3 +356,50 @@ def test_whole_cluster_loss_with_peers_restores_from_the_persistent_tier(daemon_
             ck = c.restore("job", rank)
             assert ck.tier == "persistent" and ck.step == 1
             np.testing.assert_array_equal(ck.shards["model"], _shards(1, rank)["model"])
+
+
+def test_a_replica_holder_takes_over_the_drain_of_a_dead_owner(daemon_factory, tmp_path: Path) -> None:
+    """n0 cannot drain (its URL is unwritable) and dies; n1, first holder of its replica, drains it instead."""
+    url = (tmp_path / "store").as_uri()
+    ports = {n: free_port() for n in ("n0", "n1", "n2")}
+    common = ("--peers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "--replicas", "1",
+              "--persist-every", "2")
+
+    def start(node: str, store_url: str = url):
+        return daemon_factory(node, port=ports[node], args=(*common, *_persistent(store_url)))
+
+    nodes = {"n0": start("n0", "file:///dev/null/store"), "n1": start("n1"), "n2": start("n2")}
+    with nodes["n0"].client() as c:
+        futs = [c.save("job", step, 0, 2, _shards(step, 0)) for step in (2, 3)]  # step 3 is not selected
+        for f in futs:
+            f.wait("peer", timeout=60)  # replicas on n1, the next node on the ring
+        with pytest.raises(tierckpt.TierError, match="Not a directory"):
+            futs[0].wait("persistent", timeout=30)
+    with nodes["n1"].client() as c:  # n1's own rank, replicated to n2: its owner stays up and drains it
+        c.save("job", 2, 1, 2, _shards(2, 1)).wait("persistent", timeout=60)
+    t0 = time.monotonic()
+    nodes["n0"].kill()
+    with open_backend(url) as be:
+        key = manifest_key("job", 2, 0, 2)
+        _until(lambda: be.exists(key), 40, "n1 to take over the drain of rank 0", 0.2)
+        assert time.monotonic() - t0 >= 10  # the grace period
+        man = Manifest.from_json(be.get_bytes(key))
+        assert man.node == "n0"  # the owner's manifest, unchanged
+        assert {s.file for s in man.shards} == {f"{s}.{man.generation}" for s in ("model", "optim")}
+        assert set(be.list("job/data/00000000000000000002/rank-0000000/")) == \
+            {data_key("job", 2, 0, s) for s in man.shards}
+        assert be.list("job/manifests/00000000000000000003/") == []
+    _until(lambda: _backlog(nodes["n1"]) == 0, 10, "n1's backlog")
+    assert "taking over the drain of job step 2 rank 0" in nodes["n1"].log_tail(400)
+    assert "taking over" not in nodes["n2"].log_tail(400)  # n1's own rank: its owner is up
+    for node in nodes.values():
+        node.kill()
+        node.wipe()
+    nodes = {n: start(n) for n in ports}
+    for rank, name in enumerate(("n0", "n1")):
+        with nodes[name].client() as c:
+            assert c.latest("job") == 2
+            ck = c.restore("job", rank)
+            assert ck.tier == "persistent" and ck.step == 2
+            for shard, arr in _shards(2, rank).items():
+                np.testing.assert_array_equal(ck.shards[shard], arr)

@@ -3,7 +3,21 @@
 Selection: a rank committed on this node is drained when its save asked for it (``persist=True``)
 or ``persist_every > 0 and step % persist_every == 0``. Each node drains the ranks it owns
 (``manifest.node == node_id``); replicas from peers and copies downloaded from the persistent
-tier (``ingested=True``) are never drained again.
+tier (``ingested=True``) are not drained, except by a take-over.
+
+Take-over: a node remembers (in memory; rebuilt from the local store at start) the selected
+copies it holds of other owners' ranks. When the peer tier has seen the owner down for
+:data:`TAKEOVER_GRACE` seconds and the rank's manifest is still missing from the persistent tier
+(or only an older save of it is there), the first node on the ring after the owner among this
+node and the live peers holding the same generation queues the copy in its durable queue and
+drains it the normal way (pin, shards, manifest last); the others keep waiting, and take over in
+turn if that node goes down too. A taken-over rank is uploaded under the owner's object names
+(``<shard>.<generation>``, the owner's save id) with the owner's manifest unchanged, so the
+objects and manifest it writes are byte for byte those the owner writes: a recovering owner
+that drains the same save concurrently, or two nodes that both decided to take over (their
+health views differ), only overwrite identical objects, and neither's stale-object cleanup
+removes what the other's manifest names. Selection of a copy uses this node's ``persist_every``
+(the same on every node of a cluster) and the save's ``persist`` flag.
 
 Object layout below the URL's root (``file:///dir``, ``s3://bucket/prefix``, ``gs://bucket/prefix``)::
 
@@ -42,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import json
 import logging
@@ -55,8 +70,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
+from tierckpt._names import check_shard
 from tierckpt.errors import (
     DataLossError,
+    InvalidArgumentError,
     NotFoundError,
     TierError,
     UnavailableError,
@@ -93,6 +110,10 @@ CATALOG_WAIT = 5.0
 """Seconds ``catalog`` waits for a listing before answering from the previous one."""
 RESTORE_PIN_SECONDS = 60.0
 """A downloaded step stays pinned this long, so retention does not take it from a reader at once."""
+TAKEOVER_GRACE = 10.0
+"""Seconds a rank's owner must be seen down before a holder of a copy drains the rank instead."""
+TAKEOVER_CHECK_INTERVAL = 1.0
+"""Seconds between two looks at the owners of the copies this node holds."""
 
 DRAIN_RETRY = RetryPolicy(initial_delay=0.5, max_delay=30.0, deadline=None)
 READ_RETRY = RetryPolicy(initial_delay=0.2, max_delay=5.0, deadline=60.0)
@@ -291,6 +312,8 @@ class PersistentTier(RemoteTier):
         self._recent: _Bounded = _Bounded(65536)  # key -> generation drained by this process
         self._failed: _Bounded = _Bounded(4096)  # key -> (generation, reason) of permanent failures
         self._known: _Bounded = _Bounded(65536)  # key -> (nbytes, created) of manifests seen here
+        self._copies: _Bounded = _Bounded(65536)  # key -> selected copy of another owner's rank held here
+        self._down_since: dict[str, float] = {}  # owner -> monotonic time it was first seen down
         # job -> (listed at, epoch, step -> rank -> world or None, error); stale once the epoch moved
         self._catalogs: dict[str, tuple[float, int, dict[int, dict[int, int]] | None, str]] = {}
         self._epochs: dict[str, int] = collections.defaultdict(int)
@@ -311,7 +334,8 @@ class PersistentTier(RemoteTier):
     # ----------------------------------------------------------------------------- lifecycle
 
     def attach(self, node: Any) -> None:
-        """Called by main with the :class:`~tierckptd.node.Node`, to announce downloaded copies."""
+        """Called by main with the :class:`~tierckptd.node.Node`, to announce downloaded copies
+        and to read the peer tier's health view (``node.tier("peer")``) for take-overs."""
         self._node = node
 
     async def start(self) -> None:
@@ -340,8 +364,14 @@ class PersistentTier(RemoteTier):
             self._enqueue(man, doc["enqueued"], durable=False)
             resumed += 1
         log.info("persistent tier %s: %d pending drains resumed, %d abandoned", self.url, resumed, dropped)
+        for job in self.store.jobs():  # copies held before a restart may still need a take-over
+            for ranks in self.store.steps(job).values():
+                for man in ranks.values():
+                    if man.node != self.config.node_id and man.key not in self._pending:
+                        self._note_copy(man)
         self._spawn(self._scheduler())
         self._spawn(self._ticker())
+        self._spawn(self._watch_copies())
 
     async def stop(self, timeout: float) -> None:
         """Let in-flight uploads finish within ``timeout``; queued ranks stay in the durable queue."""
@@ -373,9 +403,25 @@ class PersistentTier(RemoteTier):
         return "drain" if persist or (every > 0 and step % every == 0) else None
 
     def on_commit(self, manifest: Manifest, *, ingested: bool) -> None:
-        """Queue the rank if this node owns it and it is selected (not for replicas and downloads)."""
-        if ingested or manifest.node != self.config.node_id:
+        """Queue the rank if this node owns it and it is selected; remember a selected copy of
+        another owner's rank for a possible take-over (see the module docstring)."""
+        if manifest.node != self.config.node_id:
+            if ingested:
+                self._note_copy(manifest)
             return
+        if ingested:
+            return
+        self._select(manifest)
+
+    def _note_copy(self, man: Manifest) -> None:
+        if man.key in self._pending:  # taken over: follow a re-save as the owner would
+            self._select(man)
+        elif selected(man, self.config.persist_every):
+            self._copies[man.key] = man
+        else:
+            self._copies.pop(man.key, None)
+
+    def _select(self, manifest: Manifest) -> None:
         key = manifest.key
         if not selected(manifest, self.config.persist_every):
             e = self._pending.get(key)
@@ -409,6 +455,7 @@ class PersistentTier(RemoteTier):
     def on_evict(self, eviction: Eviction) -> None:
         """A queued rank evicted before its drain fails now (the store logged it loudly)."""
         for rank in eviction.ranks:
+            self._copies.pop((eviction.job, eviction.step, rank), None)
             e = self._pending.get((eviction.job, eviction.step, rank))
             if e is not None:
                 self._fail(e, f"evicted from the local tier before it was drained ({eviction.reason})")
@@ -475,6 +522,7 @@ class PersistentTier(RemoteTier):
         """Upload a rank's shards, then its manifest. Returns False if a re-save superseded it."""
         job, step, rank = man.key
         paths = [self.store.shard_path(man, s.name) for s in man.shards]
+        local, man = man, self._owner_form(man)
         await asyncio.gather(*(self._put_shard(e, data_key(job, step, rank, s), p, s.size)
                                for s, p in zip(man.shards, paths)))
         # Every byte above was read while the rank was still committed here (eviction removes it
@@ -484,10 +532,97 @@ class PersistentTier(RemoteTier):
             raise FileNotFoundError(f"{job} step {step} rank {rank} is no longer in the local tier")
         if current.generation != man.generation:
             return False
+        if local is not man and await self._newer_in_store(man):
+            log.info("take-over of %s step %d rank %d: a newer save of it is in %s; not replacing it",
+                     job, step, rank, self.url)
+            return True
         await self._write(e, functools.partial(self.backend.put_bytes,
                                                manifest_key(job, step, rank, man.world_size), man.to_json()))
         await self._remove_stale(e, man)
         return True
+
+    def _owner_form(self, man: Manifest) -> Manifest:
+        """A copy of another owner's rank as its owner uploads it: data files named ``<shard>.<generation>``
+        (the owner's save id), so a take-over and the owner write the same objects and manifest."""
+        if man.node == self.config.node_id:
+            return man
+        try:
+            shards = tuple(dataclasses.replace(s, file=check_shard(f"{s.name}.{man.generation}"))
+                           for s in man.shards)
+        except InvalidArgumentError:  # an odd generation from a peer: keep this copy's own names
+            return man
+        return dataclasses.replace(man, shards=shards)
+
+    async def _newer_in_store(self, man: Manifest) -> bool:
+        """Whether the persistent tier holds another, newer save of the rank (a recovered owner's)."""
+        try:
+            remote = await self._read_manifest(*man.key)
+        except (NotFoundError, DataLossError, UnavailableError):
+            return False
+        return remote.generation != man.generation and remote.created > man.created
+
+    # ----------------------------------------------------------------------------- take-over
+
+    async def _watch_copies(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(TAKEOVER_CHECK_INTERVAL)
+            try:
+                await self._check_copies()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # task boundary: keep watching
+                log.exception("persistent tier: checking the owners of held copies failed")
+
+    async def _check_copies(self) -> None:
+        """Take over the drain of copies whose owner has been down for TAKEOVER_GRACE seconds."""
+        peer = self._node.tier("peer") if self._node is not None else None
+        if peer is None or not hasattr(peer, "is_up"):
+            return
+        now = time.monotonic()
+        owners = {m.node for m in self._copies.values()}
+        for owner in owners:
+            if peer.is_up(owner):
+                self._down_since.pop(owner, None)
+            else:
+                self._down_since.setdefault(owner, now)
+        for owner in [o for o in self._down_since if o not in owners]:
+            del self._down_since[owner]
+        due = []
+        for key, man in list(self._copies.items()):
+            since = self._down_since.get(man.node)
+            if since is None or now - since < TAKEOVER_GRACE:
+                continue
+            local = self.store.get(*key)
+            if key in self._pending or local is None or local.generation != man.generation:
+                self._copies.pop(key, None)
+                continue
+            # Only the first holder after the owner on the ring (of those alive) takes over.
+            holders = [n for n in (self.config.node_id, *peer.live_holders(man)) if n != man.node]
+            if min(holders, key=lambda n: (n < man.node, n)) == self.config.node_id:
+                due.append(man)
+        if due:
+            await asyncio.gather(*(self._take_over(peer, man, now - self._down_since[man.node]) for man in due))
+
+    async def _take_over(self, peer: Any, man: Manifest, down_for: float) -> None:
+        try:
+            remote = await self._read_manifest(*man.key)
+        except (NotFoundError, DataLossError):  # missing, or corrupt: a fresh upload replaces it
+            remote = None
+        except UnavailableError as err:
+            log.warning("take-over of %s step %d rank %d postponed: %s", man.job, man.step, man.rank, err)
+            return
+        if self._copies.get(man.key) is not man or man.key in self._pending or peer.is_up(man.node):
+            return  # changed meanwhile; looked at again on the next pass
+        del self._copies[man.key]
+        if remote is not None and (remote.generation == man.generation or remote.created >= man.created):
+            return  # drained by its owner (or a newer save is there)
+        local = self.store.get(*man.key)
+        if local is None or local.generation != man.generation:
+            return
+        log.warning("taking over the drain of %s step %d rank %d to %s: its owner %s has been down for %.0fs "
+                    "and it is not in the persistent tier", man.job, man.step, man.rank, self.url, man.node,
+                    down_for)
+        self._enqueue(local, time.time(), durable=True)
 
     async def _put_shard(self, e: _Entry, key: str, path: Path, size: int) -> None:
         def put() -> int:

@@ -1046,6 +1046,16 @@ class PeerTier(RemoteTier):
             return list(st.holders)
         raise st.error
 
+    def is_up(self, node_id: str) -> bool:
+        """Whether ``node_id`` is a peer that answered its last health check (this node's view)."""
+        p = self._peers.get(node_id)
+        return p is not None and p.up
+
+    def live_holders(self, man: Manifest) -> list[str]:
+        """Live peers whose last catalog lists this generation of the rank (sorted ids)."""
+        return sorted(n for n, p in self._peers.items()
+                      if p.up and (h := p.held.get(man.key)) is not None and h.generation == man.generation)
+
     def status(self) -> dict:
         pending = [st for st in self._reps.values() if not st.reached and not st.event.is_set()]
         return {
