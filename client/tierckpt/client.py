@@ -12,6 +12,7 @@ identical results.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import json
 import mmap
 import os
@@ -28,8 +29,10 @@ from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
 from ._names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
 from ._status import error_from_rpc
 from .errors import (
+    CapacityError,
     DataLossError,
     InvalidArgumentError,
+    NotFoundError,
     TierckptError,
 )
 from .v1 import tierckpt_pb2 as pb
@@ -296,10 +299,22 @@ class Client:
                 fds[b.name] = os.open(s.path, os.O_WRONLY)
                 for off in range(0, b.nbytes, _COPY_PIECE):
                     pieces.append((_pwrite_all, fds[b.name], b.view[off : off + _COPY_PIECE], off))
-            for f in [self._io.submit(*p) for p in pieces]:
-                f.result()
+            futs = [self._io.submit(*p) for p in pieces]
+            try:
+                for f in futs:
+                    f.result()
+            finally:
+                # No piece may outlive this call: the fds are closed below and their numbers
+                # reused by the next open, which a late pwrite would then write into.
+                for f in futs:
+                    f.cancel()
+                cf.wait(futs)
         except FileNotFoundError as e:
             raise TierckptError(f"staging file vanished (the save was aborted or expired): {e.filename}") from None
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise CapacityError(f"local_dir is full while staging: {e}") from None
+            raise TierckptError(f"copying into the staging file failed: {e}") from None
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -400,7 +415,11 @@ class Client:
                                 transfer=pb.TRANSFER_STREAM if self.transfer == "stream" else pb.TRANSFER_SHARED_FS)
         resp = self._call(self._stub.Restore, req, "Restore", timeout=None)
         try:
-            return self._materialize(resp, job, rank, progress)
+            try:
+                return self._materialize(resp, job, rank, progress)
+            except NotFoundError:  # a file went away after the daemon answered: ask once more
+                resp = self._call(self._stub.Restore, req, "Restore", timeout=None)
+                return self._materialize(resp, job, rank, progress)
         except DataLossError:
             if self.transfer == "stream" or not self._sees(resp.local_dir, resp.fs_token):
                 raise
@@ -445,13 +464,20 @@ class Client:
         if s.size == 0:
             buf: Any = b""
         else:
-            fd = os.open(s.path, os.O_RDONLY)
+            try:
+                fd = os.open(s.path, os.O_RDONLY)
+            except FileNotFoundError:  # evicted or re-saved since the daemon answered (not corrupt)
+                raise NotFoundError(f"{job} step {step} rank {rank} shard {s.name!r}: the local copy was removed "
+                                    "while restoring") from None
             try:
                 # Private (copy-on-write) map: reads share the page cache with the stored file;
                 # a caller that writes into a tensor made from it gets private pages instead of a
                 # crash, and the stored copy never changes. (No MAP_POPULATE: on a private
                 # writable map it would copy every page.)
                 buf = mmap.mmap(fd, s.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except ValueError:  # the file is shorter than the manifest says
+                raise DataLossError(f"{job} step {step} rank {rank} shard {s.name!r}: the local copy is shorter "
+                                    f"than {s.size} bytes") from None
             finally:
                 os.close(fd)
         if verify:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import grpc
 import json
@@ -44,6 +45,9 @@ def _rpc(fn: Callable) -> Callable:
                 log.exception("%s failed", fn.__name__)
             await context.abort(code, str(e))
         except OSError as e:
+            if e.errno == errno.ENOSPC:  # the local tier's filesystem is full: the capacity condition
+                log.error("%s failed: local_dir is full: %s", fn.__name__, e)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"local_dir is full on node: {e.strerror or e}")
             log.exception("%s failed with an I/O error", fn.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"I/O error on node: {e.strerror or e}")
 

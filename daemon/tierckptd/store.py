@@ -182,6 +182,7 @@ class LocalStore:
         self._recycle_bytes = 0
         self._recyclable: set[Path] = set()
         self._committed_bytes = 0
+        self._committing_bytes = 0  # saves between leaving _open and entering the catalog
         self._pins: dict[tuple[str, int], set[str]] = {}
         self.is_complete: CompletenessFn = _local_complete
         self.on_evict: list[Callable[[Eviction], None]] = []
@@ -333,6 +334,8 @@ class LocalStore:
                         os.ftruncate(fh.fileno(), f.size)
         except OSError as e:
             self.abort(save_id)
+            for path in reused.values():  # taken from the pool (and its bytes) but not moved yet
+                path.unlink(missing_ok=True)
             if e.errno == errno.ENOSPC:
                 raise CapacityError(f"local_dir {self.root} is full: {e.strerror}") from e
             raise
@@ -420,6 +423,7 @@ class LocalStore:
             del self._open[save_id]
             if self._open_by_key.get((st.job, st.step, st.rank)) == save_id:
                 del self._open_by_key[(st.job, st.step, st.rank)]
+            self._committing_bytes += st.nbytes
         gen = generation or save_id
         man = Manifest(
             job=st.job, step=st.step, rank=st.rank, world_size=st.world_size,
@@ -441,16 +445,29 @@ class LocalStore:
                 os.rename(f.path, target)
             if self.fsync:
                 _fsync_path(rdir)
-            _atomic_write(rdir / MANIFEST_NAME, man.to_json(), fsync=self.fsync)
-        except OSError:
-            shutil.rmtree(st.dir, ignore_errors=True)
-            for f in st.files.values():
-                (rdir / f"{f.name}.{save_id}").unlink(missing_ok=True)
+            tmp = _write_temp(rdir / MANIFEST_NAME, man.to_json(), fsync=self.fsync)
+        except BaseException as e:
+            with self._lock:
+                self._committing_bytes -= st.nbytes
+            if isinstance(e, OSError):
+                shutil.rmtree(st.dir, ignore_errors=True)
+                for f in st.files.values():
+                    (rdir / f"{f.name}.{save_id}").unlink(missing_ok=True)
             raise
         finally:
             _rmdir_quiet(st.dir)
         evictions: list[Eviction] = []
         with self._lock:
+            self._committing_bytes -= st.nbytes
+            # The manifest goes into place in the critical section that updates the catalog, so
+            # overlapping commits of one rank (and evictions) change disk and catalog in one order.
+            try:
+                os.rename(tmp, rdir / MANIFEST_NAME)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                for f in st.files.values():
+                    (rdir / f"{f.name}.{save_id}").unlink(missing_ok=True)
+                raise
             by_rank = self._catalog.setdefault(st.job, {}).setdefault(st.step, {})
             old = by_rank.get(st.rank)
             by_rank[st.rank] = man
@@ -463,6 +480,8 @@ class LocalStore:
             if pin:
                 self._pins.setdefault((st.job, st.step), set()).add(pin)
             evictions = self._retain_locked(st.job)
+        if self.fsync:
+            _fsync_path(rdir)
         self._notify(evictions)
         return man, evictions
 
@@ -534,7 +553,7 @@ class LocalStore:
 
     def usage(self) -> Usage:
         with self._lock:
-            staging = sum(st.nbytes for st in self._open.values())
+            staging = sum(st.nbytes for st in self._open.values()) + self._committing_bytes
             return Usage(self.capacity, self._committed_bytes, staging, self._recycle_bytes)
 
     # ----------------------------------------------------------------------------- retention
@@ -578,7 +597,7 @@ class LocalStore:
 
     def _make_room_locked(self, need: int) -> None:
         usage = Usage(self.capacity, self._committed_bytes,
-                      sum(st.nbytes for st in self._open.values()), self._recycle_bytes)
+                      sum(st.nbytes for st in self._open.values()) + self._committing_bytes, self._recycle_bytes)
         if need > self.capacity:
             raise CapacityError(f"shards: {need} bytes exceed local_capacity {self.capacity}")
         if usage.used + need <= self.capacity:
@@ -607,7 +626,8 @@ class LocalStore:
             )
 
     def _used_locked(self) -> int:
-        return self._committed_bytes + sum(st.nbytes for st in self._open.values()) + self._recycle_bytes
+        return (self._committed_bytes + sum(st.nbytes for st in self._open.values()) + self._committing_bytes
+                + self._recycle_bytes)
 
     def _evictable_locked(self, allow_pinned: bool) -> list[tuple[str, int]]:
         """Steps that capacity may evict, oldest first: never a job's newest complete step nor
@@ -717,13 +737,19 @@ def _hash_file(path: Path, size: int) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes, *, fsync: bool) -> None:
+def _write_temp(path: Path, data: bytes, *, fsync: bool) -> Path:
+    """Write ``data`` next to ``path`` under a temporary name (for a later rename over it)."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     with open(tmp, "xb") as fh:
         fh.write(data)
         if fsync:
             fh.flush()
             os.fsync(fh.fileno())
+    return tmp
+
+
+def _atomic_write(path: Path, data: bytes, *, fsync: bool) -> None:
+    tmp = _write_temp(path, data, fsync=fsync)
     os.rename(tmp, path)
     if fsync:
         _fsync_path(path.parent)
