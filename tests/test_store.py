@@ -110,3 +110,37 @@ def test_write_chunk_bounds(store):
         store.commit(st.save_id, {"a": _checksum.digest(b"ab\0\0")})
     for fd in fds.values():
         os.close(fd)
+
+
+def test_restore_from_a_remote_tier_is_not_evicted_by_its_own_commit(scratch):
+    """A fetched step older than keep_local newer complete steps survives until the client maps it."""
+    import asyncio
+
+    from tierckptd.node import Node
+    from tierckptd.tiers import RemoteTier
+
+    store = LocalStore(scratch / "d3", "n0", capacity=10_000, keep_local=1)
+    store.open()
+    _save(store, "j", 9, {"a": b"new"})  # the newest complete step
+
+    class FakeRemote(RemoteTier):
+        name = "peer"
+
+        async def catalog(self, job):
+            return {}
+
+        async def fetch(self, job, step, rank):
+            _, man, _ = _save(store, job, step, {"a": b"old"})  # what a real fetch commits
+            return man
+
+        async def wait(self, job, step, rank, timeout):
+            return []
+
+    async def run():
+        node = Node(store, [FakeRemote()], node_id="n0", staging_timeout=60)
+        res = await node.restore("j", 0, 5)
+        assert res.tier == "peer"
+        assert [open(p, "rb").read() for p in res.paths] == [b"old"]
+        await node.stop(1)
+
+    asyncio.run(run())

@@ -33,6 +33,8 @@ __all__ = ["Node", "StepView", "RestoreResult"]
 log = logging.getLogger(__name__)
 
 TIERS = ("local", "peer", "persistent")
+RESTORE_PIN_SECONDS = 60.0
+"""A step fetched from a remote tier is kept from retention this long after the restore."""
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Node:
         self._idle = asyncio.Event()
         self._idle.set()
         self._reaper: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         store.on_evict.append(self._evicted)
 
@@ -112,6 +115,8 @@ class Node:
             await t.stop(max(0.0, deadline - time.monotonic()))
         if self._reaper:
             self._reaper.cancel()
+        for task in list(self._tasks):
+            task.cancel()
 
     # ------------------------------------------------------------------------- saving
 
@@ -260,6 +265,11 @@ class Node:
             man = None
         tier, source = "local", self.node_id
         if man is None:
+            # A fetched copy may be older than the newest keep_local complete steps: pin the step
+            # so the fetch's own commit (and retention soon after) cannot evict it before the
+            # client has mapped it. Mapped files stay valid even if evicted later.
+            self.store.pin(job, step, "restore")
+            self._spawn(self._unpin_later(job, step, "restore", RESTORE_PIN_SECONDS))
             for t in self.tiers:
                 try:
                     man = await t.fetch(job, step, rank)
@@ -284,6 +294,16 @@ class Node:
         return RestoreResult(man, tier, paths, source)
 
     # ------------------------------------------------------------------------- housekeeping
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _unpin_later(self, job: str, step: int, reason: str, delay: float) -> None:
+        await asyncio.sleep(delay if self.accepting else 0)
+        await asyncio.to_thread(self.store.unpin, job, step, reason)
 
     async def _reap_staging(self) -> None:
         interval = max(0.05, min(10.0, self.staging_timeout / 4))
