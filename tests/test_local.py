@@ -339,3 +339,16 @@ def test_writing_into_restored_tensor_never_changes_the_checkpoint(daemon):
         view.add_(1)  # copy-on-write pages: no crash, and the stored file is untouched
         assert float(view[0]) == 1.0
         assert torch.equal(c.restore("job", 0).tensor("t"), t)
+
+
+def test_second_daemon_on_the_same_local_dir_is_refused(daemon, scratch):
+    from tests.harness import _BIN_DIR
+
+    with daemon.client() as c:
+        c.save("job", 1, 0, 1, {"x": b"keep"}).result(30)
+    p = subprocess.run([str(_BIN_DIR / "tierckptd"), "--local-dir", str(daemon.local_dir), "--socket",
+                        str(scratch / "other.sock"), "--listen", "127.0.0.1:0"], capture_output=True, text=True,
+                       timeout=30)
+    assert p.returncode == 2 and "local_dir" in p.stderr and "in use" in p.stderr
+    with daemon.client() as c:
+        assert bytes(c.restore("job", 0).shards["x"]) == b"keep"

@@ -167,6 +167,7 @@ def test_concurrent_resaves_of_one_rank_keep_disk_and_catalog_in_agreement(scrat
     on_disk = store_mod.Manifest.from_json((store._rank_dir("j", 1, 0) / "manifest.json").read_bytes())
     assert on_disk.generation == man.generation
     assert store.shard_path(man, "s").read_bytes() in (b"A" * 100, b"B" * 100)
+    store.close()  # as if the process died
     again = LocalStore(root, "n0", capacity=100_000, keep_local=2)
     again.open()
     assert again.get("j", 1, 0) is not None, "the rank was lost at restart"

@@ -90,6 +90,7 @@ def test_reopen_rebuilds_catalog_and_drops_uncommitted(scratch, store):
     orphan.mkdir(parents=True)
     (orphan / "a.x").write_bytes(b"no manifest")
     st = store.begin("j", 9, 0, 1, [("a", 3, "", ())])
+    store.close()  # as if the process died
     again = LocalStore(store.root, "n0", capacity=10_000, keep_local=1)
     again.open()
     man = again.get("j", 1, 0)
@@ -144,3 +145,24 @@ def test_restore_from_a_remote_tier_is_not_evicted_by_its_own_commit(scratch):
         await node.stop(1)
 
     asyncio.run(run())
+
+
+def test_a_second_store_on_the_same_dir_is_refused(store):
+    from tierckptd.config import ConfigError
+
+    other = LocalStore(store.root, "n1")
+    with pytest.raises(ConfigError, match="local_dir.*in use"):
+        other.open()
+
+
+def test_idle_recycle_pool_is_released(scratch):
+    s = LocalStore(scratch / "d4", "n0", capacity=10_000, keep_local=1)
+    s.open()
+    _save(s, "j", 1, {"a": b"1" * 100})
+    _save(s, "j", 2, {"a": b"2" * 100})
+    assert s.usage().recycle == 100
+    s.reclaim_expired(60)
+    assert s.usage().recycle == 100  # a save began recently: keep the pool
+    s._last_begin -= 120
+    s.reclaim_expired(60)
+    assert s.usage().recycle == 0 and not any((s.root / "recycle").iterdir())

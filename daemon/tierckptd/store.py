@@ -27,6 +27,7 @@ Thread safety: every public method may be called from any thread (the server cal
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -179,6 +180,8 @@ class LocalStore:
         self._open: dict[str, Staging] = {}
         self._open_by_key: dict[tuple[str, int, int], str] = {}
         self._recycle: dict[int, list[Path]] = {}
+        self._last_begin = time.monotonic()
+        self._lock_fd: int | None = None
         self._recycle_bytes = 0
         self._recyclable: set[Path] = set()
         self._committed_bytes = 0
@@ -191,7 +194,14 @@ class LocalStore:
     # ----------------------------------------------------------------------------- start-up
 
     def open(self) -> None:
-        """Create the layout, reclaim leftovers and rebuild the catalog from the manifests."""
+        """Create the layout, reclaim leftovers and rebuild the catalog from the manifests.
+
+        Raises:
+            ConfigError: another live daemon holds this local_dir (its start-up would have
+                reclaimed that daemon's staging files).
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._take_dir_lock()
         for sub in ("staging", "recycle", "jobs"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         if self._fsync_mode == "auto":
@@ -211,6 +221,26 @@ class LocalStore:
             log.info("reclaimed %d staging leftovers of a previous run", reclaimed)
             self.counters["staging_reclaimed"] += reclaimed
         self._scan()
+
+    def _take_dir_lock(self) -> None:
+        from .config import ConfigError
+
+        fd = os.open(self.root / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(f"local_dir: {self.root} is in use by another tierckptd (pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd  # held (and the lock with it) until the process exits
+
+    def close(self) -> None:
+        """Release the local_dir lock (a process exit releases it too)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _scan(self) -> None:
         jobs_dir = self.root / "jobs"
@@ -303,6 +333,7 @@ class LocalStore:
         save_id = secrets.token_hex(8)
         sdir = self.root / "staging" / save_id
         with self._lock:
+            self._last_begin = time.monotonic()
             older = self._open_by_key.get((job, step, rank))
             if older is not None:
                 log.info("save %s of %s/%d/%d superseded by a new save; aborting it", older, job, step, rank)
@@ -509,7 +540,10 @@ class LocalStore:
                             sid, st.job, st.step, st.rank, now - st.created)
                 self._abort_locked(sid)
             self.counters["staging_reclaimed"] += len(expired)
-            # Recycled files idle that long are returned to the system.
+            if self._recycle_bytes and now - self._last_begin > timeout:
+                # No save for that long (the job ended or moved): give the pool's pages back.
+                log.info("no save for %.0fs: releasing %d recycled bytes", now - self._last_begin, self._recycle_bytes)
+                self._drop_recycle_locked(self._recycle_bytes)
             return len(expired)
 
     def open_saves(self) -> int:
