@@ -6,7 +6,6 @@ Needs the fixtures of :mod:`tests.servers` (``pytest_plugins = ["tests.servers"]
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import hashlib
 import os
@@ -21,7 +20,7 @@ import pytest
 from tierckpt.errors import InvalidArgumentError, NotFoundError
 from tierckptd.backends import Backend, BackendError, MissingExtraError, open_backend
 from tierckptd.config import ConfigError
-from tierckptd.retry import RetryPolicy, async_call_with_retry, call_with_retry
+from tierckptd.retry import RetryPolicy, call_with_retry
 
 MiB = 1 << 20
 # Fail fast while a server is down: the SDKs' own retries would only slow the outage tests.
@@ -317,23 +316,3 @@ def test_retry_policy_validates() -> None:
             RetryPolicy(**kwargs)
 
 
-def test_async_retry_runs_in_threads_and_sleeps_asynchronously() -> None:
-    fn, sleeps, threads = _Flaky([_transient(), _transient()]), list[float](), set[int]()
-
-    def call() -> str:
-        threads.add(threading.get_ident())
-        return fn()
-
-    async def fake_sleep(delay: float) -> None:
-        sleeps.append(delay)
-
-    async def main() -> str:
-        return await async_call_with_retry(call, RetryPolicy(initial_delay=0.1, jitter=False), sleep=fake_sleep)
-
-    assert asyncio.run(main()) == "ok"
-    assert fn.calls == 3 and sleeps == pytest.approx([0.1, 0.2])
-    assert threading.get_ident() not in threads
-
-    fn = _Flaky([BackendError("401", retryable=False)])
-    with pytest.raises(BackendError, match="401"):
-        asyncio.run(async_call_with_retry(fn, RetryPolicy(), sleep=fake_sleep))

@@ -12,16 +12,15 @@ daemons that lost the object store at the same moment.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from tierckptd.backends.base import BackendError
 
-__all__ = ["RetryPolicy", "call_with_retry", "async_call_with_retry"]
+__all__ = ["RetryPolicy", "call_with_retry"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,41 +127,3 @@ def call_with_retry(
         sleep(delay)
 
 
-async def async_call_with_retry(
-    fn: Callable[[], T],
-    policy: RetryPolicy,
-    *,
-    on_retry: OnRetry | None = None,
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-) -> T:
-    """Run the blocking ``fn()`` in a worker thread, retrying as :func:`call_with_retry` does.
-
-    Each attempt is ``await asyncio.to_thread(fn)``, so the event loop never blocks; the waits
-    between attempts are ``await sleep(delay)`` and can be cancelled. Cancelling during an
-    attempt stops waiting for it, but the worker thread finishes that attempt on its own.
-
-    Args:
-        fn: The blocking operation, e.g. ``functools.partial(backend.put_file, key, path)``.
-        policy: Backoff and limits.
-        on_retry: Called as ``on_retry(attempt, error, delay)`` before each sleep.
-        sleep: The async sleep function (tests inject a fake).
-
-    Returns:
-        What ``fn`` returned.
-
-    Raises:
-        BackendError: The last error, when it is not retryable or the policy gave up.
-        Exception: Any other error of ``fn``, at once.
-    """
-    started = time.monotonic()
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return await asyncio.to_thread(fn)
-        except BackendError as e:
-            delay = _next_delay(policy, attempt, e, started)
-            if delay is None:
-                raise
-            _notify(on_retry, attempt, e, delay)
-        await sleep(delay)

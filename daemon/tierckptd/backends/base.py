@@ -123,8 +123,8 @@ class Backend(abc.ABC):
        no object is read or written).
     2. Any number of ``put_file`` / ``put_bytes`` / ``get_file`` / ``get_bytes`` / ``list`` /
        ``delete`` / ``exists`` calls, concurrently from any number of worker threads. Every
-       method is blocking; the asyncio daemon calls them via ``asyncio.to_thread`` and wraps them
-       in :func:`tierckptd.retry.async_call_with_retry`.
+       method is blocking; the daemon's drain calls them from worker threads, wrapped in
+       :func:`tierckptd.retry.call_with_retry`.
     3. ``close()`` once, after the last call has returned.
 
     Contract:
