@@ -166,3 +166,22 @@ def test_idle_recycle_pool_is_released(scratch):
     s._last_begin -= 120
     s.reclaim_expired(60)
     assert s.usage().recycle == 0 and not any((s.root / "recycle").iterdir())
+
+
+def test_corruption_report_for_an_older_generation_keeps_the_newer_save(store):
+    import asyncio
+
+    from tierckptd.node import Node
+
+    _, old, _ = _save(store, "j", 1, {"a": b"old"})
+    _, new, _ = _save(store, "j", 1, {"a": b"new"})  # re-saved after the client's failed check
+    assert not store.remove_rank("j", 1, 0, "test", generation=old.generation)
+
+    async def run():
+        node = Node(store, [], node_id="n0", staging_timeout=60)
+        res = await node.restore("j", 0, 1, local_corrupt=True, corrupt_generation=old.generation)
+        assert res.tier == "local" and res.manifest.generation == new.generation
+        await node.stop(1)
+
+    asyncio.run(run())
+    assert store.get("j", 1, 0).generation == new.generation

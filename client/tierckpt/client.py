@@ -425,6 +425,7 @@ class Client:
                 raise
             # The local copy is corrupt: the daemon drops it and tries the next tier.
             req.local_corrupt = True
+            req.corrupt_generation = resp.generation
             req.has_step, req.step = True, resp.step
             resp = self._call(self._stub.Restore, req, "Restore", timeout=None)
             return self._materialize(resp, job, rank, progress)

@@ -8,6 +8,7 @@ servicer only validates and translates; everything here raises tierckpt exceptio
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -246,7 +247,8 @@ class Node:
 
     # ------------------------------------------------------------------------- restore
 
-    async def restore(self, job: str, rank: int, step: int | None, *, local_corrupt: bool = False) -> RestoreResult:
+    async def restore(self, job: str, rank: int, step: int | None, *, local_corrupt: bool = False,
+                      corrupt_generation: str = "") -> RestoreResult:
         check_job(job)
         t0 = time.perf_counter()
         if step is None:
@@ -256,13 +258,17 @@ class Node:
         check_step(step)
         man = self.store.get(job, step, rank)
         errors: list[str] = []
-        if man is not None and local_corrupt:
+        if man is not None and local_corrupt and corrupt_generation not in ("", man.generation):
+            log.info("client reported generation %s of %s step %d rank %d corrupt; it was re-saved since",
+                     corrupt_generation, job, step, rank)
+        elif man is not None and local_corrupt:
             errors.append("local: checksum mismatch found by the client")
             log.error("client reported a corrupt local copy of %s step %d rank %d; dropping it", job, step, rank)
             if self.metrics:
                 self.metrics.checksum_failures.labels(tier="local").inc()
-            await asyncio.to_thread(self.store.remove_rank, job, step, rank, "checksum failure")
-            man = None
+            removed = await asyncio.to_thread(functools.partial(
+                self.store.remove_rank, job, step, rank, "checksum failure", generation=man.generation))
+            man = None if removed else self.store.get(job, step, rank)
         tier, source = "local", self.node_id
         if man is None:
             # A fetched copy may be older than the newest keep_local complete steps: pin the step

@@ -159,13 +159,14 @@ class TierckptServicer(pb_grpc.TierckptServicer):
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreResponse:
         check_job(request.job)
         step = request.step if request.has_step else None
-        res = await self.node.restore(request.job, request.rank, step, local_corrupt=request.local_corrupt)
+        res = await self.node.restore(request.job, request.rank, step, local_corrupt=request.local_corrupt,
+                                      corrupt_generation=request.corrupt_generation)
         man = res.manifest
         shared = request.transfer != pb.TRANSFER_STREAM
         return pb.RestoreResponse(
             step=man.step, tier=TIER_ENUM[res.tier], world_size=man.world_size,
             metadata_json=man.metadata_json, fs_token=self.node.store.fs_token, source_node=res.source_node,
-            local_dir=str(self.node.store.root),
+            local_dir=str(self.node.store.root), generation=man.generation,
             shards=[pb.RestoredShard(name=s.name, size=s.size, checksum=s.checksum, dtype=s.dtype,
                                      shape=list(s.shape), path=p if shared else "")
                     for s, p in zip(man.shards, res.paths)],

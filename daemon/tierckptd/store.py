@@ -705,11 +705,14 @@ class LocalStore:
         self._notify([ev])
         return ev
 
-    def remove_rank(self, job: str, step: int, rank: int, reason: str) -> bool:
-        """Remove one committed rank (e.g. a replica whose owner evicted the step)."""
+    def remove_rank(self, job: str, step: int, rank: int, reason: str, *, generation: str | None = None) -> bool:
+        """Remove one committed rank (e.g. a replica whose owner evicted the step); with
+        ``generation``, only if the committed copy is still that save."""
         with self._lock:
             ranks = self._catalog.get(job, {}).get(step)
             if not ranks or rank not in ranks:
+                return False
+            if generation is not None and ranks[rank].generation != generation:
                 return False
             man = ranks.pop(rank)
             self._committed_bytes -= man.nbytes

@@ -208,20 +208,22 @@ class ListResponse(_message.Message):
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job", "rank", "has_step", "step", "transfer", "local_corrupt")
+    __slots__ = ("job", "rank", "has_step", "step", "transfer", "local_corrupt", "corrupt_generation")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     HAS_STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_GENERATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     has_step: bool
     step: int
     transfer: Transfer
     local_corrupt: bool
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., local_corrupt: _Optional[bool] = ...) -> None: ...
+    corrupt_generation: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., local_corrupt: _Optional[bool] = ..., corrupt_generation: _Optional[str] = ...) -> None: ...
 
 class RestoredShard(_message.Message):
     __slots__ = ("name", "size", "checksum", "dtype", "shape", "path")
@@ -240,7 +242,7 @@ class RestoredShard(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., path: _Optional[str] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("step", "tier", "world_size", "metadata_json", "shards", "fs_token", "source_node", "local_dir")
+    __slots__ = ("step", "tier", "world_size", "metadata_json", "shards", "fs_token", "source_node", "local_dir", "generation")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +251,7 @@ class RestoreResponse(_message.Message):
     FS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_DIR_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     step: int
     tier: Tier
     world_size: int
@@ -257,7 +260,8 @@ class RestoreResponse(_message.Message):
     fs_token: str
     source_node: str
     local_dir: str
-    def __init__(self, step: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., world_size: _Optional[int] = ..., metadata_json: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[RestoredShard, _Mapping]]] = ..., fs_token: _Optional[str] = ..., source_node: _Optional[str] = ..., local_dir: _Optional[str] = ...) -> None: ...
+    generation: str
+    def __init__(self, step: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., world_size: _Optional[int] = ..., metadata_json: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[RestoredShard, _Mapping]]] = ..., fs_token: _Optional[str] = ..., source_node: _Optional[str] = ..., local_dir: _Optional[str] = ..., generation: _Optional[str] = ...) -> None: ...
 
 class ReadShardRequest(_message.Message):
     __slots__ = ("job", "step", "rank", "shard")
