@@ -199,6 +199,10 @@ class TierckptServicer(pb_grpc.TierckptServicer):
                     break
                 yield pb.ReadShardResponse(offset=offset, data=data)
                 offset += len(data)
+        except OSError as e:
+            log.error("ReadShard %s step %d rank %d %s: %s", request.job, request.step, request.rank,
+                      request.shard, e)
+            await context.abort(grpc.StatusCode.INTERNAL, f"I/O error on node reading shard: {e.strerror or e}")
         finally:
             os.close(fd)
 
