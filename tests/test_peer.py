@@ -256,3 +256,37 @@ def test_peers_dns_discovers_node_ids_by_asking_each_address(daemon_factory):
                    what="n0 discovers n1")
         fut = c.save("dns", 1, 0, 1, {"a": b"dns" * 1000})
         assert fut.wait("peer", timeout=60) == ["n1"]
+
+
+@pytest.mark.slow
+def test_dead_owner_ranks_are_re_replicated_after_the_grace_period(daemon_factory):
+    # replicas=1: n0's rank lives on n0 and n1. Once n0 has been down for OWNER_GRACE, the first
+    # live holder (n1) copies it to the next live node (n2), so that losing n1 as well loses nothing.
+    from tierckptd.peer import OWNER_GRACE
+
+    cl = Cluster(daemon_factory, 4)
+    job = "lost"
+    arrs = {"w": shard(11, 3_000_000), "b": shard(12, 10)}
+    with cl.d["n0"].client() as c:
+        assert c.save(job, 5, 0, 1, arrs, metadata={"k": 1}).wait("peer", timeout=30) == ["n1"]
+    cl.d["n0"].kill()
+    t0 = time.monotonic()
+    wait_until(lambda: cl.holders("n3", job, 5) == {0: ("n1", "n2")}, timeout=OWNER_GRACE + 10,
+               what="n1 copies the dead owner's rank to n2")
+    assert time.monotonic() - t0 > OWNER_GRACE / 2  # not before the grace period
+    cl.d["n1"].kill()
+    with cl.d["n3"].client() as c:
+        ck = c.restore(job, 0)
+        # n2 may already have pushed its copy to n3 (R + 1 live copies again): local or peer.
+        assert (ck.step, ck.metadata) == (5, {"k": 1}) and ck.tier in ("peer", "local")
+        assert all(np.array_equal(ck.shards[n], a) for n, a in arrs.items())
+    wait_until(lambda: cl.holders("n2", job, 5) == {0: ("n2", "n3")}, timeout=10, what="two live copies again")
+    # The owner comes back (a replacement) and restores its rank: placement is R again (n2), so
+    # n3's extra copy is surplus and dropped, and nothing pushes it back (no ping-pong).
+    cl.replace("n0")
+    with cl.d["n0"].client() as c:
+        ck = c.restore(job, 0)
+        assert ck.tier == "peer" and all(np.array_equal(ck.shards[n], a) for n, a in arrs.items())
+    wait_until(lambda: cl.holders("n2", job, 5) == {0: ("n0", "n2")}, timeout=15, what="surplus copy dropped")
+    time.sleep(3)
+    assert cl.holders("n3", job, 5) == {0: ("n0", "n2")}

@@ -24,6 +24,15 @@ the holder drops it. Replicas follow the owner's retention: the owner's retentio
 ``DropReplicas``, every node's own retention counts cluster-wide completeness, and a replica
 whose owner is up, no longer holds it and has ``keep_local`` newer complete steps is dropped.
 
+Lost owners: when an owner has been down for :data:`OWNER_GRACE` seconds (this node's view), its
+own copy counts as gone, so its ranks in the retention window should have R + 1 copies among the
+live nodes (a stand-in for the owner's copy plus R replicas): the first live holder of a rank on
+the ring after the owner pushes it (same push path) to the first R + 1 live nodes after the owner
+that lack it. While an owner is down (any duration), or up without the rank (a replacement that
+has not restored it), garbage collection also counts R + 1 copies, so it never drops those; once
+the owner holds the rank again (restarted, or a replacement that restored it), placement is R
+again and the copies beyond it are surplus and dropped by the usual rule.
+
 Catalog: every node polls its peers' ``Catalog`` every :data:`REFRESH_INTERVAL` seconds (the
 health check); ``catalog(job)`` asks the live peers directly, so ``latest()`` counts a step
 complete when, for every rank, some live node holds a committed copy. The cached catalogs back
@@ -90,6 +99,9 @@ CATCH_UP_INTERVAL = 30.0
 """Seconds between full checks that every owned rank in the retention window has its copies."""
 GC_INTERVAL = 5.0
 """Seconds between sweeps for surplus and retired replicas."""
+OWNER_GRACE = 15.0
+"""Seconds an owner must stay down (this node's view) before its ranks' copies are re-replicated
+to restore redundancy (see :meth:`PeerTier._restore_redundancy`)."""
 RPC_TIMEOUT = 5.0
 BULK_STREAMS = max(2, min(4, (os.cpu_count() or 2) // 2))
 """Parallel bulk connections per rank transfer: loopback and NIC throughput of Python sockets is
@@ -277,6 +289,9 @@ class PeerTier(RemoteTier):
         self._sem: asyncio.Semaphore | None = None
         self._maintainer: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._down_since: dict[str, float] = {}  # peer id -> monotonic time first seen down
+        self._rereps: dict[tuple[str, int, int], asyncio.Task] = {}  # lost owners' ranks being pushed
+        self._rerep_backoff: dict[tuple[str, int, int], tuple[int, float]] = {}  # key -> (fails, not before)
         store.is_complete = self._is_complete
         if self.replicas > len(self._peers) and not self._dns:
             log.warning("replicas=%d but only %d peers are configured: wait('peer') will fail",
@@ -312,7 +327,7 @@ class PeerTier(RemoteTier):
                 t.cancel()
             if late:
                 log.warning("peer tier: %d replications unfinished at shutdown (caught up after restart)", len(late))
-        for t in list(self._background):
+        for t in [*self._background, *self._rereps.values()]:
             t.cancel()
         self._bulk.stop()
         for p in self._peers.values():
@@ -414,6 +429,7 @@ class PeerTier(RemoteTier):
                 if self._dns:
                     await self._discover()
                 came_back = await self._refresh()
+                self._restore_redundancy()
                 now = time.monotonic()
                 if first or came_back or now - last_catch_up > CATCH_UP_INTERVAL:
                     first, last_catch_up = False, now
@@ -648,6 +664,93 @@ class PeerTier(RemoteTier):
             await self._call(p, p.stub.AbortReplica, ppb.AbortReplicaRequest(ticket=ticket), RPC_TIMEOUT)
         except TierckptError as e:
             log.debug("abort of replica ticket on %s failed (its staging expires): %s", p.node_id, e)
+
+    # ------------------------------------------------------------------------------ lost owners
+    #
+    # Restoring redundancy when an owner dies for good (see "Lost owners" in the module docstring).
+    # Hysteresis against ping-pong: copies are pushed only after OWNER_GRACE, but kept (by GC) as
+    # soon as the owner is down; when it holds the rank again GC goes back to R and drops the extra
+    # copy. Nothing here pushes while the owner is up, so GC and this never undo each other.
+
+    def _copies_wanted(self, man: Manifest) -> int:
+        """Copies of a replica's rank wanted besides the owner's: R while the owner is up and holds
+        the rank, else R + 1 (a stand-in for the owner's copy: down, or replaced and not restored)."""
+        p = self._peers.get(man.node)
+        return self.replicas + (0 if p is not None and p.up and man.key in p.held else 1)
+
+    def _restore_redundancy(self) -> None:
+        """Push copies of lost owners' ranks held here to live nodes lacking them (each maintenance pass)."""
+        now = time.monotonic()
+        for n, p in self._peers.items():
+            if p.up:
+                self._down_since.pop(n, None)
+            else:
+                self._down_since.setdefault(n, now)
+        lost = {n for n, t in self._down_since.items() if now - t >= OWNER_GRACE}
+        if not lost:
+            self._rerep_backoff.clear()
+        if not self.replicas or not lost:
+            return
+        nodes = set(self._peers) | {self.node_id}
+        up = {n for n, p in self._peers.items() if p.up} | {self.node_id}
+        seen = set()
+        for job in self.store.jobs():
+            complete = self.store.complete_steps(job)
+            floor = complete[-self.store.keep_local] if len(complete) >= self.store.keep_local else -1
+            for step, ranks in self.store.steps(job).items():
+                if step < floor:
+                    continue
+                for man in ranks.values():
+                    seen.add(man.key)
+                    if man.node not in lost or man.key in self._rereps:
+                        continue
+                    fails, not_before = self._rerep_backoff.get(man.key, (0, 0.0))
+                    if now < not_before:
+                        continue
+                    if any(p.up and (h := p.held.get(man.key)) is not None and h.created > man.created
+                           for p in self._peers.values()):
+                        continue  # a newer save of the rank lives elsewhere: its holders act
+                    holders = self.live_holders(man)
+                    # Only the first live holder after the owner on the ring acts (as in the drain's take-over).
+                    first = min([self.node_id, *holders], key=lambda n, o=man.node: (n < o, n))
+                    if first != self.node_id:
+                        continue
+                    missing = [t for t in ring_placement(man.node, nodes, up, self.replicas + 1)
+                               if t != self.node_id and t not in holders]
+                    if missing:
+                        self._rereps[man.key] = asyncio.create_task(self._rereplicate(man, missing, fails))
+        for key in [k for k in self._rerep_backoff if k not in seen]:
+            del self._rerep_backoff[key]
+
+    async def _rereplicate(self, man: Manifest, targets: list[str], fails: int) -> None:
+        """Push a lost owner's rank held here to ``targets``; failures back off (RETRY's delays)."""
+        try:
+            log.warning("owner %s of %s step %d rank %d is down for over %.0fs: copying it to %s to restore "
+                        "redundancy", man.node, man.job, man.step, man.rank, OWNER_GRACE, ",".join(targets))
+            async with self._sem:
+                results = await asyncio.gather(*(self._push(man, self._peers[t]) for t in targets),
+                                               return_exceptions=True)
+            failed = False
+            for t, res in zip(targets, results):
+                if isinstance(res, asyncio.CancelledError):
+                    raise res
+                if isinstance(res, BaseException):
+                    failed = True
+                    log.warning("copying %s step %d rank %d (owner %s down) to %s failed: %s",
+                                man.job, man.step, man.rank, man.node, t, res)
+                    if isinstance(res, (UnavailableError, DeadlineExceededError)):
+                        await self._refresh_peer(self._peers[t])
+            if failed:
+                fails = min(fails + 1, RETRY.max_attempts)
+                self._rerep_backoff[man.key] = (fails, time.monotonic() + RETRY.delay(fails))
+            else:
+                self._rerep_backoff.pop(man.key, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # task boundary: retried on a later pass
+            log.exception("re-replication of %s failed unexpectedly", man.key)
+        finally:
+            self._rereps.pop(man.key, None)
 
     # ------------------------------------------------------------------------------ bulk client
 
@@ -914,12 +1017,13 @@ class PeerTier(RemoteTier):
                 for man in ranks.values():
                     if man.node == self.node_id:
                         continue
-                    placement = ring_placement(man.node, nodes, up, self.replicas)
+                    wanted = self._copies_wanted(man)
+                    placement = ring_placement(man.node, nodes, up, wanted)
                     confirmed = [n for n in placement if n != self.node_id and
                                  (h := self._peers[n].held.get(man.key)) is not None and h.generation == man.generation]
                     owner = self._peers.get(man.node)
                     newer = sum(1 for s in complete if s > step)
-                    if self.node_id not in placement and self.replicas and len(confirmed) >= self.replicas:
+                    if self.node_id not in placement and self.replicas and len(confirmed) >= wanted:
                         drop.append((man, f"surplus copy: held by {','.join(confirmed)}"))
                     elif owner is not None and owner.up and man.key not in owner.held and newer >= self.store.keep_local:
                         drop.append((man, f"retired: owner {man.node} evicted it"))
