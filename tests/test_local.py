@@ -352,3 +352,15 @@ def test_second_daemon_on_the_same_local_dir_is_refused(daemon, scratch):
     assert p.returncode == 2 and "local_dir" in p.stderr and "in use" in p.stderr
     with daemon.client() as c:
         assert bytes(c.restore("job", 0).shards["x"]) == b"keep"
+
+
+def test_auto_transfer_falls_back_to_streaming_when_the_daemon_files_are_hidden(daemon):
+    arr = np.arange(1000, dtype=np.int16)
+    with tierckpt.Client(daemon.tcp_address) as c:
+        c._sees = lambda local_dir, token: False  # as a trainer in another pod without the volume
+        c.save("job", 1, 0, 1, {"a": arr}).result(30)
+        assert c._fs_hidden
+        c.save("job", 2, 0, 1, {"a": arr}).result(30)  # straight to streaming this time
+        ck = c.restore("job", 0)
+    assert ck.step == 2 and np.array_equal(ck.shards["a"], arr)
+    assert not any((daemon.local_dir / "staging").iterdir())

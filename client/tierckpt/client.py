@@ -170,6 +170,7 @@ class Client:
         self._plans: dict[tuple, list[pb.ShardSpec]] = {}
         self._maps = _StagingMaps()
         self._node_id: str | None = None
+        self._fs_hidden = False
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -228,7 +229,7 @@ class Client:
             raise InvalidArgumentError("shards: a non-empty mapping of name -> buffer is required")
         buffers = [as_buffer(check_shard(n, "shards"), v) for n, v in shards.items()]
         meta = _encode_metadata(metadata)
-        stream = self.transfer == "stream"
+        stream = self.transfer == "stream" or self._fs_hidden
         req = pb.BeginSaveRequest(job=job, step=step, rank=rank, world_size=world_size, shards=self._plan(buffers),
                                   transfer=pb.TRANSFER_STREAM if stream else pb.TRANSFER_SHARED_FS)
         begun = self._call(self._stub.BeginSave, req, "BeginSave")
@@ -237,6 +238,7 @@ class Client:
                 self._abort(begun.save_id)
                 raise InvalidArgumentError("transfer: 'shared' but the daemon's local_dir is not visible here")
             self._abort(begun.save_id)
+            self._fs_hidden = True  # the daemon's files are not visible from here: stream from now on
             req.transfer = pb.TRANSFER_STREAM
             begun = self._call(self._stub.BeginSave, req, "BeginSave")
             stream = True
