@@ -23,7 +23,7 @@ def test_failed_copy_never_writes_through_a_closed_fd(scratch, monkeypatch):
     """A piece that fails must not leave other pieces running after _copy_into closed their fd:
     the fd number is reused by the next open, and a stray pwrite lands in an unrelated file."""
     monkeypatch.setattr(client_mod, "_COPY_PIECE", 4096)
-    real = client_mod._pwrite_all
+    real = client_mod.pwrite_all
     calls: list[int] = []
 
     def flaky(fd, view, offset):
@@ -33,7 +33,7 @@ def test_failed_copy_never_writes_through_a_closed_fd(scratch, monkeypatch):
         time.sleep(0.2)
         real(fd, view, offset)
 
-    monkeypatch.setattr(client_mod, "_pwrite_all", flaky)
+    monkeypatch.setattr(client_mod, "pwrite_all", flaky)
     target = scratch / "staged"
     target.write_bytes(b"\0" * (4 * 4096))
     victim = scratch / "victim"
@@ -62,7 +62,7 @@ def test_enospc_while_copying_is_a_capacity_error(scratch, monkeypatch):
     def full(fd, view, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(client_mod, "_pwrite_all", full)
+    monkeypatch.setattr(client_mod, "pwrite_all", full)
     target = scratch / "staged"
     target.write_bytes(b"\0" * 16)
     c = tierckpt.Client("unix:///nonexistent.sock", io_threads=1)
@@ -84,14 +84,14 @@ def test_bytes_being_committed_still_count_against_capacity(scratch, monkeypatch
     with open(st.files["s"].path, "r+b") as fh:
         fh.write(data)
     entered, release = threading.Event(), threading.Event()
-    real = store_mod._write_temp
+    real = store_mod.write_temp
 
     def slow_manifest(path, payload, *, fsync):
         entered.set()
         assert release.wait(10)
         return real(path, payload, fsync=fsync)
 
-    monkeypatch.setattr(store_mod, "_write_temp", slow_manifest)
+    monkeypatch.setattr(store_mod, "write_temp", slow_manifest)
     t = threading.Thread(target=store.commit, args=(st.save_id, {"s": _checksum.digest(data)}))
     t.start()
     try:

@@ -27,11 +27,15 @@ def code_for(exc: E.TierckptError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def error_for_code(code: grpc.StatusCode | None, message: str) -> E.TierckptError:
+    """The tierckpt exception for a status code (the inverse of :func:`code_for`)."""
+    return _FROM_CODE.get(code, E.TierckptError)(message)
+
+
 def error_from_rpc(err: grpc.RpcError, what: str = "") -> E.TierckptError:
     """Turn a gRPC error into the matching tierckpt exception (never leak grpc.RpcError)."""
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     if code == grpc.StatusCode.UNAVAILABLE:
         return E.UnavailableError(f"{what}: daemon unavailable: {details}" if what else details)
-    cls = _FROM_CODE.get(code, E.TierckptError)
-    return cls(details)
+    return error_for_code(code, details)

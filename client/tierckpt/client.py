@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 
 from . import _checksum
+from ._fileio import digest_file, pwrite_all
 from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
 from ._names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
 from ._status import error_from_rpc
@@ -300,7 +301,7 @@ class Client:
                     continue
                 fds[b.name] = os.open(s.path, os.O_WRONLY)
                 for off in range(0, b.nbytes, _COPY_PIECE):
-                    pieces.append((_pwrite_all, fds[b.name], b.view[off : off + _COPY_PIECE], off))
+                    pieces.append((pwrite_all, fds[b.name], b.view[off : off + _COPY_PIECE], off))
             futs = [self._io.submit(*p) for p in pieces]
             try:
                 for f in futs:
@@ -344,7 +345,7 @@ class Client:
             return
         try:
             if digests is None:
-                hashes = list(self._io.map(lambda p: _hash_path(p[1], p[2]), paths_sizes))
+                hashes = list(self._io.map(lambda p: _hash_staged(p[1], p[2]), paths_sizes))
                 digests = {name: h for (name, _, _), h in zip(paths_sizes, hashes)}
             req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist,
                                        digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
@@ -552,23 +553,9 @@ class _StagingMaps:
             os.close(fd)
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _hash_path(path: str | mmap.mmap, size: int) -> str:
-    if size == 0:
-        return _checksum.digest(b"")
-    if isinstance(path, mmap.mmap):
-        return _checksum.digest(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ) as mm:
-            return _checksum.digest(mm)
-    finally:
-        os.close(fd)
+def _hash_staged(target: str | mmap.mmap, size: int) -> str:
+    """Checksum of a staged shard: through the kept map when there is one, else from the file."""
+    return _checksum.digest(target) if isinstance(target, mmap.mmap) else digest_file(target, size)
 
 
 def _encode_metadata(metadata: Mapping[str, Any] | None) -> str:

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from tierckpt import _checksum, _status
+from tierckpt._fileio import pwrite_all
 from tierckpt.errors import InvalidArgumentError, TierckptError, UnavailableError
 
 __all__ = [
@@ -121,14 +122,7 @@ def raise_for(reply: dict, what: str) -> dict:
     if reply.get("ok"):
         return reply
     code = getattr(grpc.StatusCode, str(reply.get("code")), grpc.StatusCode.INTERNAL)
-    cls = _status._FROM_CODE.get(code, TierckptError)  # the one mapping, reused
-    raise cls(f"{what}: {reply.get('error', 'failed')}")
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+    raise _status.error_for_code(code, f"{what}: {reply.get('error', 'failed')}")
 
 
 def runs(offset: int, chunk: int, stride: int, size: int) -> Iterator[tuple[int, int]]:
@@ -218,7 +212,7 @@ def recv_range(sock: socket.socket, fd: int, offset: int, length: int, buf: byte
                 raise ConnectionError(f"bulk stream ended after {done + got} of {length} bytes")
             got += k
         chunk = view[:got]
-        _pwrite_all(fd, chunk, offset + done)
+        pwrite_all(fd, chunk, offset + done)
         if on_data is not None:
             on_data(offset + done, chunk)
         done += got

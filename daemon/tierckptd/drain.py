@@ -60,9 +60,7 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import re
-import secrets
 import threading
 import time
 import weakref
@@ -70,6 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
+from tierckpt._fileio import atomic_write
 from tierckpt._names import check_shard
 from tierckpt.errors import (
     DataLossError,
@@ -208,16 +207,8 @@ class DrainQueue:
         """Record (or replace) the entry for ``man``'s rank, atomically."""
         doc = {"format": _QUEUE_FORMAT, "job": man.job, "step": man.step, "rank": man.rank,
                "generation": man.generation, "enqueued": enqueued}
-        final = self._path(man.job, man.step, man.rank)
-        tmp = self.root / f".{final.name}.{secrets.token_hex(4)}.tmp"
-        with open(tmp, "xb") as fh:
-            fh.write(json.dumps(doc, sort_keys=True).encode())
-            if self.fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.rename(tmp, final)
-        if self.fsync:
-            _fsync_dir(self.root)
+        atomic_write(self._path(man.job, man.step, man.rank), json.dumps(doc, sort_keys=True).encode(),
+                     fsync=self.fsync)
 
     def remove(self, job: str, step: int, rank: int) -> None:
         self._path(job, step, rank).unlink(missing_ok=True)
@@ -242,14 +233,6 @@ class DrainQueue:
                 continue
             out.append(doc)
         return sorted(out, key=lambda d: (d["enqueued"], d["step"], d["rank"]))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------------- the tier

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from tierckpt import _checksum
+from tierckpt._fileio import atomic_write, digest_file, fsync_path, pwrite_all, write_temp
 from tierckpt._names import (
     MAX_METADATA_BYTES,
     MAX_SHARDS_PER_RANK,
@@ -210,7 +210,7 @@ class LocalStore:
             st = os.statvfs(self.root)
             self.capacity = int(st.f_blocks * st.f_frsize * 0.9)
         self.fs_token = secrets.token_hex(16)
-        _atomic_write(self.root / ".fs-token", self.fs_token.encode(), fsync=False)
+        atomic_write(self.root / ".fs-token", self.fs_token.encode(), fsync=False)
         reclaimed = 0
         for entry in (self.root / "staging").iterdir():
             shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
@@ -390,10 +390,7 @@ class LocalStore:
         fd = fd_cache.get(f.path)
         if fd is None:
             fd = fd_cache[f.path] = os.open(f.path, os.O_WRONLY)
-        view = memoryview(data)
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view, offset = view[n:], offset + n
+        pwrite_all(fd, memoryview(data), offset)
         f.written += len(data)
 
     def commit(
@@ -441,7 +438,7 @@ class LocalStore:
                 raise InvalidArgumentError(f"shard: {short} received fewer bytes than their declared size")
         if verify or st.stream:
             for f in st.files.values():
-                actual = _hash_file(f.path, f.size)
+                actual = digest_file(f.path, f.size)
                 if actual != digests[f.name]:
                     self.abort(save_id)
                     raise DataLossError(
@@ -472,11 +469,11 @@ class LocalStore:
             for f in st.files.values():
                 target = rdir / f"{f.name}.{save_id}"
                 if self.fsync:
-                    _fsync_path(f.path)
+                    fsync_path(f.path)
                 os.rename(f.path, target)
             if self.fsync:
-                _fsync_path(rdir)
-            tmp = _write_temp(rdir / MANIFEST_NAME, man.to_json(), fsync=self.fsync)
+                fsync_path(rdir)
+            tmp = write_temp(rdir / MANIFEST_NAME, man.to_json(), fsync=self.fsync)
         except BaseException as e:
             with self._lock:
                 self._committing_bytes -= st.nbytes
@@ -512,7 +509,7 @@ class LocalStore:
                 self._pins.setdefault((st.job, st.step), set()).add(pin)
             evictions = self._retain_locked(st.job)
         if self.fsync:
-            _fsync_path(rdir)
+            fsync_path(rdir)
         self._notify(evictions)
         return man, evictions
 
@@ -759,45 +756,6 @@ class LocalStore:
         for ev in evictions:
             for cb in self.on_evict:
                 cb(ev)
-
-
-def _hash_file(path: Path, size: int) -> str:
-    h = _checksum.new()
-    with open(path, "rb", buffering=0) as fh:
-        buf = bytearray(min(size, 16 << 20) or 1)
-        view = memoryview(buf)
-        while True:
-            n = fh.readinto(view)
-            if not n:
-                break
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def _write_temp(path: Path, data: bytes, *, fsync: bool) -> Path:
-    """Write ``data`` next to ``path`` under a temporary name (for a later rename over it)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "xb") as fh:
-        fh.write(data)
-        if fsync:
-            fh.flush()
-            os.fsync(fh.fileno())
-    return tmp
-
-
-def _atomic_write(path: Path, data: bytes, *, fsync: bool) -> None:
-    tmp = _write_temp(path, data, fsync=fsync)
-    os.rename(tmp, path)
-    if fsync:
-        _fsync_path(path.parent)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rmdir_quiet(path: Path) -> None:

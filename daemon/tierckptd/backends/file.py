@@ -9,6 +9,7 @@ import secrets
 import shutil
 from typing import BinaryIO, Callable, Iterator, Sequence
 
+from tierckpt._fileio import fsync_path
 from tierckpt.errors import NotFoundError, TierckptError
 
 from .base import _TMP_MARK, Backend, BackendError, atomic_local_file, check_key, check_prefix, translate_errors
@@ -81,7 +82,7 @@ class FileBackend(Backend):
                     os.unlink(tmp)
                 raise
             if self._fsync:
-                _fsync_dir(parent)
+                fsync_path(parent)
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """See :meth:`Backend.put_file`. A read error in the middle of the copy is a BackendError."""
@@ -159,11 +160,3 @@ class FileBackend(Backend):
     def exists(self, key: str) -> bool:
         """See :meth:`Backend.exists`."""
         return os.path.isfile(self._path(key))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
