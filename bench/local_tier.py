@@ -94,12 +94,6 @@ def main() -> None:
     step = [0]
     try:
         with tierckpt.Client(daemon.address) as c:
-            futs = []
-
-            def ck_save():
-                step[0] += 1
-                futs.append(c.save("bench", step[0], 0, 1, tensors))
-
             def ck_commit():
                 step[0] += 1
                 c.save("bench", step[0], 0, 1, tensors).result()
@@ -152,7 +146,6 @@ def main() -> None:
     target = {k: torch.empty_like(v) for k, v in tensors.items()}
     results["dcp.load"] = median_time(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(saved)), args.runs)
     target = None
-    async_futs = []
     blocking = []
     for i in range(args.runs + 1):
         clean()
@@ -160,7 +153,6 @@ def main() -> None:
         f = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(dcp_path()))
         blocking.append(time.perf_counter() - t0)
         f.result()
-        async_futs.append(f)
     results["dcp.async_save blocking"] = statistics.median(blocking[1:])
     dist.destroy_process_group()
     shutil.rmtree(work, ignore_errors=True)

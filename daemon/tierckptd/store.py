@@ -694,14 +694,6 @@ class LocalStore:
         log.info("evicted %s step %d (%d ranks, %s)", job, step, len(ranks), reason)
         return Eviction(job, step, tuple(sorted(ranks)), reason)
 
-    def evict(self, job: str, step: int, reason: str = "requested") -> Eviction | None:
-        with self._lock:
-            if step not in self._catalog.get(job, {}):
-                return None
-            ev = self._evict_locked(job, step, reason)
-        self._notify([ev])
-        return ev
-
     def remove_rank(self, job: str, step: int, rank: int, reason: str, *, generation: str | None = None) -> bool:
         """Remove one committed rank (e.g. a replica whose owner evicted the step); with
         ``generation``, only if the committed copy is still that save."""
@@ -747,10 +739,6 @@ class LocalStore:
                 self._recycle_bytes -= size
                 need -= size
         self._recycle = {k: v for k, v in self._recycle.items() if v}
-
-    def drop_recycle(self) -> None:
-        with self._lock:
-            self._drop_recycle_locked(self._recycle_bytes)
 
     def _notify(self, evictions: Iterable[Eviction]) -> None:
         for ev in evictions:
