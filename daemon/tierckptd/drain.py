@@ -107,8 +107,6 @@ CATALOG_TTL = 2.0
 """Seconds a job's persistent catalog is reused, so ``latest()`` stays cheap."""
 CATALOG_WAIT = 5.0
 """Seconds ``catalog`` waits for a listing before answering from the previous one."""
-RESTORE_PIN_SECONDS = 60.0
-"""A downloaded step stays pinned this long, so retention does not take it from a reader at once."""
 TAKEOVER_GRACE = 10.0
 """Seconds a rank's owner must be seen down before a holder of a copy drains the rank instead."""
 TAKEOVER_CHECK_INTERVAL = 1.0
@@ -873,28 +871,25 @@ class PersistentTier(RemoteTier):
         return DataLossError(f"persistent copy of {man.job} step {man.step} rank {man.rank} is missing data: {err}")
 
     async def _download(self, remote: Manifest) -> Manifest:
+        """Fetch one rank into the local store (the Node pins the step around a restore)."""
         job, step, rank = remote.key
-        self.store.pin(job, step, "restore")
+        specs = [(s.name, s.size, s.dtype, s.shape) for s in remote.shards]
+        st = await asyncio.to_thread(self.store.begin, job, step, rank, remote.world_size, specs, stream=False)
         try:
-            specs = [(s.name, s.size, s.dtype, s.shape) for s in remote.shards]
-            st = await asyncio.to_thread(self.store.begin, job, step, rank, remote.world_size, specs, stream=False)
-            try:
-                await asyncio.gather(*(self._get_shard(st, data_key(job, step, rank, s), st.files[s.name].path)
-                                       for s in remote.shards))
-                local, _ = await asyncio.to_thread(
-                    self.store.commit, st.save_id, {s.name: s.checksum for s in remote.shards},
-                    remote.metadata_json, persist=remote.persist, verify=True, node=remote.node,
-                    generation=remote.generation, created=remote.created)
-            except DataLossError as err:  # the commit verified the bytes and aborted
-                self._count_checksum_failure()
-                log.error("persistent copy of %s step %d rank %d failed verification, discarded: %s",
-                          job, step, rank, err)
-                raise DataLossError(f"persistent copy in {self.url} failed verification: {err}") from err
-            except BaseException:
-                await asyncio.to_thread(self.store.abort, st.save_id)
-                raise
-        finally:
-            self._spawn(self._unpin_restore(job, step))
+            await asyncio.gather(*(self._get_shard(st, data_key(job, step, rank, s), st.files[s.name].path)
+                                   for s in remote.shards))
+            local, _ = await asyncio.to_thread(
+                self.store.commit, st.save_id, {s.name: s.checksum for s in remote.shards},
+                remote.metadata_json, persist=remote.persist, verify=True, node=remote.node,
+                generation=remote.generation, created=remote.created)
+        except DataLossError as err:  # the commit verified the bytes and aborted
+            self._count_checksum_failure()
+            log.error("persistent copy of %s step %d rank %d failed verification, discarded: %s",
+                      job, step, rank, err)
+            raise DataLossError(f"persistent copy in {self.url} failed verification: {err}") from err
+        except BaseException:
+            await asyncio.to_thread(self.store.abort, st.save_id)
+            raise
         self._known[local.key] = (local.nbytes, local.created)
         log.info("restored %s step %d rank %d (%d bytes) from %s", job, step, rank, local.nbytes, self.url)
         if self._node is not None:
@@ -907,10 +902,6 @@ class PersistentTier(RemoteTier):
         except BackendError as err:
             raise UnavailableError(f"persistent tier {self.url}: {err}") from err
         st.created = time.monotonic()  # progress: keep the staging reaper away from a long restore
-
-    async def _unpin_restore(self, job: str, step: int) -> None:
-        await asyncio.sleep(RESTORE_PIN_SECONDS if not self._stopping else 0)
-        await asyncio.to_thread(self.store.unpin, job, step, "restore")
 
     # ----------------------------------------------------------------------------- waiting
 

@@ -272,20 +272,23 @@ class Node:
         tier, source = "local", self.node_id
         if man is None:
             # A fetched copy may be older than the newest keep_local complete steps: pin the step
-            # so the fetch's own commit (and retention soon after) cannot evict it before the
-            # client has mapped it. Mapped files stay valid even if evicted later.
-            self.store.pin(job, step, "restore")
-            self._spawn(self._unpin_later(job, step, "restore", RESTORE_PIN_SECONDS))
-            for t in self.tiers:
-                try:
-                    man = await t.fetch(job, step, rank)
-                except NotFoundError:
-                    continue
-                except (DataLossError, UnavailableError) as e:
-                    errors.append(f"{t.name}: {e}")
-                    continue
-                tier, source = t.name, man.node
-                break
+            # (a reason of its own per restore) so the fetch's commit and retention soon after
+            # cannot evict it before the client has mapped it; mapped files stay valid after.
+            reason = f"restore-{id(asyncio.current_task()):x}-{time.monotonic_ns():x}"
+            self.store.pin(job, step, reason)
+            try:
+                for t in self.tiers:
+                    try:
+                        man = await t.fetch(job, step, rank)
+                    except NotFoundError:
+                        continue
+                    except (DataLossError, UnavailableError) as e:
+                        errors.append(f"{t.name}: {e}")
+                        continue
+                    tier, source = t.name, man.node
+                    break
+            finally:
+                self._spawn(self._unpin_later(job, step, reason, RESTORE_PIN_SECONDS if man else 0.0))
             if man is None:
                 if errors:
                     raise DataLossError(f"{job} step {step} rank {rank}: every copy failed: " + "; ".join(errors))
