@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tierckpt
-from tierckpt import _checksum
+from tierckpt.common import checksum as _checksum
 from tierckptd.bulk import OrderedHasher, runs
 from tierckptd.peer import plan_pieces, ring_placement
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import tierckpt
-from tierckpt import _checksum
+from tierckpt.common import checksum as _checksum
 from tierckpt import client as client_mod
 from tierckpt._buffers import as_buffer
 from tierckpt.errors import CapacityError, TierckptError

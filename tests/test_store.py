@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tierckpt import _checksum
+from tierckpt.common import checksum as _checksum
 from tierckpt.errors import CapacityError, DataLossError, InvalidArgumentError
 from tierckptd.store import LocalStore
 
@@ -56,13 +56,12 @@ def test_pinned_step_survives_retention_until_unpinned(store):
 
 
 def test_capacity_evicts_undrained_only_when_forced(scratch):
-    s = LocalStore(scratch / "d2", "n0", capacity=1000, keep_local=5)
+    evicted: list = []
+    s = LocalStore(scratch / "d2", "n0", capacity=1000, keep_local=5, on_evict=evicted.append)
     s.open()
     _save(s, "j", 1, {"a": b"1" * 400})
     _save(s, "j", 2, {"a": b"2" * 400})
     s.pin("j", 1, "drain")
-    evicted = []
-    s.on_evict.append(evicted.append)
     s.begin("j", 3, 0, 1, [("a", 500, "", ())])
     assert s.get("j", 1, 0) is None and s.counters["evictions_capacity_undrained"] == 1
     with pytest.raises(CapacityError):

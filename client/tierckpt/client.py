@@ -24,11 +24,11 @@ from typing import Any, Callable, Iterator, Mapping
 import grpc
 import numpy as np
 
-from . import _checksum
-from ._fileio import digest_file, pwrite_all
+from .common import checksum as _checksum
+from .common.fileio import digest_file, pwrite_all
 from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
-from ._names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
-from ._status import error_from_rpc
+from .common.names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
+from .common.status import error_from_rpc
 from .errors import (
     CapacityError,
     DataLossError,

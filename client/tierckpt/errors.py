@@ -2,7 +2,7 @@
 
 Every error the client raises is a :class:`TierckptError`. Subclasses also derive from the
 matching builtin so that callers can catch either (``NotFoundError`` is a ``KeyError``).
-The daemon raises the same classes internally; :mod:`tierckpt._status` maps them to gRPC
+The daemon raises the same classes internally; :mod:`tierckpt.common.status` maps them to gRPC
 status codes in exactly one place, and the client maps them back.
 """
 

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._names import check_job
+from .common.names import check_job
 from .client import Checkpoint, Client, SaveFuture
 from .errors import InvalidArgumentError, TierckptError
 

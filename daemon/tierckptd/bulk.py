@@ -41,8 +41,8 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from tierckpt import _checksum, _status
-from tierckpt._fileio import pwrite_all
+from tierckpt.common import checksum as _checksum, status as _status
+from tierckpt.common.fileio import pwrite_all
 from tierckpt.errors import InvalidArgumentError, TierckptError, UnavailableError
 
 __all__ = [

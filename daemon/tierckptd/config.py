@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from tierckpt._names import check_node
+from tierckpt.common.names import check_node
 from tierckpt.errors import InvalidArgumentError
 
 __all__ = ["ConfigError", "DaemonConfig", "Peer", "parse_args", "load_config", "parse_size"]

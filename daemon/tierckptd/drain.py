@@ -68,8 +68,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
-from tierckpt._fileio import atomic_write
-from tierckpt._names import check_shard
+from tierckpt.common.fileio import atomic_write
+from tierckpt.common.names import check_shard
 from tierckpt.errors import (
     DataLossError,
     InvalidArgumentError,

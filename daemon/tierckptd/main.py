@@ -45,8 +45,15 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
 
     notifier = Notifier.from_env(os.environ)
     metrics = Metrics()
+    node: Node | None = None
+
+    def evicted(ev) -> None:  # the node is built below; evictions only start once it serves
+        if node is not None:
+            node.evicted(ev)
+
     store = LocalStore(config.local_dir, config.node_id, capacity=config.local_capacity,
-                       keep_local=config.keep_local, fsync=config.fsync, max_shard_bytes=config.max_shard_bytes)
+                       keep_local=config.keep_local, fsync=config.fsync, max_shard_bytes=config.max_shard_bytes,
+                       on_evict=evicted)
     await asyncio.to_thread(store.open)
     tiers = build_tiers(config, store, metrics)
     node = Node(store, tiers, node_id=config.node_id, staging_timeout=config.staging_timeout, metrics=metrics)

@@ -13,8 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tierckpt import _checksum
-from tierckpt._names import check_job, check_node, check_rank, check_shard, check_size, check_step
+from tierckpt.common import checksum as _checksum
+from tierckpt.common.names import check_job, check_node, check_rank, check_shard, check_size, check_step
 from tierckpt.errors import DataLossError, InvalidArgumentError
 
 __all__ = ["FORMAT", "ShardEntry", "Manifest", "MANIFEST_NAME"]

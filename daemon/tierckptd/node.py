@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tierckpt._names import check_job, check_step
+from tierckpt.common.names import check_job, check_step
 from tierckpt.errors import (
     DataLossError,
     DeadlineExceededError,
@@ -92,7 +92,6 @@ class Node:
         self._reaper: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        store.on_evict.append(self._evicted)
 
     def tier(self, name: str) -> RemoteTier | None:
         return next((t for t in self.tiers if t.name == name), None)
@@ -176,7 +175,7 @@ class Node:
         self._update_gauges()
         self._committed(man, ingested=True)
 
-    def _evicted(self, ev: Eviction) -> None:
+    def evicted(self, ev: Eviction) -> None:
         """Store callback (any thread): count it and forward it to the tiers on the event loop."""
         if self.metrics:
             self.metrics.evictions.labels(reason=ev.reason).inc()

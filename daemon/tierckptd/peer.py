@@ -66,8 +66,8 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from tierckpt._names import check_job, check_node, check_step
-from tierckpt._status import error_from_rpc
+from tierckpt.common.names import check_job, check_node, check_step
+from tierckpt.common.status import error_from_rpc
 from tierckpt.errors import (
     DataLossError,
     DeadlineExceededError,
@@ -292,7 +292,7 @@ class PeerTier(RemoteTier):
         self._down_since: dict[str, float] = {}  # peer id -> monotonic time first seen down
         self._rereps: dict[tuple[str, int, int], asyncio.Task] = {}  # lost owners' ranks being pushed
         self._rerep_backoff: dict[tuple[str, int, int], tuple[int, float]] = {}  # key -> (fails, not before)
-        store.is_complete = self._is_complete
+        store._is_complete = self._is_complete  # interim: the membership supplies it (next commit)
         if self.replicas > len(self._peers) and not self._dns:
             log.warning("replicas=%d but only %d peers are configured: wait('peer') will fail",
                         self.replicas, len(self._peers))

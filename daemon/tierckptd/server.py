@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from tierckpt import _status
-from tierckpt._names import check_job, check_rank, check_shard, check_step
+from tierckpt.common import status as _status
+from tierckpt.common.names import check_job, check_rank, check_shard, check_step
 from tierckpt.errors import InvalidArgumentError, TierckptError
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc

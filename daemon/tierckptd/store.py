@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from tierckpt._fileio import atomic_write, digest_file, fsync_path, pwrite_all, write_temp
-from tierckpt._names import (
+from tierckpt.common.fileio import atomic_write, digest_file, fsync_path, pwrite_all, write_temp
+from tierckpt.common.names import (
     MAX_METADATA_BYTES,
     MAX_SHARDS_PER_RANK,
     check_job,
@@ -153,6 +153,9 @@ class LocalStore:
         keep_local: newest complete steps per job kept (>= 1).
         fsync: "auto", "always" or "never".
         max_shard_bytes: largest shard accepted.
+        is_complete: completeness rule used by retention (default: every rank held here);
+            the peer tier's membership supplies a cluster-aware one.
+        on_evict: called (from the evicting thread) with every eviction.
     """
 
     def __init__(
@@ -164,6 +167,8 @@ class LocalStore:
         keep_local: int = 2,
         fsync: str = "auto",
         max_shard_bytes: int = 1 << 40,
+        is_complete: CompletenessFn | None = None,
+        on_evict: Callable[[Eviction], None] | None = None,
     ) -> None:
         self.root = Path(root).absolute()
         self.node_id = node_id
@@ -187,8 +192,8 @@ class LocalStore:
         self._committed_bytes = 0
         self._committing_bytes = 0  # saves between leaving _open and entering the catalog
         self._pins: dict[tuple[str, int], set[str]] = {}
-        self.is_complete: CompletenessFn = _local_complete
-        self.on_evict: list[Callable[[Eviction], None]] = []
+        self._is_complete: CompletenessFn = is_complete or _local_complete
+        self._on_evict = on_evict
         self.counters: dict[str, int] = {"staging_reclaimed": 0, "evictions_capacity_undrained": 0}
 
     # ----------------------------------------------------------------------------- start-up
@@ -578,7 +583,7 @@ class LocalStore:
         out = []
         for step, ranks in self._catalog.get(job, {}).items():
             world = next(iter(ranks.values())).world_size
-            if self.is_complete(job, step, world, set(ranks)):
+            if self._is_complete(job, step, world, set(ranks)):
                 out.append(step)
         return sorted(out)
 
@@ -741,9 +746,9 @@ class LocalStore:
         self._recycle = {k: v for k, v in self._recycle.items() if v}
 
     def _notify(self, evictions: Iterable[Eviction]) -> None:
-        for ev in evictions:
-            for cb in self.on_evict:
-                cb(ev)
+        if self._on_evict is not None:
+            for ev in evictions:
+                self._on_evict(ev)
 
 
 def _rmdir_quiet(path: Path) -> None:

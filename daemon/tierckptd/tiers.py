@@ -2,11 +2,15 @@
 
 A :class:`RemoteTier` is driven by the :class:`~tierckptd.node.Node`. Call order:
 
+0. ``bind(host)`` once, when the node is built: the tier keeps ``host`` to announce copies it
+   committed into the local store (``host.notify_ingested(manifest)``).
+   ``add_to_server(server)`` once, before the gRPC server starts (a tier that serves an RPC
+   service of its own registers it here; the default registers nothing).
 1. ``start()`` once, after the local store is open.
 2. ``commit_pin(job, step, persist)`` just before a local save commits (a pin reason or None);
    ``on_commit(manifest)`` after every local commit (including copies ingested from other
    tiers, flagged by ``ingested=True``); it must not block: schedule background work and return.
-   ``on_evict(eviction)`` after local retention or capacity evicted a step.
+   ``on_evict(eviction)`` after local retention or capacity evicted a step (on the event loop).
 3. Concurrently: ``catalog(job)`` (what this tier holds), ``fetch(job, step, rank)`` (bring a
    rank into the local store, verifying checksums), ``wait(job, step, rank, timeout)`` (until a
    committed rank reached this tier), ``status()``.
@@ -17,11 +21,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from .manifest import Manifest
 from .store import Eviction
 
-__all__ = ["RemoteTier", "RankCopy"]
+__all__ = ["RemoteTier", "RankCopy", "TierHost"]
 
 
 @dataclass(frozen=True)
@@ -34,10 +39,30 @@ class RankCopy:
     created: float = 0.0
 
 
+class TierHost(Protocol):
+    """What a tier may call back on the node that drives it."""
+
+    def notify_ingested(self, manifest: Manifest) -> None:
+        """A tier committed a copy into the local store (a replica, a fetch, a download)."""
+
+
+class _NoHost:
+    def notify_ingested(self, manifest: Manifest) -> None:
+        pass
+
+
 class RemoteTier(abc.ABC):
     """A tier beyond the local one. ``name`` is "peer" or "persistent"."""
 
     name: str = ""
+    host: TierHost = _NoHost()
+
+    def bind(self, host: TierHost) -> None:
+        """Called once by the node that drives this tier."""
+        self.host = host
+
+    def add_to_server(self, server: Any) -> None:
+        """Register this tier's own gRPC services on the daemon's TCP server (default: none)."""
 
     async def start(self) -> None:
         """Begin background work (connect, resume queues)."""

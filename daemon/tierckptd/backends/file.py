@@ -9,7 +9,7 @@ import secrets
 import shutil
 from typing import BinaryIO, Callable, Iterator, Sequence
 
-from tierckpt._fileio import fsync_path
+from tierckpt.common.fileio import fsync_path
 from tierckpt.errors import NotFoundError, TierckptError
 
 from .base import _TMP_MARK, Backend, BackendError, atomic_local_file, check_key, check_prefix, translate_errors

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SHARD_RE = re.compile(r"[A-Za-z0-9._-]{1,255}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from . import errors as E
+from .. import errors as E
 
 _TO_CODE: list[tuple[type[E.TierckptError], grpc.StatusCode]] = [
     (E.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),

@@ -8,7 +8,7 @@ import os
 import secrets
 from pathlib import Path
 
-from . import _checksum
+from . import checksum as _checksum
 
 __all__ = ["pwrite_all", "digest_file", "fsync_path", "write_temp", "atomic_write"]
 

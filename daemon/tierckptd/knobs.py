@@ -1,0 +1,147 @@
+"""Tuning constants of the daemon, in one place.
+
+These are not user configuration (that is :class:`tierckptd.config.DaemonConfig`); they are the
+timings and limits of background work that a production cluster should not need to change. Tests
+shorten them so that no test sleeps through a real grace period:
+
+- in-process: ``with KNOBS.overridden(owner_grace=1.0): ...``
+- daemons started as subprocesses: ``--knobs owner_grace=1,refresh_interval=0.2`` (or a
+  ``knobs`` table in the TOML file); :func:`tierckptd.main.serve` applies them at start-up.
+
+Code reads ``KNOBS.<name>`` at the moment it needs the value (never copies it at import time), so
+an override takes effect everywhere at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .retry import RetryPolicy
+
+__all__ = ["Knobs", "KNOBS"]
+
+
+@dataclass
+class Knobs:
+    """Every tuning constant, with its default and what it governs."""
+
+    # -- cluster membership and health
+    refresh_interval: float = 1.0
+    """Seconds between two health/catalog exchanges with a peer of the neighbourhood."""
+    rpc_timeout: float = 5.0
+    """Deadline of one control RPC to a peer."""
+    owner_grace: float = 15.0
+    """Seconds an owner must stay down before the first live holder of its ranks re-replicates them."""
+    takeover_grace: float = 10.0
+    """Seconds an owner must stay down before the first live holder of its selected ranks drains them."""
+    takeover_check_interval: float = 1.0
+    """Seconds between two looks at the owners of the copies this node holds (drain take-over)."""
+
+    # -- peer tier
+    catch_up_interval: float = 30.0
+    """Seconds between full checks that every owned rank in the retention window has its copies."""
+    gc_interval: float = 5.0
+    """Seconds between sweeps for surplus and retired replicas."""
+    bulk_streams: int = max(2, min(4, (os.cpu_count() or 2) // 2))
+    """Parallel bulk connections per rank transfer: Python socket throughput is CPU-bound on both
+    ends, so more streams than half the cores only add contention (measured)."""
+    min_piece: int = 32 << 20
+    """A shard is split over several bulk connections only into pieces at least this large."""
+    max_parallel_ranks: int = 4
+    """Ranks replicated at once (each uses up to ``bulk_streams`` connections)."""
+    max_fails_per_peer: int = 2
+    """Failed attempts of one rank on one peer before placement skips that peer for the rank."""
+    replicate_retry: RetryPolicy = RetryPolicy(initial_delay=0.25, max_delay=5.0, multiplier=2.0, max_attempts=6,
+                                               deadline=None)
+    """Backoff between replication attempts of a rank; after the last one, waiters get TierError."""
+    read_ticket_ttl: float = 600.0
+    """Seconds a bulk read ticket stays valid."""
+    commit_timeout: float = 60.0
+    """Deadline of a CommitReplica RPC (the receiver verifies and commits the replica)."""
+
+    # -- persistent tier
+    upload_threads: int = 8
+    """Shard uploads in flight at once (each S3 upload also splits into parts on the backend's pool)."""
+    ranks_at_once: int = 4
+    """Ranks drained concurrently; their shards share the upload threads."""
+    read_threads: int = 16
+    """Backend reads in flight at once (restore downloads, catalog listings, manifests)."""
+    failed_retry_seconds: float = 60.0
+    """Delay before a rank whose upload failed with a non-retryable error is tried again."""
+    catalog_ttl: float = 2.0
+    """Seconds a job's persistent catalog is reused, so ``latest()`` stays cheap."""
+    catalog_wait: float = 5.0
+    """Seconds a catalog question waits for a listing before answering from the previous one."""
+    drain_retry: RetryPolicy = RetryPolicy(initial_delay=0.5, max_delay=30.0, deadline=None)
+    """Retries of one upload while the store is throttling or unreachable (for as long as it lasts)."""
+    read_retry: RetryPolicy = RetryPolicy(initial_delay=0.2, max_delay=5.0, deadline=60.0)
+    """Retries of one download or manifest read."""
+    catalog_retry: RetryPolicy = RetryPolicy(initial_delay=0.2, max_delay=1.0, max_attempts=3, deadline=5.0)
+    """Retries of one catalog listing."""
+
+    # -- node
+    restore_pin_seconds: float = 60.0
+    """A step fetched from a remote tier is kept from retention this long after the restore."""
+    stream_chunk: int = 4 << 20
+    """Bytes per message when a shard is streamed over gRPC (clients without the shared dir)."""
+
+    def names(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)]
+
+    def apply(self, values: Mapping[str, Any]) -> None:
+        """Set knobs from strings or numbers (the ``--knobs`` flag / ``knobs`` TOML table).
+
+        Raises:
+            ValueError: an unknown name, or a value of the wrong kind (the message names it).
+        """
+        for name, raw in values.items():
+            if name not in self.names():
+                raise ValueError(f"knobs: unknown knob {name!r} (known: {', '.join(self.names())})")
+            current = getattr(self, name)
+            if isinstance(current, RetryPolicy):
+                raise ValueError(f"knobs.{name}: retry policies are set in code (KNOBS.overridden)")
+            try:
+                value = type(current)(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"knobs.{name}: expected {type(current).__name__}, got {raw!r}") from None
+            if value < 0:
+                raise ValueError(f"knobs.{name}: must not be negative")
+            setattr(self, name, value)
+
+    @contextlib.contextmanager
+    def overridden(self, **values: Any) -> Iterator[Knobs]:
+        """Override knobs for the duration of a ``with`` block (tests)."""
+        old = {k: getattr(self, k) for k in values}
+        for k, v in values.items():
+            if k not in self.names():
+                raise ValueError(f"knobs: unknown knob {k!r}")
+            setattr(self, k, v)
+        try:
+            yield self
+        finally:
+            for k, v in old.items():
+                setattr(self, k, v)
+
+
+KNOBS = Knobs()
+"""The process's knobs. Read attributes when needed; never copy them at import time."""
+
+
+def parse_knobs(text: str) -> dict[str, str]:
+    """``"a=1,b=2.5"`` -> ``{"a": "1", "b": "2.5"}`` (the ``--knobs`` flag).
+
+    Raises:
+        ValueError: an item is not NAME=VALUE.
+    """
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise ValueError(f"knobs: {item!r} is not NAME=VALUE")
+        out[name.strip()] = value.strip()
+    return out
