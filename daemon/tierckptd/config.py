@@ -93,6 +93,8 @@ class DaemonConfig:
     """"plain" or "json"."""
     shutdown_timeout: float = 30.0
     """Seconds SIGTERM waits for in-flight commits and replication before exiting."""
+    knobs: str = ""
+    """Tuning overrides NAME=VALUE,... of tierckptd.knobs (grace periods, intervals, stream counts); for tests and experts, not needed in production."""
 
     @property
     def tls_enabled(self) -> bool:
@@ -172,6 +174,8 @@ def _coerce(key: str, value: Any) -> Any:
         return parse_peers(value, key)
     if key == "socket_mode":
         return _parse_mode(value, key)
+    if key == "knobs" and isinstance(value, Mapping):  # a TOML table
+        return ",".join(f"{k}={v}" for k, v in value.items())
     default = _FIELDS[key].default
     if isinstance(default, bool):
         if not isinstance(value, bool):
@@ -230,6 +234,13 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError("tls_cert/tls_key/tls_ca: give all three or none")
     if cfg.persistent and not re.match(r"^(file|s3|gs)://", cfg.persistent):
         raise ConfigError(f"persistent: {cfg.persistent!r} must start with file://, s3:// or gs://")
+    if cfg.knobs:
+        from .knobs import Knobs, parse_knobs
+
+        try:
+            Knobs().apply(parse_knobs(cfg.knobs))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.peers_dns:
         name, colon, port = cfg.peers_dns.rpartition(":")
         if not colon or not name or not port.isdigit():

@@ -314,6 +314,10 @@ class PersistentTier(RemoteTier):
 
     # ----------------------------------------------------------------------------- lifecycle
 
+    def bind(self, host: Any) -> None:  # interim, until the persistent package lands
+        super().bind(host)
+        self.attach(host)
+
     def attach(self, node: Any) -> None:
         """Called by main with the :class:`~tierckptd.node.Node`, to announce downloaded copies
         and to read the peer tier's health view (``node.tier("peer")``) for take-overs."""
@@ -556,7 +560,7 @@ class PersistentTier(RemoteTier):
 
     async def _check_copies(self) -> None:
         """Take over the drain of copies whose owner has been down for TAKEOVER_GRACE seconds."""
-        peer = self._node.tier("peer") if self._node is not None else None
+        peer = getattr(self._node.tier("peer"), "cluster", None) if self._node is not None else None
         if peer is None or not hasattr(peer, "is_up"):
             return
         now = time.monotonic()
@@ -578,7 +582,7 @@ class PersistentTier(RemoteTier):
                 self._copies.pop(key, None)
                 continue
             # Only the first holder after the owner on the ring (of those alive) takes over.
-            holders = [n for n in (self.config.node_id, *peer.live_holders(man)) if n != man.node]
+            holders = [n for n in (self.config.node_id, *peer.live_holders(man.key, man.generation)) if n != man.node]
             if min(holders, key=lambda n: (n < man.node, n)) == self.config.node_id:
                 due.append(man)
         if due:
