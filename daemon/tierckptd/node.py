@@ -30,7 +30,7 @@ from .knobs import KNOBS
 from .manifest import Manifest
 from .offload import run_blocking
 from .store import Eviction, LocalStore, Staging
-from .tiers import RemoteTier
+from .tiers import RankCopy, RemoteTier
 
 __all__ = ["Node", "StepView", "RestoreResult"]
 
@@ -264,39 +264,66 @@ class Node:
 
     async def views(self, job: str) -> dict[int, StepView]:
         """Every step of ``job`` known to any tier, with where each rank is held."""
+        return (await self.views_with_gaps(job))[0]
+
+    async def views_with_gaps(self, job: str) -> tuple[dict[int, StepView], list[str]]:
+        """:meth:`views` plus the sources (peers, tiers) that did not answer within the deadline."""
         check_job(job)
         views: dict[int, StepView] = {}
-
-        def add(step: int, rank: int, world: int, tier: str, nodes: Sequence[str], nbytes: int, created: float):
-            v = views.get(step)
-            if v is None:
-                v = views[step] = StepView(step, world, created=created)
-            if world != v.world_size:
-                log.warning("%s step %d: rank %d has world_size %d, others %d", job, step, rank, world, v.world_size)
-                return
-            r = v.ranks.setdefault(rank, RankView(rank))
-            r.tiers.add(tier)
-            r.nodes.update(nodes)
-            r.nbytes = max(r.nbytes, nbytes)
-            v.created = min(v.created, created) if v.created else created
-
         for step, ranks in self.store.steps(job).items():
             for rank, man in ranks.items():
-                add(step, rank, man.world_size, "local", [self.node_id], man.nbytes, man.created)
-        results = await asyncio.gather(*(t.catalog(job) for t in self.tiers), return_exceptions=True)
+                _add(views, job, step, rank, "local", RankCopy(man.world_size, (self.node_id,), man.nbytes,
+                                                               man.created))
+        gaps: list[str] = []
+        results = await asyncio.gather(*(self._tier_catalog(t, job) for t in self.tiers), return_exceptions=True)
         for t, res in zip(self.tiers, results):
             if isinstance(res, BaseException):
                 log.warning("catalog of the %s tier unavailable for %s: %s", t.name, job, res)
+                gaps.append(f"{t.name} tier ({res})")
                 continue
-            for step, ranks in res.items():
+            copies, missed = res
+            gaps.extend(f"peer {n}" for n in missed)
+            for step, ranks in copies.items():
                 for rank, copy in ranks.items():
-                    add(step, rank, copy.world_size, t.name, copy.nodes, copy.nbytes, copy.created)
-        return views
+                    _add(views, job, step, rank, t.name, copy)
+        return views, gaps
+
+    async def _tier_catalog(self, t: RemoteTier, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
+        try:
+            return await asyncio.wait_for(t.catalog_with_gaps(job), KNOBS.fanout_deadline + KNOBS.rpc_timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"no answer within {KNOBS.fanout_deadline + KNOBS.rpc_timeout:.0f}s") from None
 
     async def latest(self, job: str) -> int | None:
-        views = await self.views(job)
+        return (await self.latest_with_gaps(job))[0]
+
+    async def latest_with_gaps(self, job: str) -> tuple[int | None, list[str]]:
+        """Newest step complete over all tiers and nodes that answered, and those that did not."""
+        views, gaps = await self.views_with_gaps(job)
         complete = [s for s, v in views.items() if v.complete]
-        return max(complete) if complete else None
+        return (max(complete) if complete else None), gaps
+
+    async def availability(self, job: str, rank: int) -> tuple[list[StepView], list[str]]:
+        """Steps that ``rank`` can restore: from the local tier, each remote tier's cheapest
+        answer for one rank (the peer tier: the ring neighbourhood), nearest tier first."""
+        check_job(job)
+        views: dict[int, StepView] = {}
+        for step, ranks in self.store.steps(job).items():
+            man = ranks.get(rank)
+            if man is not None:
+                _add(views, job, step, rank, "local", RankCopy(man.world_size, (self.node_id,), man.nbytes, man.created))
+        gaps: list[str] = []
+        results = await asyncio.gather(*(asyncio.wait_for(t.rank_catalog(job, rank), KNOBS.fanout_deadline
+                                                          + KNOBS.rpc_timeout) for t in self.tiers),
+                                       return_exceptions=True)
+        for t, res in zip(self.tiers, results):
+            if isinstance(res, BaseException):
+                log.warning("availability of %s rank %d: the %s tier did not answer: %r", job, rank, t.name, res)
+                gaps.append(f"{t.name} tier")
+                continue
+            for step, copy in res.items():
+                _add(views, job, step, rank, t.name, copy)
+        return [views[s] for s in sorted(views)], gaps
 
     # ------------------------------------------------------------------------- restore
 
@@ -406,3 +433,17 @@ class Node:
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def _add(views: dict[int, StepView], job: str, step: int, rank: int, tier: str, copy: RankCopy) -> None:
+    v = views.get(step)
+    if v is None:
+        v = views[step] = StepView(step, copy.world_size, created=copy.created)
+    if copy.world_size != v.world_size:
+        log.warning("%s step %d: rank %d has world_size %d, others %d", job, step, rank, copy.world_size, v.world_size)
+        return
+    r = v.ranks.setdefault(rank, RankView(rank))
+    r.tiers.add(tier)
+    r.nodes.update(copy.nodes)
+    r.nbytes = max(r.nbytes, copy.nbytes)
+    v.created = min(v.created, copy.created) if v.created else copy.created

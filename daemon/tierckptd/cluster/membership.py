@@ -25,13 +25,13 @@ import grpc
 
 from tierckpt.common.names import check_node
 from tierckpt.common.status import error_from_rpc
-from tierckpt.errors import FailedPreconditionError, TierckptError
+from tierckpt.errors import DeadlineExceededError, FailedPreconditionError, TierckptError
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 
 from ..config import DaemonConfig
 from ..knobs import KNOBS
-from . import Key
+from . import Key, ring
 
 __all__ = ["Held", "PeerInfo", "Membership"]
 
@@ -71,6 +71,8 @@ class PeerInfo:
     bulk_port: int = 0
     refreshed: float = -1.0  # monotonic time of the last catalog received
     held: dict[Key, Held] = field(default_factory=dict)
+    version: int = 0  # the peer's catalog version that ``held`` reflects (0: none)
+    contacted: bool = False  # answered or failed at least once
 
     @property
     def address(self) -> str:
@@ -108,6 +110,9 @@ class Membership:
             self._dns = (name, int(port))
         self._self_addrs: set[str] = set()
         self._index: dict[tuple[str, int], frozenset[int]] = {}
+        self._owned: dict[str, set[int]] = {}
+        self._own: dict[str, set[int]] = {}
+        self._whole_view = True
         self._down_since: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------ channels
@@ -134,6 +139,8 @@ class Membership:
 
     async def call(self, p: PeerInfo, method: str, request: Any, timeout: float | None = None) -> Any:
         """Call ``method`` (a Peer RPC name) on ``p``; gRPC errors become tierckpt errors naming the peer."""
+        if self.metrics:
+            self.metrics.peer_calls.labels(peer=p.node_id).inc()
         try:
             return await getattr(p.stub, method)(request, timeout=KNOBS.rpc_timeout if timeout is None else timeout)
         except grpc.RpcError as e:
@@ -145,7 +152,7 @@ class Membership:
         if not p.up:
             log.info("peer %s (%s) is up", p.node_id, p.address)
             p.last_error = ""
-        p.up, p.last_seen = True, time.time()
+        p.up, p.last_seen, p.contacted = True, time.time(), True
         self._down_since.pop(p.node_id, None)
         if self.metrics:
             self.metrics.peer_up.labels(peer=p.node_id).set(1)
@@ -154,15 +161,18 @@ class Membership:
         p.last_error = str(err)
         if p.up:
             log.warning("peer %s (%s) is down: %s", p.node_id, p.address, err)
-        p.up = False
+        p.up, p.contacted = False, True
         self._down_since.setdefault(p.node_id, time.monotonic())
         if self.metrics:
             self.metrics.peer_up.labels(peer=p.node_id).set(0)
 
     async def refresh_peer(self, p: PeerInfo) -> bool:
-        """Read one peer's catalog; returns True if it came back or restarted."""
+        """Bring one peer's catalog up to date (a delta when possible); returns True if it came
+        back or restarted."""
+        req = ppb.CatalogRequest(node_id=self.node_id, since_version=p.version if p.up else 0,
+                                 since_instance=p.instance if p.up else "")
         try:
-            resp = await self.call(p, "Catalog", ppb.CatalogRequest(node_id=self.node_id))
+            resp = await self.call(p, "Catalog", req)
         except TierckptError as e:
             self.mark_down(p, e)
             return False
@@ -170,38 +180,84 @@ class Membership:
             self.mark_down(p, FailedPreconditionError(f"{p.address} answers as node {resp.node_id!r}"))
             return False
         came_back = not p.up or (p.instance and p.instance != resp.instance)
-        p.held = held_from(resp.entries)
-        p.instance, p.bulk_port, p.refreshed = resp.instance, resp.bulk_port, time.monotonic()
+        if resp.delta and not came_back:
+            for k in resp.removed:
+                p.held.pop((k.job, k.step, k.rank), None)
+            p.held.update(held_from(resp.entries))
+        else:
+            p.held = held_from(resp.entries)
+        p.instance, p.bulk_port, p.refreshed, p.version = resp.instance, resp.bulk_port, time.monotonic(), resp.version
         self.mark_up(p)
         return bool(came_back)
 
     async def refresh(self) -> tuple[bool, bool]:
-        """Refresh every peer. Returns (a peer came back or restarted, cluster completeness changed)."""
+        """Refresh the watched neighbourhood (:meth:`watched`). Returns (a peer came back or
+        restarted, cluster completeness changed)."""
         if self._dns:
             await self._discover()
-        results = await asyncio.gather(*(self.refresh_peer(p) for p in list(self.peers.values())))
+        watched = self.watched()
+        for n, p in self.peers.items():
+            if n not in watched and p.held:
+                p.held, p.version = {}, 0  # left the neighbourhood: forget its catalog
+        results = await asyncio.gather(*(self.refresh_peer(self.peers[n]) for n in sorted(watched)))
         return any(results), self._rebuild_index()
 
-    async def job_catalogs(self, job: str) -> list[tuple[PeerInfo, list[Any]]]:
-        """Ask every live peer (and any not contacted yet) for its committed ranks of ``job``,
-        updating the cached catalogs."""
-        peers = [p for p in self.peers.values() if p.up or p.refreshed < 0]
+    def watched(self) -> set[str]:
+        """The neighbourhood this node keeps in touch with: walking the ring both ways from this
+        node, peers until R + 1 that are not known to be down are found on each side (a down
+        neighbour widens the walk by one). Independent of the cluster's size."""
+        succ = ring.after(self.node_id, self.ids())
+        want = max(1, self.config.replicas) + 1
+        out: set[str] = set()
+        for side in (succ, succ[::-1]):
+            alive = 0
+            for n in side:
+                if alive >= want:
+                    break
+                out.add(n)
+                p = self.peers[n]
+                if p.up or not p.contacted:
+                    alive += 1
+        return out
+
+    async def job_catalogs(self, job: str, nodes: set[str] | None = None
+                           ) -> tuple[list[tuple[PeerInfo, list[Any]]], list[str]]:
+        """Ask peers (``nodes``, default every known peer) for their committed ranks of ``job``,
+        ``KNOBS.fanout`` at a time, within ``KNOBS.fanout_deadline`` seconds.
+
+        Returns:
+            (answers, the ids of peers that did not answer in time or failed).
+        """
+        targets = sorted(self.peers if nodes is None else nodes & set(self.peers))
         req = ppb.CatalogRequest(job=job, node_id=self.node_id)
-        results = await asyncio.gather(*(self.call(p, "Catalog", req) for p in peers), return_exceptions=True)
-        out = []
-        for p, res in zip(peers, results):
+        sem = asyncio.Semaphore(max(1, KNOBS.fanout))
+        deadline = time.monotonic() + KNOBS.fanout_deadline
+
+        async def ask(p: PeerInfo) -> Any:
+            async with sem:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceededError(f"peer {p.node_id}: not asked before the deadline")
+                return await self.call(p, "Catalog", req, min(left, KNOBS.rpc_timeout))
+
+        results = await asyncio.gather(*(ask(self.peers[n]) for n in targets), return_exceptions=True)
+        out, missed = [], []
+        for n, res in zip(targets, results):
+            p = self.peers[n]
             if isinstance(res, TierckptError):
-                self.mark_down(p, res)
+                missed.append(n)
+                if not isinstance(res, DeadlineExceededError) or p.up:
+                    self.mark_down(p, res)
                 continue
             if isinstance(res, BaseException):
                 raise res
             if not p.up:
                 self.mark_up(p)
-            held = {k: v for k, v in p.held.items() if k[0] != job}
-            held.update(held_from(res.entries))
-            p.held = held
             out.append((p, list(res.entries)))
-        return out
+        if missed:
+            log.info("%s: %d of %d peers did not answer within %.1fs: %s", job, len(missed), len(targets),
+                     KNOBS.fanout_deadline, ",".join(missed[:10]) + (" ..." if len(missed) > 10 else ""))
+        return out, missed
 
     # ------------------------------------------------------------------------------ discovery
 
@@ -278,20 +334,44 @@ class Membership:
 
     def _rebuild_index(self) -> bool:
         idx: dict[tuple[str, int], set[int]] = collections.defaultdict(set)
+        owned: dict[str, set[int]] = collections.defaultdict(set)  # job -> ranks owned by nodes in view
+        watched = self.watched()
         for p in self.peers.values():
             if p.up:
-                for job, step, rank in p.held:
+                for (job, step, rank), h in p.held.items():
                     idx[(job, step)].add(rank)
+                    if h.owner in watched or h.owner == self.node_id:
+                        owned[job].add(rank)
         new = {k: frozenset(v) for k, v in idx.items()}
-        changed = new != self._index
-        self._index = new
+        changed = new != self._index or owned != self._owned
+        self._index, self._owned = new, dict(owned)
+        self._whole_view = len(watched) == len(self.peers)
         return changed
 
     def is_complete(self, job: str, step: int, world_size: int, ranks: set[int]) -> bool:
-        """Cluster-aware completeness for local retention: every rank held here or by a live peer."""
-        if len(ranks) >= world_size:
+        """Cluster-aware completeness for local retention.
+
+        When this node watches every peer (small clusters): every rank is held here or by a
+        live peer. At scale it sees only its neighbourhood, so a step counts as complete when
+        every rank owned by a live node in view (this node's own included) is held for it: as
+        complete as this node can tell. A far node that failed to save the step is not seen;
+        see the README's "Retention at scale" for what that risks and how per-job retention on
+        the persistent tier bounds it.
+        """
+        present = ranks | self._index.get((job, step), frozenset())
+        if len(present) >= world_size:
             return True
-        return len(ranks | self._index.get((job, step), frozenset())) >= world_size
+        if self._whole_view:
+            return False
+        owned = self._owned.get(job, set()) | self._own_ranks(job)
+        return bool(present) and owned <= present
+
+    def _own_ranks(self, job: str) -> set[int]:
+        return self._own.get(job, set())
+
+    def note_own(self, job: str, rank: int) -> None:
+        """A rank of ``job`` was saved on this node (its owner); completeness expects it."""
+        self._own.setdefault(job, set()).add(rank)
 
     def status(self) -> list[dict]:
         return [{"node_id": p.node_id, "address": p.address, "up": p.up, "last_seen_unix": p.last_seen,

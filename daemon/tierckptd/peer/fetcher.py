@@ -45,8 +45,9 @@ class Fetcher:
         """Copy one rank from the best live holder into the local store and return its manifest."""
         check_job(job)
         check_step(step)
-        cands = [(p, e) for p, entries in await self.cluster.job_catalogs(job) for e in entries
-                 if e.step == step and e.rank == rank]
+        cands = await self._candidates(job, step, rank, self.cluster.watched())
+        if not cands:  # not in the neighbourhood (a rank that moved to this node): ask everyone
+            cands = await self._candidates(job, step, rank, None)
         if not cands:
             raise NotFoundError(f"{job} step {step} rank {rank} is not held by any live peer")
         owner = cands[0][1].owner
@@ -60,6 +61,10 @@ class Fetcher:
         finally:
             self.receiver.fetching.discard((job, step, rank))
             self.receiver.restore_begun(-1)
+
+    async def _candidates(self, job: str, step: int, rank: int, nodes: set[str] | None) -> list[tuple[PeerInfo, Any]]:
+        answers, _ = await self.cluster.job_catalogs(job, nodes)
+        return [(p, e) for p, entries in answers for e in entries if e.step == step and e.rank == rank]
 
     async def _first_good(self, peers: list[PeerInfo], job: str, step: int, rank: int) -> Manifest:
         errors: list[str] = []

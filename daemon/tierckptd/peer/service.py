@@ -32,7 +32,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
     async def Catalog(self, request: ppb.CatalogRequest, context: Any) -> ppb.CatalogResponse:
         if request.job:
             check_job(request.job)
-        return self.tier.local_catalog(request.job)
+        return self.tier.local_catalog(request.job, request.since_version, request.since_instance)
 
     @rpc
     async def PrepareReplica(self, request: ppb.PrepareReplicaRequest, context: Any) -> ppb.PrepareReplicaResponse:

@@ -24,7 +24,8 @@ from tierckpt.errors import NotFoundError
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 
-from ..cluster.membership import Membership
+from ..cluster.changelog import ChangeLog
+from ..cluster.membership import Membership, PeerInfo
 from ..config import ConfigError, DaemonConfig
 from ..knobs import KNOBS
 from ..manifest import Manifest
@@ -81,6 +82,7 @@ class PeerTier(RemoteTier):
         self.replicator = Replicator(self.node_id, store, cluster, self.pusher, config.replicas, metrics)
         self.redundancy = Redundancy(self.node_id, store, cluster, self.replicator, self.pusher)
         self.fetcher = Fetcher(self.node_id, store, cluster, transfer, self.receiver, metrics)
+        self._changes = ChangeLog(self._snapshot)
         self._maintainer: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         if config.replicas > len(cluster.peers) and not config.peers_dns:
@@ -161,8 +163,10 @@ class PeerTier(RemoteTier):
     def on_commit(self, manifest: Manifest, *, ingested: bool) -> None:
         # Copies of other owners' ranks (replicas) are not replicated further; an own rank
         # fetched back after a node replacement is checked (its copies usually exist already).
-        if manifest.node == self.node_id and self.replicator.replicas_for(manifest):
-            self.replicator.ensure(manifest)
+        if manifest.node == self.node_id:
+            self.cluster.note_own(manifest.job, manifest.rank)
+            if self.replicator.replicas_for(manifest):
+                self.replicator.ensure(manifest)
 
     def on_evict(self, eviction: Eviction) -> None:
         self.replicator.forget(eviction.job, eviction.step, eviction.ranks, eviction.reason)
@@ -170,14 +174,28 @@ class PeerTier(RemoteTier):
             self._spawn(self.redundancy.drop_everywhere(eviction))
 
     async def catalog(self, job: str) -> dict[int, dict[int, RankCopy]]:
-        merged: dict[int, dict[int, RankCopy]] = {}
-        for p, entries in await self.cluster.job_catalogs(job):
-            for e in entries:
-                old = merged.setdefault(e.step, {}).get(e.rank)
-                nodes = tuple(sorted(set(old.nodes if old else ()) | {p.node_id}))
-                merged[e.step][e.rank] = RankCopy(e.world_size, nodes, e.bytes,
-                                                  min(old.created, e.created_unix) if old else e.created_unix)
-        return merged
+        return (await self.catalog_with_gaps(job))[0]
+
+    async def catalog_with_gaps(self, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
+        """Every peer's committed ranks of ``job`` (bounded fan-out; an operator question)."""
+        answers, missed = await self.cluster.job_catalogs(job)
+        return merge_catalogs(answers), missed
+
+    async def rank_catalog(self, job: str, rank: int) -> dict[int, RankCopy]:
+        """Copies of one rank in the ring neighbourhood (its deltas refreshed first: O(R) calls)."""
+        watched = self.cluster.watched()
+        await asyncio.gather(*(self.cluster.refresh_peer(self.cluster.peers[n]) for n in sorted(watched)))
+        out: dict[int, RankCopy] = {}
+        for n in sorted(watched):
+            p = self.cluster.peers[n]
+            if not p.up:
+                continue
+            for (j, step, r), h in p.held.items():
+                if j == job and r == rank:
+                    old = out.get(step)
+                    nodes = tuple(sorted(set(old.nodes if old else ()) | {n}))
+                    out[step] = RankCopy(h.world_size, nodes, h.nbytes, min(old.created, h.created) if old else h.created)
+        return out
 
     async def fetch(self, job: str, step: int, rank: int) -> Manifest:
         return await self.fetcher.fetch(job, step, rank)
@@ -207,16 +225,29 @@ class PeerTier(RemoteTier):
         return ppb.HelloResponse(node_id=self.node_id, instance=self.instance, bulk_port=self._bulk.port,
                                  replicas=self.config.replicas)
 
-    def local_catalog(self, job: str) -> ppb.CatalogResponse:
-        """Committed ranks held here, own and replicas, for ``job`` or every job (Catalog RPC)."""
+    def local_catalog(self, job: str, since_version: int = 0, since_instance: str = "") -> ppb.CatalogResponse:
+        """Committed ranks held here, own and replicas, for ``job`` or every job (Catalog RPC);
+        for every job, a delta since ``since_version`` of this instance when it can be given."""
         resp = ppb.CatalogResponse(node_id=self.node_id, instance=self.instance, bulk_port=self._bulk.port)
-        for j in [job] if job else self.store.jobs():
-            for step, ranks in self.store.steps(j).items():
-                for m in ranks.values():
-                    resp.entries.append(ppb.CatalogEntry(
-                        job=j, step=step, rank=m.rank, world_size=m.world_size, owner=m.node,
-                        generation=m.generation, bytes=m.nbytes, created_unix=m.created))
+        if job:
+            resp.entries.extend(self._entries(job).values())
+            return resp
+        since = since_version if since_instance == self.instance else 0
+        resp.version, resp.delta, entries, removed = self._changes.since(since)
+        resp.entries.extend(entries)
+        resp.removed.extend(ppb.RankKey(job=j, step=s, rank=r) for j, s, r in removed)
         return resp
+
+    def _entries(self, job: str) -> dict[tuple[str, int, int], ppb.CatalogEntry]:
+        return {m.key: ppb.CatalogEntry(job=job, step=step, rank=m.rank, world_size=m.world_size, owner=m.node,
+                                        generation=m.generation, bytes=m.nbytes, created_unix=m.created)
+                for step, ranks in self.store.steps(job).items() for m in ranks.values()}
+
+    def _snapshot(self) -> dict[tuple[str, int, int], ppb.CatalogEntry]:
+        out: dict[tuple[str, int, int], ppb.CatalogEntry] = {}
+        for job in self.store.jobs():
+            out.update(self._entries(job))
+        return out
 
     async def drop_replicas(self, owner: str, job: str, step: int, ranks: Sequence[int], reason: str) -> int:
         """Remove the replicas of ``owner``'s ranks of a step (DropReplicas RPC); returns how many."""
@@ -227,3 +258,15 @@ class PeerTier(RemoteTier):
                 removed += await run_blocking(self.store.remove_rank, job, step, rank,
                                               f"replica dropped by its owner {owner} ({reason})")
         return removed
+
+
+def merge_catalogs(answers: list[tuple[PeerInfo, list[Any]]]) -> dict[int, dict[int, RankCopy]]:
+    """step -> rank -> copy over the peers' answers (nodes merged, oldest creation time kept)."""
+    merged: dict[int, dict[int, RankCopy]] = {}
+    for p, entries in answers:
+        for e in entries:
+            old = merged.setdefault(e.step, {}).get(e.rank)
+            nodes = tuple(sorted(set(old.nodes if old else ()) | {p.node_id}))
+            merged[e.step][e.rank] = RankCopy(e.world_size, nodes, e.bytes,
+                                              min(old.created, e.created_unix) if old else e.created_unix)
+    return merged
