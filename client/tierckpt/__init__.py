@@ -13,6 +13,7 @@ from .errors import (
     CapacityError,
     DataLossError,
     DeadlineExceededError,
+    PermissionDeniedError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -26,5 +27,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Client", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation", "StepAvailability",
     "TierckptError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError", "CapacityError",
-    "UnavailableError", "DataLossError", "FailedPreconditionError", "DeadlineExceededError", "TierError",
+    "UnavailableError", "DataLossError", "FailedPreconditionError", "DeadlineExceededError", "PermissionDeniedError", "TierError",
 ]

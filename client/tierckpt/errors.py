@@ -18,6 +18,7 @@ __all__ = [
     "DataLossError",
     "FailedPreconditionError",
     "DeadlineExceededError",
+    "PermissionDeniedError",
     "TierError",
 ]
 
@@ -55,6 +56,10 @@ class DataLossError(TierckptError):
 
 class FailedPreconditionError(TierckptError):
     """The request is valid but the system is not in a state to serve it (e.g. shutting down)."""
+
+
+class PermissionDeniedError(TierckptError, PermissionError):
+    """The caller may not do this (a peer outside the placement, a certificate naming another node)."""
 
 
 class DeadlineExceededError(TierckptError, TimeoutError):

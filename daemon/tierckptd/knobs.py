@@ -65,8 +65,8 @@ class Knobs:
     replicate_retry: RetryPolicy = RetryPolicy(initial_delay=0.25, max_delay=5.0, multiplier=2.0, max_attempts=6,
                                                deadline=None)
     """Backoff between replication attempts of a rank; after the last one, waiters get TierError."""
-    read_ticket_ttl: float = 600.0
-    """Seconds a bulk read ticket stays valid."""
+    read_ticket_ttl: float = 30.0
+    """Seconds a bulk read ticket stays valid after its last use (it is also bound to the requester)."""
     commit_timeout: float = 60.0
     """Deadline of a CommitReplica RPC (the receiver verifies and commits the replica)."""
 

@@ -40,12 +40,12 @@ def build_membership(config: DaemonConfig, metrics):
         return None
     from .cluster.membership import Membership  # noqa: PLC0415
 
-    creds = None
+    source = None
     if config.tls_enabled:
-        from .tls import channel_credentials  # noqa: PLC0415
+        from .tls import reloader  # noqa: PLC0415
 
-        creds = channel_credentials(config)
-    return Membership(config, metrics, creds)
+        source = reloader(config)
+    return Membership(config, metrics, source)
 
 
 async def serve(config: DaemonConfig, *, ready_out=None) -> int:
@@ -77,8 +77,10 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
 
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
 
-    def add_extra(server):
+    def add_health(server):
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+
+    def add_tier_services(server):
         for t in tiers:
             t.add_to_server(server)
 
@@ -87,7 +89,7 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
         from .tls import server_credentials
 
         creds = server_credentials(config)
-    listening = await create_server(config, node, add_extra, creds)
+    listening = await create_server(config, node, add_health, creds, add_tier_services)
     metrics_port = None
     if config.metrics_port:
         metrics_port = metrics.start_http_server(config.metrics_host, config.metrics_port)
@@ -118,7 +120,7 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
         await _maybe_await(health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING))
     await node.stop(config.shutdown_timeout)
     log.info("shutdown: in-flight work finished; stopping gRPC server")
-    await listening.server.stop(grace=min(5.0, config.shutdown_timeout))
+    await listening.stop(min(5.0, config.shutdown_timeout))
     wd.cancel()
     metrics.stop()
     if listening.socket_path:
@@ -144,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
+    from .tls import insecure_warning
+
+    if (warning := insecure_warning(config)) is not None:
+        log.warning("%s", warning)
     if config.knobs:
         from .knobs import KNOBS, parse_knobs
 

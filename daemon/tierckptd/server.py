@@ -183,9 +183,12 @@ class TierckptServicer(pb_grpc.TierckptServicer):
 
 @dataclass
 class Listening:
-    server: grpc.aio.Server
+    servers: list[grpc.aio.Server]
     tcp_port: int | None
     socket_path: str | None
+
+    async def stop(self, grace: float) -> None:
+        await asyncio.gather(*(srv.stop(grace=grace) for srv in self.servers))
 
 
 def server_options(config: DaemonConfig) -> list[tuple[str, int]]:
@@ -197,27 +200,37 @@ def server_options(config: DaemonConfig) -> list[tuple[str, int]]:
     ]
 
 
-async def create_server(config: DaemonConfig, node: Node, extra_servicers: Callable[[grpc.aio.Server], None] | None = None,
-                        server_credentials: grpc.ServerCredentials | None = None) -> Listening:
-    """Build and start the gRPC server on the configured listeners. Port 0 picks a free port."""
-    server = grpc.aio.server(options=server_options(config))
-    pb_grpc.add_TierckptServicer_to_server(TierckptServicer(node, config), server)
-    if extra_servicers:
-        extra_servicers(server)
+async def create_server(config: DaemonConfig, node: Node, common: Callable[[grpc.aio.Server], None] | None = None,
+                        server_credentials: grpc.ServerCredentials | None = None,
+                        tcp_only: Callable[[grpc.aio.Server], None] | None = None) -> Listening:
+    """Build and start the gRPC servers on the configured listeners. Port 0 picks a free port.
+
+    The Unix socket and the TCP listener are separate servers: both serve the Tierckpt service
+    and ``common`` (health); only the TCP server (mTLS when configured) serves ``tcp_only``
+    (the Peer service), so trainers in the socket group can never act as a peer.
+    """
+    servers: list[grpc.aio.Server] = []
     tcp_port = None
     if config.listen:
+        tcp = _new_server(config, node, common)
+        if tcp_only:
+            tcp_only(tcp)
         if server_credentials is not None:
-            tcp_port = server.add_secure_port(config.listen, server_credentials)
+            tcp_port = tcp.add_secure_port(config.listen, server_credentials)
         else:
-            tcp_port = server.add_insecure_port(config.listen)
+            tcp_port = tcp.add_insecure_port(config.listen)
+        servers.append(tcp)
     sock = None
     if config.socket:
         sock = os.path.abspath(config.socket)
         os.makedirs(os.path.dirname(sock), exist_ok=True)
         if os.path.exists(sock):
             os.unlink(sock)  # a stale socket of a dead daemon
-        server.add_insecure_port("unix://" + sock)
-    await server.start()
+        local = _new_server(config, node, common)
+        local.add_insecure_port("unix://" + sock)
+        servers.append(local)
+    for srv in servers:
+        await srv.start()
     if sock:
         os.chmod(sock, config.socket_mode)
         if config.socket_group:
@@ -226,4 +239,12 @@ async def create_server(config: DaemonConfig, node: Node, extra_servicers: Calla
 
             gid = int(config.socket_group) if config.socket_group.isdigit() else grp.getgrnam(config.socket_group).gr_gid
             _sh.chown(sock, group=gid)
-    return Listening(server, tcp_port, sock)
+    return Listening(servers, tcp_port, sock)
+
+
+def _new_server(config: DaemonConfig, node: Node, common: Callable[[grpc.aio.Server], None] | None) -> grpc.aio.Server:
+    server = grpc.aio.server(options=server_options(config))
+    pb_grpc.add_TierckptServicer_to_server(TierckptServicer(node, config), server)
+    if common:
+        common(server)
+    return server

@@ -15,6 +15,7 @@ _TO_CODE: list[tuple[type[E.TierckptError], grpc.StatusCode]] = [
     (E.DataLossError, grpc.StatusCode.DATA_LOSS),
     (E.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (E.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (E.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (E.TierError, grpc.StatusCode.ABORTED),
 ]
 _FROM_CODE = {code: cls for cls, code in _TO_CODE}

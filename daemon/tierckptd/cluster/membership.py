@@ -97,11 +97,13 @@ class Membership:
         credentials: gRPC channel credentials under mTLS, else None.
     """
 
-    def __init__(self, config: DaemonConfig, metrics: Any = None, credentials: Any = None) -> None:
+    def __init__(self, config: DaemonConfig, metrics: Any = None, tls_source: Any = None) -> None:
         self.config = config
         self.node_id = config.node_id
         self.metrics = metrics
-        self._creds = credentials
+        self._tls = tls_source  # a tls.TlsReloader under mTLS
+        self._tls_generation = tls_source.generation if tls_source is not None else 0
+        self._creds = tls_source.channel_credentials() if tls_source is not None else None
         self.peers: dict[str, PeerInfo] = {p.node_id: PeerInfo(p.node_id, p.host, p.port)
                                            for p in config.other_peers()}
         self._dns: tuple[str, int] | None = None
@@ -131,6 +133,19 @@ class Membership:
         else:
             p.channel = grpc.aio.insecure_channel(p.address, options=opts)
         p.stub = ppb_grpc.PeerStub(p.channel)
+
+    async def _rotate(self) -> None:
+        """Rebuild the peer channels when the TLS files changed (rotation without a restart)."""
+        if self._tls is None or self._tls.generation == self._tls_generation:
+            return
+        self._tls_generation = self._tls.generation
+        self._creds = self._tls.channel_credentials()
+        log.info("peer channels rebuilt with the reloaded certificates (generation %d)", self._tls_generation)
+        for p in self.peers.values():
+            old = p.channel
+            self._connect(p)
+            if old is not None:
+                await old.close()
 
     async def close(self) -> None:
         for p in self.peers.values():
@@ -193,6 +208,7 @@ class Membership:
     async def refresh(self) -> tuple[bool, bool]:
         """Refresh the watched neighbourhood (:meth:`watched`). Returns (a peer came back or
         restarted, cluster completeness changed)."""
+        await self._rotate()
         if self._dns:
             await self._discover()
         watched = self.watched()

@@ -61,10 +61,11 @@ class _Inbound:
     created: float = field(default_factory=time.monotonic)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Reader:
     man: Manifest
-    created: float
+    created: float  # monotonic time of the last use: a ticket expires read_ticket_ttl after it
+    requester: str = ""
 
 
 class Receiver:
@@ -91,10 +92,12 @@ class Receiver:
         self._restoring = 0  # fetches in progress: inbound replicas give way to them
         self._restore_cv = threading.Condition()
         self.fetching: set[tuple[str, int, int]] = set()  # ranks being fetched (not to be staged twice)
+        self.check_identity: Callable[[socket.socket, str], None] | None = None  # set under mTLS
 
     # ------------------------------------------------------------------------------ replicas
 
-    async def prepare(self, sender: str, manifest_json: str) -> ppb.PrepareReplicaResponse:
+    async def prepare(self, sender: str, manifest_json: str,
+                      allowed: Callable[[Manifest], None] | None = None) -> ppb.PrepareReplicaResponse:
         """Open a staging area for a replica and issue its bulk "put" ticket (PrepareReplica RPC).
 
         Raises:
@@ -107,6 +110,8 @@ class Receiver:
             man = Manifest.from_json(manifest_json)
         except DataLossError as e:
             raise InvalidArgumentError(f"manifest_json: {e}") from None
+        if allowed is not None:
+            allowed(man)  # PermissionDeniedError: not this node's to hold
         cur = self.store.get(*man.key)
         if cur is not None and cur.generation == man.generation:
             return ppb.PrepareReplicaResponse(already_committed=True)
@@ -169,7 +174,12 @@ class Receiver:
         if inb is not None:
             self.store.abort(inb.staging.save_id)
 
-    def open_read(self, job: str, step: int, rank: int) -> ppb.OpenReadResponse:
+    def sender_of(self, ticket: str) -> str:
+        with self._lock:
+            inb = self._inbound.get(ticket)
+        return inb.sender if inb is not None else ""
+
+    def open_read(self, job: str, step: int, rank: int, requester: str = "") -> ppb.OpenReadResponse:
         """Describe a held rank and issue a bulk "get" ticket for it (OpenRead RPC).
 
         Raises:
@@ -180,7 +190,7 @@ class Receiver:
             raise NotFoundError(f"{job} step {step} rank {rank} is not held by node {self.node_id}")
         ticket = secrets.token_urlsafe(18)
         with self._lock:
-            self._readers[ticket] = _Reader(man, time.monotonic())
+            self._readers[ticket] = _Reader(man, time.monotonic(), requester)
         return ppb.OpenReadResponse(manifest_json=man.to_json().decode(), ticket=ticket, bulk_port=self.bulk_port)
 
     def expire(self) -> None:
@@ -209,7 +219,10 @@ class Receiver:
     # ------------------------------------------------------------------------------ bulk server
 
     def serve_bulk(self, sock: socket.socket, req: dict, buf: bytearray) -> None:
-        """Serve one bulk request (a bulk thread). Errors are answered, then close the connection."""
+        """Serve one bulk request (a bulk thread). Errors are answered, then close the connection.
+
+        Under mTLS the connection's certificate must name the node the ticket was issued to
+        (the replica's sender, the reader's requester)."""
         try:
             op, ticket, shard = req.get("op"), str(req.get("ticket", "")), str(req.get("shard", ""))
             piece = (req.get("offset"), req.get("chunk"), req.get("stride"))
@@ -223,11 +236,16 @@ class Receiver:
             bulk.send_msg(sock, bulk.error_msg(e))
             raise
 
+    def _check_holder(self, sock: socket.socket, node_id: str) -> None:
+        if self.check_identity is not None and node_id:
+            self.check_identity(sock, node_id)
+
     def _put(self, sock: socket.socket, ticket: str, shard: str, piece: tuple, buf: bytearray) -> None:
         with self._lock:
             inb = self._inbound.get(ticket)
         if inb is None:
             raise FailedPreconditionError("ticket: unknown or expired replica ticket")
+        self._check_holder(sock, inb.sender)
         f = inb.staging.files.get(shard)
         if f is None:
             raise InvalidArgumentError(f"shard: {shard!r} is not part of this replica")
@@ -250,10 +268,17 @@ class Receiver:
         bulk.send_msg(sock, {"ok": True})
 
     def _get(self, sock: socket.socket, ticket: str, shard: str, piece: tuple, buf: bytearray) -> None:
+        now = time.monotonic()
         with self._lock:
             rd = self._readers.get(ticket)
+            if rd is not None and now - rd.created > KNOBS.read_ticket_ttl:
+                del self._readers[ticket]
+                rd = None
+            if rd is not None:
+                rd.created = now
         if rd is None:
             raise FailedPreconditionError("ticket: unknown or expired read ticket")
+        self._check_holder(sock, rd.requester)
         try:
             entry = rd.man.shard(shard)
         except KeyError:

@@ -23,6 +23,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
 
     def __init__(self, tier: PeerTier) -> None:
         self.tier = tier
+        self.guard = tier.guard
 
     @rpc
     async def Hello(self, request: ppb.HelloRequest, context: Any) -> ppb.HelloResponse:
@@ -30,6 +31,8 @@ class PeerServicer(ppb_grpc.PeerServicer):
 
     @rpc
     async def Catalog(self, request: ppb.CatalogRequest, context: Any) -> ppb.CatalogResponse:
+        if request.node_id:
+            self.guard.check_claim(self.guard.identity(context), request.node_id, "node_id")
         if request.job:
             check_job(request.job)
         return self.tier.local_catalog(request.job, request.since_version, request.since_instance)
@@ -38,12 +41,18 @@ class PeerServicer(ppb_grpc.PeerServicer):
     async def PrepareReplica(self, request: ppb.PrepareReplicaRequest, context: Any) -> ppb.PrepareReplicaResponse:
         if not request.manifest_json:
             raise InvalidArgumentError("manifest_json: required")
-        return await self.tier.receiver.prepare(request.sender, request.manifest_json)
+        check_node(request.sender, "sender")
+        self.guard.check_claim(self.guard.identity(context), request.sender, "sender")
+        return await self.tier.receiver.prepare(request.sender, request.manifest_json, self.guard.check_replica)
 
     @rpc
     async def CommitReplica(self, request: ppb.CommitReplicaRequest, context: Any) -> ppb.CommitReplicaResponse:
         if not request.ticket:
             raise InvalidArgumentError("ticket: required")
+        ident = self.guard.identity(context)
+        sender = self.tier.receiver.sender_of(request.ticket)
+        if sender:
+            self.guard.check_claim(ident, sender, "ticket")
         return ppb.CommitReplicaResponse(bytes=await self.tier.receiver.commit(request.ticket))
 
     @rpc
@@ -55,12 +64,15 @@ class PeerServicer(ppb_grpc.PeerServicer):
     async def OpenRead(self, request: ppb.OpenReadRequest, context: Any) -> ppb.OpenReadResponse:
         check_job(request.job)
         check_step(request.step)
-        return self.tier.receiver.open_read(request.job, request.step, request.rank)
+        check_node(request.requester, "requester")
+        self.guard.check_claim(self.guard.identity(context), request.requester, "requester")
+        return self.tier.receiver.open_read(request.job, request.step, request.rank, request.requester)
 
     @rpc
     async def DropReplicas(self, request: ppb.DropReplicasRequest, context: Any) -> ppb.DropReplicasResponse:
         check_job(request.job)
         check_node(request.owner, "owner")
+        self.guard.check_drop(self.guard.identity(context), request.owner)
         removed = await self.tier.drop_replicas(request.owner, request.job, request.step, list(request.ranks),
                                                 request.reason)
         return ppb.DropReplicasResponse(removed=removed)

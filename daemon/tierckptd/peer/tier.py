@@ -34,6 +34,7 @@ from ..store import Eviction, LocalStore
 from ..tiers import RankCopy, RemoteTier
 from . import bulk
 from .fetcher import Fetcher
+from .guard import PeerGuard
 from .receiver import Receiver
 from .redundancy import Redundancy
 from .replicator import Pusher, Replicator
@@ -72,9 +73,13 @@ class PeerTier(RemoteTier):
         if config.tls_enabled:
             from .. import tls
 
-            ssl_client, ssl_server = tls.client_ssl_context(config), tls.server_ssl_context(config)
+            source = tls.reloader(config)
+            ssl_client, ssl_server = source.client_ssl_context, source.server_ssl_context()
         self._tls = ssl_client is not None
         self.receiver = Receiver(self.node_id, store, self._announce, config.staging_timeout, metrics)
+        self.guard = PeerGuard(config, cluster, config.replicas)
+        if config.tls_enabled:
+            self.receiver.check_identity = self._check_bulk_identity
         self._bulk = bulk.BulkServer(config.listen.rpartition(":")[0].strip("[]"), ssl_server,
                                      self.receiver.serve_bulk)
         transfer = BulkClient(self._pool, ssl_client)
@@ -88,6 +93,11 @@ class PeerTier(RemoteTier):
         if config.replicas > len(cluster.peers) and not config.peers_dns:
             log.warning("replicas=%d but only %d peers are configured: wait('peer') will fail",
                         config.replicas, len(cluster.peers))
+
+    def _check_bulk_identity(self, sock: Any, node_id: str) -> None:
+        from .. import tls
+
+        self.guard.check_claim(tls.ssl_peer_identity(sock), node_id, "ticket")
 
     def _announce(self, man: Manifest) -> None:
         self.host.notify_ingested(man)

@@ -14,7 +14,7 @@ import os
 import queue
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tierckpt.errors import DataLossError, UnavailableError
 
@@ -51,9 +51,10 @@ def plan_pieces(shards: Sequence[tuple[str, int]], streams: int | None = None, m
 
 
 class BulkClient:
-    """Runs transfers on a thread pool. ``ssl_context`` (mTLS) wraps every connection."""
+    """Runs transfers on a thread pool. ``ssl_context()`` (mTLS) gives the current context for
+    each new connection (certificates rotate without a restart); None: plain TCP."""
 
-    def __init__(self, pool: cf.Executor, ssl_context: ssl.SSLContext | None) -> None:
+    def __init__(self, pool: cf.Executor, ssl_context: Callable[[], ssl.SSLContext] | None) -> None:
         self._pool = pool
         self._ssl = ssl_context
 
@@ -69,7 +70,8 @@ class BulkClient:
         for piece in pieces:
             work.put(piece)
         stop = threading.Event()
-        job = _Stream(peer_id, host, port, ticket, op, work, files, hashers, stop, self._ssl, tls_name)
+        ctx = self._ssl() if self._ssl is not None else None
+        job = _Stream(peer_id, host, port, ticket, op, work, files, hashers, stop, ctx, tls_name)
         futs = [run_blocking(job.work, pool=self._pool) for _ in range(min(KNOBS.bulk_streams, len(pieces)))]
         try:
             await asyncio.gather(*futs)
