@@ -218,9 +218,14 @@ def cmd_restore(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
     for name in ck.shards:
         final = os.path.join(args.out, name)
         tmp = os.path.join(args.out, f".{name}.tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(memoryview(ck._buffers[name]))
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(memoryview(ck._buffers[name]))
+            os.replace(tmp, final)
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise OSError(e.errno, e.strerror, final) from e
         files[name] = final
     meta = {"job": ck.job, "step": ck.step, "rank": ck.rank, "world_size": ck.world_size, "tier": ck.tier,
             "source_node": ck.source_node, "metadata": ck.metadata,

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import urllib.error
-import urllib.request
 from typing import TextIO
 
 from ..errors import InvalidArgumentError, UnavailableError
@@ -88,6 +86,9 @@ def _metrics_url(raw: str) -> str:
 
 
 def _fetch(url: str, timeout: float) -> str:
+    import urllib.error
+    import urllib.request  # Here, not at import time: only `plan --metrics-url` needs HTTP.
+
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (scheme checked by _metrics_url)
             return str(resp.read().decode("utf-8", "replace"))
@@ -121,6 +122,8 @@ def _fractions(args: argparse.Namespace) -> tuple[dict[str, float], list[str]]:
             raise InvalidArgumentError(
                 f"--crash-fraction/--node-fraction/--cluster-fraction: must sum to 1, got {1 - rest:.6g}")
         return given, []
+    if not given:
+        return dict(DEFAULT_FRACTIONS), missing
     weight = sum(DEFAULT_FRACTIONS[c] for c in missing)
     for c in missing:
         given[c] = max(0.0, rest) * DEFAULT_FRACTIONS[c] / weight
