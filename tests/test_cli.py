@@ -335,6 +335,16 @@ def test_progress_bar_only_on_a_terminal(daemon, tmp_path):
     assert p.returncode == 0 and p.stderr == b""
 
 
+def test_closed_stdout_is_quiet(daemon):
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    err = io.StringIO()
+    assert cli.main(["--address", daemon.address, "ls", "job"], out=ClosedPipe(), err=err) == 1
+    assert err.getvalue() == ""
+
+
 def test_error_from_an_answering_daemon_is_exit_1(daemon, tmp_path):
     out = tmp_path / "ro"
     out.mkdir()
@@ -399,6 +409,8 @@ def test_completion_scripts(shell, tmp_path):
     assert p.returncode == 0, p.stderr
     for word in ("restore", "status", "latest", "--json", "--ranks", "--metrics-url"):
         assert word in p.stdout
+    assert ("_shtab_tierckpt_restore___out_COMPGEN=_shtab_compgen_dirs" if shell == "bash" else
+            ":DIR:_files -/") in p.stdout  # --out completes directories
     if shell == "bash" and shutil.which("bash"):
         script = tmp_path / "c.bash"
         script.write_text(p.stdout)

@@ -216,6 +216,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         return _fail(err, str(e), EXIT_UNREACHABLE if getattr(args, "plan", False) else EXIT_ERROR)
     except TierckptError as e:
         return _fail(err, str(e) or type(e).__name__, EXIT_ERROR)
+    except BrokenPipeError:  # stdout closed early (`tierckpt ls job | head`): not an error worth a trace
+        if out is sys.stdout:
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            except (OSError, ValueError):
+                pass
+        return EXIT_ERROR
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         return _fail(err, f"{where}{e.strerror or e}", EXIT_ERROR)
