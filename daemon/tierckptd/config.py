@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "staging_timeout": "SECONDS", "max_shard_bytes": "BYTES", "max_message_bytes": "BYTES",
                 "peers": "ID=HOST:PORT,...", "peers_dns": "NAME:PORT", "persistent": "URL", "metrics_port": "PORT",
                 "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem",
-                "log_level": "LEVEL", "log_format": "plain|json", "shutdown_timeout": "SECONDS"}
+                "log_level": "LEVEL", "log_format": "plain|json", "shutdown_timeout": "SECONDS",
+                "knobs": "NAME=VALUE,..."}  # knobs: on main, not yet on this branch
     for name, f in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
         if name == "peers":
