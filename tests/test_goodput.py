@@ -1,21 +1,18 @@
-"""Tests of the goodput planner (tierckpt.goodput): formulas, optimality, policy, metrics, CLI."""
+"""Tests of the goodput planner (tierckpt.goodput): formulas, optimality, policy, metrics.
+
+The `tierckpt plan` command is tested in tests/test_cli.py."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import http.server
-import io
 import json
 import math
-import socket
 import sys
-import threading
 
 import pytest
 
 from tierckpt import goodput as gp
-from tierckpt.errors import InvalidArgumentError, UnavailableError
+from tierckpt.errors import InvalidArgumentError
 from tierckpt.goodput import FailureModel, Policy, TierCost
 
 HOUR = 3600.0
@@ -333,128 +330,3 @@ def test_metrics_inputs_from_daemon_registry() -> None:
     m.restore_latency.labels(tier="persistent").observe(120.0)
     got = gp.metrics_inputs(generate_latest(m.registry).decode())
     assert got == pytest.approx({"local_save": 0.3, "persistent_restore": 120.0})
-
-
-# --- CLI ----------------------------------------------------------------------------------------
-
-def parse(argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    gp.add_plan_arguments(parser)
-    return parser.parse_args(argv.split())
-
-
-FULL = ("--mtbi 4h --crash-fraction 0.3 --node-fraction 0.6 --cluster-fraction 0.1 --step-time 2 "
-        "--local-save 0.5 --local-restore 5 --peer-save 2 --peer-restore 30 --persistent-save 30 "
-        "--persistent-restore 5m")
-
-
-def test_run_plan_json_round_trip() -> None:
-    out = io.StringIO()
-    assert gp.run_plan(parse(FULL + " --json"), out) == 0
-    doc = json.loads(out.getvalue())
-    expected = gp.plan(COSTS, FAILURES, 2.0)
-    assert doc["inputs"]["mtbi_s"] == 4 * HOUR and doc["inputs"]["persistent_restore"] == 300.0
-    assert doc["measured"] == []
-    assert doc["goodput"] == pytest.approx(expected.goodput)
-    assert doc["baseline"]["goodput"] == pytest.approx(expected.baseline_goodput)
-    assert {t["name"]: t["interval_steps"] for t in doc["tiers"]} == expected.intervals_steps
-
-
-def test_run_plan_table() -> None:
-    out = io.StringIO()
-    assert gp.run_plan(parse(FULL), out) == 0
-    text = out.getvalue()
-    for word in ("local", "peer", "persistent", "goodput", "baseline", "lost", "crash", "cluster"):
-        assert word in text
-    p = gp.plan(COSTS, FAILURES, 2.0)
-    assert f"{p.goodput:.2%}" in text and f"{p.baseline_goodput:.2%}" in text
-    assert str(p.intervals_steps["persistent"]) in text
-
-
-def test_run_plan_derives_missing_fraction_and_skips_unconfigured_tiers() -> None:
-    out = io.StringIO()
-    gp.run_plan(parse("--mtbi 240m --crash-fraction 0.3 --node-fraction 0.6 --step-time 2000ms "
-                      "--persistent-save 30 --persistent-restore 300 --json"), out)
-    doc = json.loads(out.getvalue())
-    assert doc["inputs"]["cluster_fraction"] == pytest.approx(0.1)
-    assert doc["inputs"]["mtbi_s"] == 4 * HOUR and doc["step_time_s"] == 2.0
-    assert [t["name"] for t in doc["tiers"]] == ["persistent"]
-    assert doc["goodput"] == pytest.approx(doc["baseline"]["goodput"])
-
-
-@pytest.mark.parametrize("argv,flag", [
-    (FULL.replace("--mtbi 4h ", ""), "--mtbi"),
-    (FULL.replace("--mtbi 4h", "--mtbi 4x"), "--mtbi"),
-    (FULL.replace("--mtbi 4h", "--mtbi 0"), "--mtbi"),
-    (FULL.replace("--step-time 2 ", ""), "--step-time"),
-    (FULL.replace("--crash-fraction 0.3", "--crash-fraction 2"), "--crash-fraction"),
-    (FULL.replace("--crash-fraction 0.3", "--crash-fraction nan"), "--crash-fraction"),
-    (FULL.replace("--crash-fraction 0.3", "--crash-fraction 0.5"), "--crash-fraction/--node-fraction"),
-    (FULL.replace("--crash-fraction 0.3 --node-fraction 0.6 ", ""), "--crash-fraction/--node-fraction"),
-    (FULL.replace("--cluster-fraction 0.1 ", "").replace("0.6", "0.9"), "--cluster-fraction"),
-    (FULL.replace("--local-save 0.5", "--local-save -1"), "--local-save"),
-    (FULL.replace("--local-save 0.5", "--local-save 0"), "--local-save"),
-    (FULL.replace("--peer-restore 30 ", ""), "--peer-restore"),
-    (FULL.replace("--persistent-save 30 ", ""), "--persistent-save"),
-])
-def test_run_plan_errors_name_the_flag(argv: str, flag: str) -> None:
-    out = io.StringIO()
-    with pytest.raises(InvalidArgumentError) as e:
-        gp.run_plan(parse(argv), out)
-    assert str(e.value).startswith(flag)
-    assert out.getvalue() == ""
-
-
-@pytest.fixture()
-def metrics_server():
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server API)
-            body = SAMPLE_METRICS.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
-    server.shutdown()
-    server.server_close()
-    thread.join()
-
-
-def test_run_plan_uses_measured_values_for_flags_not_given(metrics_server: str) -> None:
-    out = io.StringIO()
-    argv = ("--mtbi 4h --crash-fraction 0.3 --node-fraction 0.6 --step-time 2 --local-restore 9 --peer-save 2 "
-            f"--persistent-save 30 --persistent-restore 300 --metrics-url {metrics_server} --json")
-    gp.run_plan(parse(argv), out)
-    doc = json.loads(out.getvalue())
-    assert doc["measured"] == ["local_save", "peer_restore"]
-    assert doc["inputs"]["local_save"] == pytest.approx(0.3)
-    assert doc["inputs"]["local_restore"] == 9.0  # the flag wins over the measured 1.5
-    assert doc["inputs"]["peer_restore"] == pytest.approx(40.0)
-    table = io.StringIO()
-    gp.run_plan(parse(argv.replace(" --json", "")), table)
-    assert "measured from" in table.getvalue()
-
-
-def test_run_plan_rejects_non_prometheus_metrics(metrics_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys.modules[__name__], "SAMPLE_METRICS", "<html>{not metrics}</html>\n")
-    with pytest.raises(InvalidArgumentError, match="^--metrics-url: response is not Prometheus text"):
-        gp.run_plan(parse(FULL + f" --metrics-url {metrics_server}"), io.StringIO())
-
-
-def test_run_plan_unreachable_metrics_url() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = FULL + f" --metrics-url http://127.0.0.1:{port}/metrics"
-    with pytest.raises(UnavailableError, match="^--metrics-url"):
-        gp.run_plan(parse(argv), io.StringIO())
-    with pytest.raises(InvalidArgumentError, match="^--metrics-url"):
-        gp.run_plan(parse(FULL + " --metrics-url file:///etc/passwd"), io.StringIO())

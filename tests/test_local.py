@@ -300,35 +300,6 @@ def test_bad_config_is_one_line_and_nonzero(scratch):
     assert p.returncode == 2 and "bogus_key" in p.stderr
 
 
-def test_cli(daemon, tmp_path):
-    from tierckpt import cli
-
-    arr = np.arange(100, dtype=np.float32)
-    with daemon.client() as c:
-        c.save("job", 7, 0, 1, {"w": arr}, metadata={"epoch": 1}).result(30)
-
-    def run(*argv):
-        import io
-
-        out = io.StringIO()
-        return cli.main(["--address", daemon.address, *argv], out=out), out.getvalue()
-
-    rc, out = run("latest", "job")
-    assert (rc, out.strip()) == (0, "7")
-    rc, out = run("ls", "job")
-    assert rc == 0 and "7" in out and "node0" in out
-    rc, out = run("status")
-    assert rc == 0 and "node0" in out and "job" in out
-    rc, out = run("restore", "job", "--rank", "0", "--out", str(tmp_path / "o"), "--quiet")
-    assert rc == 0
-    assert np.array_equal(np.fromfile(tmp_path / "o" / "w", dtype=np.float32), arr)
-    assert json.loads((tmp_path / "o" / "checkpoint.json").read_text())["metadata"] == {"epoch": 1}
-    assert run("latest", "nojob")[0] == 4
-    assert run("latest", "../bad")[0] == 2
-    assert run("restore", "job", "--rank", "-1", "--out", str(tmp_path / "p"))[0] == 2
-    assert cli.main(["--address", "unix:///nonexistent.sock", "--timeout", "2", "status"]) == 3
-
-
 def test_writing_into_restored_tensor_never_changes_the_checkpoint(daemon):
     import torch
 

@@ -64,18 +64,13 @@ multiple of the tier below.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import math
 import re
-import sys
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, TextIO
+from typing import Callable, Iterable, Mapping
 
-from .errors import InvalidArgumentError, UnavailableError
+from .errors import InvalidArgumentError
 
 __all__ = [
     "TIERS",
@@ -91,8 +86,6 @@ __all__ = [
     "plan",
     "evaluate",
     "metrics_inputs",
-    "add_plan_arguments",
-    "run_plan",
 ]
 
 TIERS = ("local", "peer", "persistent")
@@ -640,171 +633,3 @@ def metrics_inputs(text: str) -> dict[str, float]:
         acc = sums if kind == "sum" else counts
         acc[key] = acc.get(key, 0.0) + value
     return {k: sums.get(k, 0.0) / counts[k] for k in sorted(counts) if counts[k] > 0}
-
-
-# --- CLI -------------------------------------------------------------------------------------
-
-_COST_FLAGS = ("local-save", "local-restore", "peer-save", "peer-restore", "persistent-save", "persistent-restore")
-_UNITS = {None: 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|m|h)?\s*$")
-
-
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the ``tierckpt plan`` flags to ``parser`` (values are parsed by :func:`run_plan`).
-
-    Args:
-        parser: The ``plan`` sub-command's parser.
-    """
-    parser.add_argument("--mtbi", help="mean time between interruptions: seconds, or with suffix s/m/h (required)")
-    for c, what in (("crash", "process crashes"), ("node", "single-node losses"), ("cluster", "cluster-wide losses")):
-        parser.add_argument(f"--{c}-fraction", help=f"share of failures that are {what}, 0..1 "
-                                                     "(the three sum to 1; one may be omitted)")
-    parser.add_argument("--step-time", help="seconds per training step (required)")
-    for flag in _COST_FLAGS:
-        tier, what = flag.split("-")
-        parser.add_argument(f"--{flag}", help=f"{tier} tier: seconds the trainer " +
-                            ("stalls for a save reaching it (cheaper tiers included)" if what == "save"
-                             else "takes to restore from it") + " (suffix ms/s/m/h accepted)")
-    parser.add_argument("--metrics-url", help="a daemon's metrics endpoint, http://HOST:PORT/metrics: "
-                                              "measured costs fill the flags not given")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-def _duration(text: object, flag: str, *, positive: bool = True) -> float:
-    m = _DURATION_RE.match(str(text))
-    if m is None:
-        raise InvalidArgumentError(f"{flag}: expected seconds or a duration like 90s, 15m, 4h, got {text!r}")
-    value = float(m.group(1)) * _UNITS[m.group(2)]
-    if not math.isfinite(value) or (positive and value <= 0):
-        raise InvalidArgumentError(f"{flag}: must be {'> 0' if positive else '>= 0'}, got {text!r}")
-    return value
-
-
-def _fetch(url: str) -> str:
-    if not url.startswith(("http://", "https://")):
-        raise InvalidArgumentError(f"--metrics-url: expected an http:// or https:// URL, got {url!r}")
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 (scheme checked above)
-            return str(resp.read().decode("utf-8", "replace"))
-    except (urllib.error.URLError, OSError) as e:
-        raise UnavailableError(f"--metrics-url: cannot fetch {url}: {e}") from e
-
-
-def _fractions(args: argparse.Namespace) -> dict[str, float]:
-    given: dict[str, float] = {}
-    for c in FAILURE_CLASSES:
-        raw = getattr(args, f"{c}_fraction", None)
-        if raw is None:
-            continue
-        try:
-            f = float(raw)
-        except ValueError:
-            f = math.nan
-        if not 0 <= f <= 1:
-            raise InvalidArgumentError(f"--{c}-fraction: must be a number in [0, 1], got {raw!r}")
-        given[c] = f
-    missing = [c for c in FAILURE_CLASSES if c not in given]
-    if len(missing) > 1:
-        raise InvalidArgumentError(
-            f"{'/'.join(f'--{c}-fraction' for c in missing)}: required (give at least two of the three fractions)")
-    rest = 1 - sum(given.values())
-    if missing:
-        if rest < -_FRACTION_TOL:
-            raise InvalidArgumentError(f"--{missing[0]}-fraction: the others already sum to {1 - rest:.6g} > 1")
-        given[missing[0]] = max(0.0, rest)
-    elif abs(rest) > _FRACTION_TOL:
-        raise InvalidArgumentError(
-            f"--crash-fraction/--node-fraction/--cluster-fraction: must sum to 1, got {1 - rest:.6g}")
-    return given
-
-
-def _fmt_s(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if s < 120:
-        return f"{s:.3g} s"
-    return f"{s / 60:.3g} min" if s < 7200 else f"{s / 3600:.3g} h"
-
-
-def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """Runs ``tierckpt plan``: prints the optimal schedule and its goodput against the baseline.
-
-    Args:
-        args: Namespace from a parser set up by :func:`add_plan_arguments`.
-        out: Where to print.
-
-    Returns:
-        0 (errors are raised).
-
-    Raises:
-        InvalidArgumentError: A flag is missing or invalid; the message names it.
-        UnavailableError: ``--metrics-url`` could not be fetched.
-    """
-    if args.mtbi is None:
-        raise InvalidArgumentError("--mtbi: required (seconds, or with suffix s/m/h)")
-    mtbi = _duration(args.mtbi, "--mtbi")
-    if args.step_time is None:
-        raise InvalidArgumentError("--step-time: required (seconds per training step)")
-    step = _duration(args.step_time, "--step-time")
-    fractions = _fractions(args)
-    measured: dict[str, float] = {}
-    if getattr(args, "metrics_url", None):
-        try:
-            measured = metrics_inputs(_fetch(args.metrics_url))
-        except ValueError as e:  # Not Prometheus text (InvalidArgumentError passes through unchanged).
-            if isinstance(e, InvalidArgumentError):
-                raise
-            raise InvalidArgumentError(f"--metrics-url: response is not Prometheus text: {e}") from e
-    values: dict[str, float] = {}
-    from_metrics: list[str] = []
-    for flag in _COST_FLAGS:
-        key = flag.replace("-", "_")
-        raw = getattr(args, key, None)
-        if raw is not None:
-            values[key] = _duration(raw, f"--{flag}", positive=key.endswith("_save"))
-        elif key in measured and (key.endswith("_restore") or measured[key] > 0):
-            values[key] = measured[key]
-            from_metrics.append(key)
-    costs: list[TierCost] = []
-    for tier in TIERS:
-        if f"{tier}_save" not in values:
-            if tier == "persistent":
-                raise InvalidArgumentError("--persistent-save: required (the persistent tier is always planned)")
-            continue  # Tier not planned.
-        if f"{tier}_restore" not in values:
-            raise InvalidArgumentError(f"--{tier}-restore: required to plan the {tier} tier (its save cost is known)"
-                                       + ("" if getattr(args, "metrics_url", None) else "; or use --metrics-url"))
-        costs.append(TierCost(tier, values[f"{tier}_save"], values[f"{tier}_restore"]))
-    failures = FailureModel(mtbi, fractions["crash"], fractions["node"], fractions["cluster"])
-    result = plan(costs, failures, step)
-
-    if getattr(args, "json", False):
-        doc = {"inputs": {"mtbi_s": mtbi, "step_time_s": step,
-                          **{f"{c}_fraction": fractions[c] for c in FAILURE_CLASSES}, **values},
-               "measured": from_metrics, **result.to_dict()}
-        json.dump(doc, out, indent=2)
-        out.write("\n")
-        return 0
-
-    w = out.write
-    w(f"MTBI {_fmt_s(mtbi)} (crash {fractions['crash']:.0%}, node {fractions['node']:.0%}, "
-      f"cluster {fractions['cluster']:.0%}), step {_fmt_s(step)}, {result.method} intervals\n")
-    if from_metrics:
-        w(f"measured from {args.metrics_url}: {', '.join(from_metrics)}\n")
-    w(f"\n{'tier':<11} {'save':>9} {'restore':>9}  {'recovers':<19} {'their MTBI':>10} {'interval':>10} "
-      f"{'steps':>8}\n")
-    for t in result.tiers:
-        c = costs[[x.name for x in costs].index(t.name)]
-        w(f"{t.name:<11} {_fmt_s(c.save_blocking_s):>9} {_fmt_s(c.restore_s):>9}  "
-          f"{','.join(t.recovers) or '-':<19} {_fmt_s(t.mtbi_s):>10} "
-          f"{_fmt_s(t.interval_s) if t.interval_s is not None else 'not used':>10} "
-          f"{t.interval_steps if t.interval_steps is not None else '-':>8}\n")
-    w(f"\n{'':<11} {'goodput':>8} {'badput':>8} {'save':>8} {'restore':>8} {'lost':>8}\n")
-    for label, g, b in (("plan", result.goodput, result.badput),
-                        ("baseline", result.baseline_goodput, result.baseline_badput)):
-        w(f"{label:<11} {g:>8.2%} {b.total:>8.2%} {b.save_overhead:>8.2%} {b.restore:>8.2%} "
-          f"{b.lost_compute:>8.2%}\n")
-    w(f"\nsteps: whole steps, each tier's a multiple of the one below, so saves line up\n"
-      f"baseline: persistent only, every {_fmt_s(result.baseline_interval_s)} "
-      f"({result.baseline_interval_steps} steps)\n")
-    return 0

@@ -320,18 +320,36 @@ def field_docs() -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="tierckptd", description="tierckpt per-node checkpoint daemon. "
                                 "Flags override the --config file; TOML keys are the flag names with _ for -.")
+    p.add_argument("--version", action="version", version=f"tierckptd {__version__}",
+                   help="print the version and exit")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file; keys are the flag names with _ for -")
     docs = field_docs()
+    # What each value is, for --help: by the kind of value, not by the option's last word.
+    metavars = {"node_id": "ID", "listen": "HOST:PORT", "socket": "PATH", "socket_mode": "MODE",
+                "socket_group": "GROUP", "local_dir": "DIR", "local_capacity": "BYTES", "fsync": "auto|always|never",
+                "staging_timeout": "SECONDS", "max_shard_bytes": "BYTES", "max_message_bytes": "BYTES",
+                "peers": "ID=HOST:PORT,...", "peers_dns": "NAME:PORT", "persistent": "URL", "metrics_port": "PORT",
+                "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem",
+                "log_level": "LEVEL", "log_format": "plain|json", "shutdown_timeout": "SECONDS",
+                "knobs": "NAME=VALUE,..."}  # knobs: on main, not yet on this branch
     for name, f in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
-        default = ",".join(f"{x.node_id}={x.address}" for x in f.default) if name == "peers" else f.default
-        help_text = f"{docs.get(name, '')} (default: {default!r})".replace("%", "%%")
+        if name == "peers":
+            default = ",".join(f"{x.node_id}={x.address}" for x in f.default) or "none"
+        elif name == "socket_mode":
+            default = f"0{f.default:o}"  # permission bits read in octal, as chmod takes them
+        else:
+            default = repr(f.default)
+        help_text = f"{docs.get(name, '')} (default: {default})".replace("%", "%%")
         if isinstance(f.default, bool):  # --insecure-listen / --no-insecure-listen
             p.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
             continue
-        p.add_argument(flag, dest=name, default=None, metavar=name.split("_")[-1].upper(), help=help_text)
+        metavar = metavars.get(name) or ("N" if f.type in (int, "int") else "VALUE")
+        p.add_argument(flag, dest=name, default=None, metavar=metavar, help=help_text)
     return p
 
 
