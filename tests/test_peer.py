@@ -20,7 +20,7 @@ from tierckptd.peer.bulk import OrderedHasher, runs
 from tierckptd.cluster.ring import placement as ring_placement
 from tierckptd.peer import plan_pieces
 
-from .harness import Daemon, free_port
+from .harness import Cluster, Daemon, free_port, wait_until
 
 # ------------------------------------------------------------------------------ planning (pure)
 
@@ -67,55 +67,6 @@ def test_ordered_hasher_matches_the_shard_checksum_whatever_the_arrival_order():
 
 
 # ------------------------------------------------------------------------------ helpers
-
-def wait_until(pred, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-class Cluster:
-    """n daemons that know each other (ports reserved before start)."""
-
-    def __init__(self, factory, n: int, replicas: int = 1, extra: tuple[str, ...] = ()) -> None:
-        self.factory = factory
-        self.ids = [f"n{i}" for i in range(n)]
-        self.ports = {i: free_port() for i in self.ids}
-        peers = ",".join(f"{i}=127.0.0.1:{self.ports[i]}" for i in self.ids)
-        self.args = ("--peers", peers, "--replicas", str(replicas), *extra)
-        self.d: dict[str, Daemon] = {}
-        for i in self.ids:
-            self.start(i)
-        for i in self.ids:
-            self.wait_peers(i)
-
-    def start(self, node: str) -> Daemon:
-        self.d[node] = self.factory(node, port=self.ports[node], args=self.args)
-        return self.d[node]
-
-    def wait_peers(self, node: str, up: set[str] | None = None) -> None:
-        want = set(self.ids) - {node} if up is None else up
-        with self.d[node].client() as c:
-            wait_until(lambda: {p.node_id for p in c.status().peers if p.up} == want, what=f"{node} sees {want} up")
-
-    def replace(self, node: str) -> Daemon:
-        """kill -9, lose the local dir, start a new daemon with the same id and port."""
-        self.d[node].kill()
-        self.d[node].wipe()
-        return self.start(node)
-
-    def holders(self, node: str, job: str, step: int) -> dict[int, tuple[str, ...]]:
-        with self.d[node].client() as c:
-            for info in c.list(job):
-                if info.step == step:
-                    return {r.rank: r.nodes for r in info.ranks}
-        return {}
-
 
 def shard(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)

@@ -264,21 +264,25 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     """
     p = subparsers.add_parser("certs", help="create the cluster CA and node certificates for mTLS (needs [certs])",
                               description="Create a cluster CA and per-node certificates for tierckptd's mTLS. "
-                                          "Keys are written 0600 and never replaced without --force.")
-    sub = p.add_subparsers(dest="certs_command", required=True)
+                                          "Keys are written 0600 and never replaced without --force.",
+                              epilog="examples:\n  tierckpt certs ca --out /root/tierckpt-ca\n"
+                                     "  tierckpt certs node --ca /root/tierckpt-ca --node-id gpu-017 "
+                                     "--out /etc/tierckpt/tls --san gpu-017.cluster.local",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="certs_command", required=True, metavar="ca|node")
     s = sub.add_parser("ca", help="create the cluster CA (ca.pem, ca.key)")
-    s.add_argument("--out", required=True, help="directory for ca.pem and ca.key")
-    s.add_argument("--name", default="tierckpt cluster CA", help="the CA's common name")
-    s.add_argument("--days", type=int, default=3650, help="validity in days (default 3650)")
+    s.add_argument("--out", required=True, metavar="DIR", help="directory for ca.pem and ca.key")
+    s.add_argument("--name", default="tierckpt cluster CA", metavar="NAME", help="the CA's common name")
+    s.add_argument("--days", type=int, default=3650, metavar="N", help="validity in days (default 3650)")
     s.add_argument("--force", action="store_true", help="replace an existing ca.key")
     s.set_defaults(fn=cmd_ca)
     s = sub.add_parser("node", help="issue a node certificate (node.pem, node.key, ca.pem)")
-    s.add_argument("--ca", required=True, help="directory holding ca.pem and ca.key")
-    s.add_argument("--node-id", required=True, help="the node's --node-id (CN and DNS SAN)")
-    s.add_argument("--out", required=True, help="directory for node.pem, node.key and ca.pem")
+    s.add_argument("--ca", required=True, metavar="DIR", help="directory holding ca.pem and ca.key")
+    s.add_argument("--node-id", required=True, metavar="ID", help="the node's --node-id (CN and DNS SAN)")
+    s.add_argument("--out", required=True, metavar="DIR", help="directory for node.pem, node.key and ca.pem")
     s.add_argument("--san", action="append", default=[], metavar="NAME|IP",
                    help="another DNS name or IP address peers dial this node by (repeatable, or comma-separated)")
-    s.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    s.add_argument("--days", type=int, default=365, metavar="N", help="validity in days (default 365)")
     s.add_argument("--force", action="store_true", help="replace an existing node.key")
     s.set_defaults(fn=cmd_node)
     return p
