@@ -20,17 +20,24 @@ from .config import ConfigError, DaemonConfig, parse_args
 log = logging.getLogger("tierckptd")
 
 
-def build_tiers(config: DaemonConfig, store, metrics):
-    """The remote tiers configured, in restore order (peer, then persistent)."""
+def build_tiers(config: DaemonConfig, store, metrics, cluster=None):
+    """The remote tiers configured, in restore order (peer, then persistent).
+
+    ``cluster`` is the cluster view the tiers read (None: none yet; see below).
+    """
     tiers = []
     if config.peers or config.peers_dns:
         from .peer import PeerTier  # noqa: PLC0415 - optional part of the daemon
 
         tiers.append(PeerTier(config, store, metrics))
     if config.persistent:
-        from .drain import PersistentTier  # noqa: PLC0415
+        from .persistent import PersistentTier  # noqa: PLC0415
 
-        tiers.append(PersistentTier(config, store, metrics))
+        if cluster is None and tiers:  # transitional, until the cluster view is passed in
+            from .persistent.peerview import PeerTierView  # noqa: PLC0415
+
+            cluster = PeerTierView(config.node_id, tiers[0])
+        tiers.append(PersistentTier(config, store, metrics, cluster=cluster))
     return tiers
 
 
