@@ -31,14 +31,16 @@ class MemoryBackend(Backend):
 
     Args:
         url: the name it reports (messages only).
+        objects: the objects to serve (another instance's ``objects``: the same store opened
+            again, e.g. by a restarted daemon); default: a new, empty store.
 
     Attributes:
         objects: key -> bytes (tests may read or change it directly).
     """
 
-    def __init__(self, url: str = "memory://test/") -> None:
+    def __init__(self, url: str = "memory://test/", objects: dict[str, bytes] | None = None) -> None:
         self.url = url
-        self.objects: dict[str, bytes] = {}
+        self.objects: dict[str, bytes] = {} if objects is None else objects
         self.closed = False
         self._lock = threading.Lock()
 
@@ -117,7 +119,7 @@ class FaultyBackend(Backend):
         self._faults: dict[str, list[BackendError]] = collections.defaultdict(list)
         self._gates: dict[str, threading.Event] = {}
         self._held: dict[str, threading.Semaphore] = collections.defaultdict(lambda: threading.Semaphore(0))
-        self._corrupt = False
+        self._corrupt: set[str] = set()
         self._lock = threading.Lock()
 
     def fail(self, method: str, times: int = 1, *, retryable: bool = True, message: str = "") -> None:
@@ -144,9 +146,16 @@ class FaultyBackend(Backend):
         """Until one call of ``method`` is being held (counted once per held call)."""
         return self._held[method].acquire(timeout=timeout)
 
-    def corrupt_reads(self, on: bool = True) -> None:
-        """Flip one byte of every non-empty object that ``get_bytes`` / ``get_file`` return."""
-        self._corrupt = on
+    def corrupt_reads(self, *methods: str) -> None:
+        """Flip one byte of every non-empty object that the read ``methods`` return from now on
+        (default: ``get_bytes`` and ``get_file``); ``corrupt_reads("none")`` stops it."""
+        if methods == ("none",):
+            self._corrupt = set()
+            return
+        for m in methods:
+            if m not in ("get_bytes", "get_file"):
+                raise ValueError(f"FaultyBackend: {m!r} is not a read")
+        self._corrupt = set(methods or ("get_bytes", "get_file"))
 
     def _check(self, method: str) -> None:
         if method not in self.METHODS:
@@ -174,7 +183,7 @@ class FaultyBackend(Backend):
     def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
         self._enter("get_file")
         self.inner.get_file(key, path)
-        if self._corrupt and os.path.getsize(path):
+        if "get_file" in self._corrupt and os.path.getsize(path):
             with open(path, "r+b") as f:
                 f.seek(os.path.getsize(path) // 2)
                 b = f.read(1)
@@ -184,7 +193,7 @@ class FaultyBackend(Backend):
     def get_bytes(self, key: str) -> bytes:
         self._enter("get_bytes")
         data = self.inner.get_bytes(key)
-        if self._corrupt and data:
+        if "get_bytes" in self._corrupt and data:
             mid = len(data) // 2
             data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:]
         return data
