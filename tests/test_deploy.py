@@ -1,8 +1,9 @@
 """Structure of deploy/: systemd unit and config, Kubernetes manifests, Grafana dashboard.
 
 Every flag and config key used in deploy/ must be one the daemon accepts, and the effective
-configuration of each deployment must pass ``load_config``. External validators
-(systemd-analyze, kubeconform) run when installed and are skipped otherwise.
+configuration of each deployment must pass ``load_config`` and serve the network only with mTLS.
+External validators (systemd-analyze, kubeconform, kubernetes-validate) run when installed and
+are skipped otherwise.
 """
 
 from __future__ import annotations
@@ -38,13 +39,18 @@ def _quantity(text: str) -> int:
     return int(m.group(1)) * _QUANTITY[m.group(2)]
 
 
+# Kinds that appear more than once are keyed "Kind/name" (cert-manager: the CA and the node certificate).
+_MULTI = {"Certificate"}
+
+
 def _manifests() -> dict[str, dict[str, Any]]:
     docs: dict[str, dict[str, Any]] = {}
     for path in sorted(K8S.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
-                assert doc["kind"] not in docs, "two %s documents" % doc["kind"]
-                docs[doc["kind"]] = doc
+                key = "%s/%s" % (doc["kind"], doc["metadata"]["name"]) if doc["kind"] in _MULTI else doc["kind"]
+                assert key not in docs, "two %s documents" % key
+                docs[key] = doc
     return docs
 
 
@@ -86,7 +92,8 @@ def _expand(arg: str, env: dict[str, str]) -> str:
 # --- Kubernetes -----------------------------------------------------------------------------------
 
 def test_every_manifest_parses_and_kustomization_lists_it(k8s: dict[str, dict[str, Any]]) -> None:
-    assert {"Namespace", "ConfigMap", "Service", "DaemonSet", "ServiceMonitor", "Kustomization"} <= set(k8s)
+    assert {"Namespace", "ConfigMap", "Service", "DaemonSet", "ServiceMonitor", "Kustomization", "ClusterIssuer",
+            "Issuer", "Certificate/tierckpt-ca", "Certificate/tierckptd-tls"} <= set(k8s)
     for doc in k8s.values():
         assert doc.get("apiVersion") and doc.get("kind"), doc
     kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
@@ -127,14 +134,21 @@ def test_daemonset_args_are_valid_flags_and_config(k8s: dict[str, dict[str, Any]
     assert Path(config_path).name in k8s["ConfigMap"]["data"]
 
 
+def _probe_commands(k8s: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    c = _daemon_container(k8s)
+    return {probe: c[probe]["exec"]["command"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+
+
 def test_probes_and_ports(k8s: dict[str, dict[str, Any]]) -> None:
     c = _daemon_container(k8s)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     cfg = load_config(_configmap_toml(k8s))
     assert ports["metrics"] == cfg.metrics_port
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] in ports.values(), probe
-    assert c["livenessProbe"]["grpc"]["port"] == ports["grpc"]
+    # The TCP port requires a client certificate, which the kubelet's gRPC probe cannot present:
+    # the probes check grpc.health.v1 over the Unix socket instead.
+    for probe, command in _probe_commands(k8s).items():
+        assert "grpc" not in c[probe] and "unix://" + cfg.socket in command[-1], probe
+        assert c[probe]["timeoutSeconds"] >= 5, probe
     svc = k8s["Service"]["spec"]
     for p in svc["ports"]:
         assert p["targetPort"] in ports and ports[p["targetPort"]] == p["port"], p
@@ -187,6 +201,82 @@ def test_kubeconform_when_available() -> None:
     if proc.returncode != 0 and re.search(r"dial tcp|no such host|failed downloading|timeout", out):
         pytest.skip("kubeconform cannot fetch schemas: %s" % out.strip()[:200])
     assert proc.returncode == 0, out
+
+
+@pytest.mark.slow
+def test_probe_command_reports_a_real_daemon(k8s: dict[str, dict[str, Any]], daemon_factory) -> None:
+    import sys
+
+    cfg = load_config(_configmap_toml(k8s))
+    d = daemon_factory("probe")
+    for probe, command in _probe_commands(k8s).items():
+        assert command[:2] == ["python3", "-c"], probe
+        code = command[2].replace("unix://" + cfg.socket, d.address)
+        ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0, ok.stderr
+    d.kill()
+    down = subprocess.run([sys.executable, "-c", command[2].replace("unix://" + cfg.socket, d.address)],
+                          capture_output=True, text=True, timeout=60)
+    assert down.returncode != 0
+
+
+def test_daemonset_serves_mtls_from_the_cert_manager_secret(k8s: dict[str, dict[str, Any]]) -> None:
+    c = _daemon_container(k8s)
+    env = {e["name"]: e for e in c["env"]}
+    overrides = _parse_flags([_expand(a, env) for a in c["args"]])
+    overrides.pop("config")
+    cfg = load_config(_configmap_toml(k8s), overrides)  # a pod IP listener passes only with mTLS
+    assert cfg.tls_enabled and not cfg.insecure_listen and cfg.listen.startswith(POD_ENV["POD_IP"] + ":")
+    assert load_config(_configmap_toml(k8s)).tls_enabled  # the ConfigMap alone is on too
+    pod = k8s["DaemonSet"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    cert = k8s["Certificate/tierckptd-tls"]
+    tls_dir = str(Path(cfg.tls_cert).parent)
+    assert {str(Path(p).parent) for p in (cfg.tls_cert, cfg.tls_key, cfg.tls_ca)} == {tls_dir}
+    mount = mounts[tls_dir]
+    assert mount.get("readOnly") and "subPath" not in mount  # subPath mounts are never updated on renewal
+    assert volumes[mount["name"]]["secret"]["secretName"] == cert["spec"]["secretName"]
+    # cert-manager's Secret keys
+    assert [Path(p).name for p in (cfg.tls_cert, cfg.tls_key, cfg.tls_ca)] == ["tls.crt", "tls.key", "ca.crt"]
+    # Secret files are group-readable for fsGroup: accepted only because that group is not the trainers'.
+    assert cfg.tls_key_group_readable and str(pod["securityContext"]["fsGroup"]) != cfg.socket_group
+    assert pod["securityContext"]["runAsGroup"] == pod["securityContext"]["fsGroup"]
+    # One shared certificate: it cannot bind node ids (SECURITY.md), and it names what peers dial.
+    assert cfg.tls_bind_node_id is False
+    peers_host = cfg.peers_dns.rpartition(":")[0]
+    assert peers_host in cert["spec"]["dnsNames"]
+
+
+def test_cert_manager_chain(k8s: dict[str, dict[str, Any]]) -> None:
+    root, ca, issuer, node = (k8s["ClusterIssuer"], k8s["Certificate/tierckpt-ca"], k8s["Issuer"],
+                              k8s["Certificate/tierckptd-tls"])
+    for doc in (root, ca, issuer, node):
+        assert doc["apiVersion"] == "cert-manager.io/v1", doc["kind"]
+    assert root["spec"] == {"selfSigned": {}}
+    assert ca["spec"]["isCA"] is True
+    assert ca["spec"]["issuerRef"] == {"name": root["metadata"]["name"], "kind": "ClusterIssuer",
+                                       "group": "cert-manager.io"}
+    assert issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
+    assert node["spec"]["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer",
+                                         "group": "cert-manager.io"}
+    assert not node["spec"].get("isCA")
+    assert {"server auth", "client auth"} <= set(node["spec"]["usages"])
+    assert node["spec"]["privateKey"]["algorithm"] == "ECDSA"
+    ns = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
+    assert all(".%s" % ns in n for n in node["spec"]["dnsNames"])
+
+
+def test_kubernetes_validate_when_available() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    version = kv.latest_version() if hasattr(kv, "latest_version") else "1.30.0"
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or "." in doc["apiVersion"].split("/")[0]:  # CRDs (cert-manager, Prometheus Operator)
+                continue
+            kv.validate(doc, version, strict=True)
 
 
 # --- systemd ---------------------------------------------------------------------------------------
@@ -243,6 +333,19 @@ def test_systemd_execstart_flags_and_config() -> None:
     cfg = load_config(_systemd_toml(), overrides)
     assert Path(cfg.socket).parent == Path("/run") / one["RuntimeDirectory"]
     assert _seconds(one["TimeoutStopSec"]) > cfg.shutdown_timeout
+
+
+def test_systemd_serves_the_network_only_with_mtls() -> None:
+    cfg = load_config(_systemd_toml())
+    assert cfg.tls_enabled and not cfg.insecure_listen and not cfg.tls_key_group_readable and cfg.tls_bind_node_id
+    for path in (cfg.tls_cert, cfg.tls_key, cfg.tls_ca):
+        assert Path(path).parent == Path("/etc/tierckpt/tls"), path
+    assert cfg.socket and cfg.socket_mode == 0o660 and cfg.socket_group  # the trainers' boundary stays
+    # Without the TLS keys, the shipped listen address is refused.
+    with pytest.raises(ConfigError, match="listen"):
+        load_config({**_systemd_toml(), "tls_cert": "", "tls_key": "", "tls_ca": ""})
+    text = (DEPLOY / "systemd" / "tierckptd.toml").read_text()
+    assert "tierckpt certs ca" in text and "tierckpt certs node" in text and "-m 0600" in text
 
 
 def test_systemd_toml_lists_every_key() -> None:

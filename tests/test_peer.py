@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import tierckpt
 from tierckpt.common import checksum as _checksum
-from tierckptd.bulk import OrderedHasher, runs
-from tierckptd.peer import plan_pieces, ring_placement
+from tierckptd.peer.bulk import OrderedHasher, runs
+from tierckptd.cluster.ring import placement as ring_placement
+from tierckptd.peer import plan_pieces
 
 from .harness import Daemon, free_port
 
@@ -262,9 +263,8 @@ def test_peers_dns_discovers_node_ids_by_asking_each_address(daemon_factory):
 def test_dead_owner_ranks_are_re_replicated_after_the_grace_period(daemon_factory):
     # replicas=1: n0's rank lives on n0 and n1. Once n0 has been down for OWNER_GRACE, the first
     # live holder (n1) copies it to the next live node (n2), so that losing n1 as well loses nothing.
-    from tierckptd.peer import OWNER_GRACE
-
-    cl = Cluster(daemon_factory, 4)
+    OWNER_GRACE = 4.0
+    cl = Cluster(daemon_factory, 4, extra=("--knobs", f"owner_grace={OWNER_GRACE}"))
     job = "lost"
     arrs = {"w": shard(11, 3_000_000), "b": shard(12, 10)}
     with cl.d["n0"].client() as c:

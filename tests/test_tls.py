@@ -48,6 +48,7 @@ def _write(dir: Path, stem: str, key, cert) -> tuple[str, str]:
     kp, cp = dir / f"{stem}.key", dir / f"{stem}.pem"
     kp.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                      serialization.NoEncryption()))
+    kp.chmod(0o600)  # the daemon refuses a key readable by group or others
     cp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return str(kp), str(cp)
 
@@ -128,3 +129,72 @@ def test_peer_traffic_over_mtls_and_rogue_peers_refused(daemon_factory, pki):
     assert _bulk_probe(hello.bulk_port, ctx(None)) == b""
     assert _bulk_probe(hello.bulk_port, None) == b""  # plain TCP
     assert "refused" in d["n1"].log_tail(100)
+
+
+def _pair(root: Path, label: str) -> dict[str, str]:
+    """A CA and a node certificate for n0 (SANs localhost and 127.0.0.1), made by ``tierckpt certs``."""
+    from tierckpt.certs import make_ca, make_node_cert
+
+    make_ca(root / label / "ca", name=f"{label} CA")
+    files = make_node_cert(root / label / "ca", "n0", root / label / "node", sans=("localhost", "127.0.0.1"))
+    return {"cert": str(files.cert), "key": str(files.key), "ca": str(files.ca)}
+
+
+def _install(src: dict[str, str], live: Path) -> None:
+    """Replace the live files the way an operator (or the kubelet) would: write aside, then rename."""
+    import os
+    import shutil
+
+    for name in ("key", "cert", "ca"):
+        tmp = live / f".{name}.tmp"
+        shutil.copyfile(src[name], tmp)
+        tmp.chmod(0o600 if name == "key" else 0o644)
+        os.replace(tmp, live / f"{name}.pem")
+
+
+def test_certificates_rotate_without_restart(daemon_factory, tmp_path):
+    """Swap cert, key and CA under a running daemon: new handshakes (gRPC and bulk) use the new
+    files at once, a client of the old CA is refused, and the daemon never restarted."""
+    a, b = _pair(tmp_path, "a"), _pair(tmp_path, "b")
+    live = tmp_path / "live"
+    live.mkdir()
+    _install(a, live)
+    port = free_port()
+    d = daemon_factory("n0", port=port, args=(
+        "--tls-cert", str(live / "cert.pem"), "--tls-key", str(live / "key.pem"), "--tls-ca", str(live / "ca.pem"),
+        "--peers", f"n0=127.0.0.1:{port}", "--replicas", "0"))
+    pid = d.proc.pid
+    both = tmp_path / "both-ca.pem"  # a client that trusts either CA: only its own certificate decides
+    both.write_bytes(_read(a["ca"]) + _read(b["ca"]))
+
+    def creds(own: dict[str, str]) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(_read(str(both)), _read(own["key"]), _read(own["cert"]))
+
+    def ctx(own: dict[str, str]) -> ssl.SSLContext:
+        c = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        c.load_verify_locations(str(both))
+        c.load_cert_chain(own["cert"], own["key"])
+        return c
+
+    hello = _hello(port, creds(a))
+    assert hello.node_id == "n0"
+    assert b"ticket" in _bulk_probe(hello.bulk_port, ctx(a))
+    with pytest.raises(grpc.RpcError):
+        _hello(port, creds(b))  # not signed by the CA in use
+
+    _install(b, live)
+    assert _hello(port, creds(b)).node_id == "n0"
+    with pytest.raises(grpc.RpcError) as e:
+        _hello(port, creds(a))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert b"ticket" in _bulk_probe(hello.bulk_port, ctx(b))
+    assert _bulk_probe(hello.bulk_port, ctx(a)) == b""  # the bulk listener follows the rotation too
+    assert d.alive() and d.proc.pid == pid
+    assert "TLS files reloaded (generation 2)" in d.log_tail(200)
+
+    # A key that goes group-readable is not taken up: the daemon keeps the files it has.
+    (live / "key.pem").chmod(0o640)
+    (live / "cert.pem").write_bytes(_read(a["cert"]))  # a change that would otherwise be tried
+    assert _hello(port, creds(b)).node_id == "n0"
+    assert "is readable by group or others (mode 0640)" in d.log_tail(200)
+    assert d.alive() and d.proc.pid == pid

@@ -7,7 +7,7 @@
         ck = c.restore("job", rank=0)
 """
 
-from .client import Checkpoint, CheckpointInfo, Client, RankLocation, SaveFuture, SaveResult
+from .client import Checkpoint, CheckpointInfo, Client, RankLocation, StepAvailability, SaveFuture, SaveResult
 from .errors import (
     AlreadyExistsError,
     CapacityError,
@@ -24,7 +24,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation",
+    "Client", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation", "StepAvailability",
     "TierckptError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError", "CapacityError",
     "UnavailableError", "DataLossError", "FailedPreconditionError", "DeadlineExceededError", "TierError",
 ]

@@ -93,6 +93,16 @@ class RankLocation:
 
 
 @dataclass(frozen=True)
+class StepAvailability:
+    """A step that one rank can restore, and from where (nearest tier first)."""
+
+    step: int
+    world_size: int
+    tiers: tuple[str, ...]
+    nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class CheckpointInfo:
     step: int
     world_size: int
@@ -369,8 +379,32 @@ class Client:
 
     # ------------------------------------------------------------------ catalog
 
+    def availability(self, job: str, rank: int) -> list[StepAvailability]:
+        """Steps that ``rank`` of ``job`` can restore through this daemon, oldest first.
+
+        The daemon answers from its local tier, its ring neighbourhood (the nodes holding its
+        replicas) and the persistent catalog: a constant number of calls whatever the cluster's
+        size. This is what a restarting job at scale should use: every rank asks its own daemon,
+        and the ranks agree on the newest step all of them can restore through their process
+        group (:func:`tierckpt.agree.newest_common_step`, used by ``tierckpt.torch`` and
+        ``tierckpt.dcp``).
+        """
+        check_job(job)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise InvalidArgumentError(f"rank: {rank!r} must be a non-negative integer")
+        resp = self._call(self._stub.Availability, pb.AvailabilityRequest(job=job, rank=rank), "Availability")
+        return [StepAvailability(a.step, a.world_size, tuple(_TIER_NAMES[t] for t in a.tiers), tuple(a.nodes))
+                for a in resp.steps]
+
     def latest(self, job: str) -> int | None:
-        """Newest step complete (every rank held) in some tier, or None."""
+        """Newest step complete (every rank held) in some tier, or None.
+
+        It asks every node of the cluster (with bounded concurrency and a deadline; nodes that do
+        not answer in time are left out and logged by the daemon): right for operators
+        (``tierckpt ls``/``latest``) and small clusters. A restarting job of hundreds of nodes
+        should instead agree through its process group on what :meth:`availability` reports
+        (``tierckpt.torch`` and ``tierckpt.dcp`` do when torch.distributed is initialised).
+        """
         check_job(job)
         resp = self._call(self._stub.Latest, pb.LatestRequest(job=job), "Latest")
         return resp.step if resp.found else None

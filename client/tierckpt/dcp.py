@@ -60,6 +60,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+import torch.distributed as dist
+
+from .agree import agree_restore_step
 from .client import Checkpoint, Client
 from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from .torch import PACKED_SHARD, TensorLoc, bytes_of, pack_tensors, shard_name, view_tensor
@@ -259,6 +262,34 @@ class Reader(StorageReader):
         Raises:
             NotFoundError: no such step, or it is not complete (a save that failed or is running).
         """
+        world = self._resolve_step()
+        ck = self.client.restore(self.job, world - 1, self.step)
+        if METADATA_SHARD not in ck.shards:
+            raise NotFoundError(f"{self.job} step {self.step}: not a tierckpt.dcp checkpoint")
+        self.tier = ck.tier
+        metadata: Metadata = pickle.loads(ck.shards[METADATA_SHARD].tobytes())
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = uuid.uuid4().hex
+        return metadata
+
+    def _resolve_step(self) -> int:
+        """Resolve ``step=None`` and return the step's world size.
+
+        Under torch.distributed the ranks agree on the newest step all of them can restore (one
+        collective; each daemon answers with a constant number of calls); otherwise the daemon's
+        cluster-wide view decides.
+        """
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+            if self.step is None:
+                self.step = agree_restore_step(self.client, self.job, rank)
+                if self.step is None:
+                    raise NotFoundError(f"{self.job}: no step that every rank can restore")
+            mine = next((a for a in self.client.availability(self.job, rank) if a.step == self.step), None)
+            if mine is None:
+                raise NotFoundError(f"{self.job} step {self.step}: not restorable by rank {rank}")
+            return mine.world_size
         if self.step is None:
             self.step = self.client.latest(self.job)
             if self.step is None:
@@ -268,15 +299,7 @@ class Reader(StorageReader):
             raise NotFoundError(f"{self.job} step {self.step}: not found")
         if not info.complete:
             raise NotFoundError(f"{self.job} step {self.step}: incomplete (no DCP metadata committed)")
-        ck = self.client.restore(self.job, info.world_size - 1, self.step)
-        if METADATA_SHARD not in ck.shards:
-            raise NotFoundError(f"{self.job} step {self.step}: not a tierckpt.dcp checkpoint")
-        self.tier = ck.tier
-        metadata: Metadata = pickle.loads(ck.shards[METADATA_SHARD].tobytes())
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = uuid.uuid4().hex
-        return metadata
+        return info.world_size
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .common.names import check_job
+from .agree import agree_restore_step
 from .client import Checkpoint, Client, SaveFuture
 from .errors import InvalidArgumentError, TierckptError
 
@@ -477,7 +478,15 @@ class Checkpointer:
     # ------------------------------------------------------------------ restoring
 
     def latest(self) -> int | None:
-        """The newest step complete for every rank, or None."""
+        """The newest step complete for every rank, or None.
+
+        With torch.distributed initialised this is a collective: each rank asks its own daemon
+        which steps it can restore and the ranks agree on the newest one all of them can
+        (:func:`tierckpt.agree.agree_restore_step`), so no daemon asks every node. Without it,
+        the daemon's cluster-wide ``latest``.
+        """
+        if dist.is_available() and dist.is_initialized():
+            return agree_restore_step(self.client, self.job, self.rank)
         return self.client.latest(self.job)
 
     def read(self, step: int | None = None) -> Restored | None:
@@ -499,7 +508,7 @@ class Checkpointer:
     def _read(self, step: int | None) -> tuple[Restored, dict[int, str]] | None:
         t0 = time.perf_counter()
         if step is None:
-            step = self.client.latest(self.job)
+            step = self.latest()
             if step is None:
                 return None
         ck = self.client.restore(self.job, self.rank, step)

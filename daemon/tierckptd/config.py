@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import re
 import tomllib
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from tierckpt.common.names import check_node
 from tierckpt.errors import InvalidArgumentError
 
-__all__ = ["ConfigError", "DaemonConfig", "Peer", "parse_args", "load_config", "parse_size"]
+from .redact import redact_url
+
+__all__ = ["ConfigError", "DaemonConfig", "Peer", "is_loopback_host", "parse_args", "load_config", "parse_size"]
 
 
 class ConfigError(InvalidArgumentError):
@@ -42,7 +46,9 @@ class DaemonConfig:
     node_id: str = "node0"
     """Identity of this node among its peers; a replacement node reuses the id of the node it replaces."""
     listen: str = "127.0.0.1:7070"
-    """TCP listener HOST:PORT for remote clients and peers (port 0 picks a free port). Empty disables it."""
+    """TCP listener HOST:PORT for remote clients and peers (port 0 picks a free port). Empty disables it. A non-loopback address needs tls_cert/tls_key/tls_ca or insecure_listen."""
+    insecure_listen: bool = False
+    """Accept a non-loopback listen address without mTLS: anyone who can reach it may read and write checkpoints and act as a peer. Logged as a warning at start-up."""
     socket: str = "/run/tierckpt/tierckptd.sock"
     """Unix socket for clients on this node. Empty disables it."""
     socket_mode: int = 0o660
@@ -84,15 +90,21 @@ class DaemonConfig:
     tls_cert: str = ""
     """PEM certificate of this node for peer traffic (mTLS); needs tls_key and tls_ca."""
     tls_key: str = ""
-    """PEM private key matching tls_cert."""
+    """PEM private key matching tls_cert; refused if readable by group or others (chmod 600)."""
     tls_ca: str = ""
-    """PEM CA bundle that signs every peer's certificate."""
+    """PEM CA bundle that signs every peer's certificate. The three files are re-read when they change (rotation without restart)."""
+    tls_key_group_readable: bool = False
+    """Accept a tls_key readable by its group (never by others): for Kubernetes Secret volumes, which the kubelet makes 0440 for the pod's fsGroup. Refused when that group is socket_group."""
+    tls_bind_node_id: bool = True
+    """Require a peer's certificate to name the node id it claims (CN or DNS SAN). False only where every node shares one certificate (see SECURITY.md)."""
     log_level: str = "INFO"
     """DEBUG, INFO, WARNING or ERROR."""
     log_format: str = "plain"
     """"plain" or "json"."""
     shutdown_timeout: float = 30.0
     """Seconds SIGTERM waits for in-flight commits and replication before exiting."""
+    knobs: str = ""
+    """Tuning overrides NAME=VALUE,... of tierckptd.knobs (grace periods, intervals, stream counts); for tests and experts, not needed in production."""
 
     @property
     def tls_enabled(self) -> bool:
@@ -172,6 +184,8 @@ def _coerce(key: str, value: Any) -> Any:
         return parse_peers(value, key)
     if key == "socket_mode":
         return _parse_mode(value, key)
+    if key == "knobs" and isinstance(value, Mapping):  # a TOML table
+        return ",".join(f"{k}={v}" for k, v in value.items())
     default = _FIELDS[key].default
     if isinstance(default, bool):
         if not isinstance(value, bool):
@@ -194,6 +208,24 @@ def _coerce(key: str, value: Any) -> Any:
 
 def _bad(key: str, value: Any, what: str):
     raise ConfigError(f"{key}: expected {what}, got {value!r}")
+
+
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an IP literal, possibly in brackets, or a name) can only be a loopback address.
+
+    ``localhost`` counts; any other name does not (it may resolve anywhere), nor do the wildcard
+    addresses ``0.0.0.0`` and ``::`` or an empty host, which listen on every interface.
+    """
+    host = host.strip().strip("[]").split("%", 1)[0].lower()
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _validate(cfg: DaemonConfig) -> DaemonConfig:
@@ -228,8 +260,30 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
     tls = [cfg.tls_cert, cfg.tls_key, cfg.tls_ca]
     if any(tls) and not all(tls):
         raise ConfigError("tls_cert/tls_key/tls_ca: give all three or none")
-    if cfg.persistent and not re.match(r"^(file|s3|gs)://", cfg.persistent):
-        raise ConfigError(f"persistent: {cfg.persistent!r} must start with file://, s3:// or gs://")
+    if cfg.listen and not cfg.tls_enabled and not cfg.insecure_listen:
+        host = cfg.listen.rpartition(":")[0]
+        if not is_loopback_host(host):
+            raise ConfigError(f"listen: {cfg.listen!r} refuses to listen on a non-loopback address without mTLS; "
+                              "set tls_cert/tls_key/tls_ca, or insecure_listen to accept the risk")
+    if cfg.persistent:
+        shown = redact_url(cfg.persistent)  # never echo credentials (DESIGN: no secret in a log or an error)
+        if not re.match(r"^(file|s3|gs)://", cfg.persistent):
+            raise ConfigError(f"persistent: {shown!r} must start with file://, s3:// or gs://")
+        try:
+            parts = urllib.parse.urlsplit(cfg.persistent)
+            secret = bool(parts.username or parts.password or parts.query or parts.fragment)
+        except ValueError:
+            raise ConfigError(f"persistent: {shown!r} is not a URL") from None
+        if secret:
+            raise ConfigError(f"persistent: {shown!r} must not carry credentials, a query or a fragment; "
+                              "credentials come from the SDK's environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS)")
+    if cfg.knobs:
+        from .knobs import Knobs, parse_knobs
+
+        try:
+            Knobs().apply(parse_knobs(cfg.knobs))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.peers_dns:
         name, colon, port = cfg.peers_dns.rpartition(":")
         if not colon or not name or not port.isdigit():
@@ -274,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         default = ",".join(f"{x.node_id}={x.address}" for x in f.default) if name == "peers" else f.default
         help_text = f"{docs.get(name, '')} (default: {default!r})".replace("%", "%%")
+        if isinstance(f.default, bool):  # --insecure-listen / --no-insecure-listen
+            p.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
+            continue
         p.add_argument(flag, dest=name, default=None, metavar=name.split("_")[-1].upper(), help=help_text)
     return p
 
@@ -291,7 +348,14 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config: {args.config} is not valid TOML: {e}") from None
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
-    return load_config(file_values, overrides)
+    cfg = load_config(file_values, overrides)
+    if cfg.tls_enabled:
+        # Read and check the TLS files now, before anything touches the disk: a missing file, a
+        # key that does not match, or a key readable by group or others stops start-up here.
+        from . import tls  # noqa: PLC0415 - needs grpc, which only the daemon loads
+
+        tls.reloader(cfg)
+    return cfg
 
 
 def options_markdown() -> str:
@@ -300,5 +364,7 @@ def options_markdown() -> str:
     rows = []
     for f in dataclasses.fields(DaemonConfig):
         default = {"peers": "", "socket_mode": "0660"}.get(f.name, f.default)
+        if isinstance(default, bool):
+            default = str(default).lower()
         rows.append(f"| `--{f.name.replace('_', '-')}` | `{f.name}` | `{default}` | {docs.get(f.name, '')} |")
     return "\n".join(rows)

@@ -42,6 +42,12 @@ class Knobs:
     takeover_check_interval: float = 1.0
     """Seconds between two looks at the owners of the copies this node holds (drain take-over)."""
 
+    fanout: int = 32
+    """Peers asked at once by a cluster-wide question (``latest``/``list`` for operators, a fetch
+    of a rank that no neighbour holds)."""
+    fanout_deadline: float = 3.0
+    """Seconds a cluster-wide question waits for answers; the nodes that did not answer are named."""
+
     # -- peer tier
     catch_up_interval: float = 30.0
     """Seconds between full checks that every owned rank in the retention window has its copies."""

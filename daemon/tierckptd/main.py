@@ -20,25 +20,32 @@ from .config import ConfigError, DaemonConfig, parse_args
 log = logging.getLogger("tierckptd")
 
 
-def build_tiers(config: DaemonConfig, store, metrics, cluster=None):
-    """The remote tiers configured, in restore order (peer, then persistent).
-
-    ``cluster`` is the cluster view the tiers read (None: none yet; see below).
-    """
-    tiers = []
-    if config.peers or config.peers_dns:
+def build_tiers(config: DaemonConfig, store, metrics, cluster=None) -> list:
+    """The remote tiers configured, in restore order (peer, then persistent)."""
+    tiers: list = []
+    if cluster is not None:
         from .peer import PeerTier  # noqa: PLC0415 - optional part of the daemon
 
-        tiers.append(PeerTier(config, store, metrics))
+        tiers.append(PeerTier(config, store, cluster, metrics))
     if config.persistent:
         from .persistent import PersistentTier  # noqa: PLC0415
 
-        if cluster is None and tiers:  # transitional, until the cluster view is passed in
-            from .persistent.peerview import PeerTierView  # noqa: PLC0415
-
-            cluster = PeerTierView(config.node_id, tiers[0])
         tiers.append(PersistentTier(config, store, metrics, cluster=cluster))
     return tiers
+
+
+def build_membership(config: DaemonConfig, metrics):
+    """The cluster membership when peers are configured (else None: a single-node daemon)."""
+    if not (config.peers or config.peers_dns):
+        return None
+    from .cluster.membership import Membership  # noqa: PLC0415
+
+    creds = None
+    if config.tls_enabled:
+        from .tls import channel_credentials  # noqa: PLC0415
+
+        creds = channel_credentials(config)
+    return Membership(config, metrics, creds)
 
 
 async def serve(config: DaemonConfig, *, ready_out=None) -> int:
@@ -48,6 +55,7 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
     from .node import Node
     from .sdnotify import Notifier, watchdog_loop
     from .server import create_server
+    from .offload import run_blocking
     from .store import LocalStore
 
     notifier = Notifier.from_env(os.environ)
@@ -58,15 +66,13 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
         if node is not None:
             node.evicted(ev)
 
+    cluster = build_membership(config, metrics)
     store = LocalStore(config.local_dir, config.node_id, capacity=config.local_capacity,
                        keep_local=config.keep_local, fsync=config.fsync, max_shard_bytes=config.max_shard_bytes,
-                       on_evict=evicted)
-    await asyncio.to_thread(store.open)
-    tiers = build_tiers(config, store, metrics)
+                       is_complete=cluster.is_complete if cluster else None, on_evict=evicted)
+    await run_blocking(store.open)
+    tiers = build_tiers(config, store, metrics, cluster)
     node = Node(store, tiers, node_id=config.node_id, staging_timeout=config.staging_timeout, metrics=metrics)
-    for t in tiers:
-        if hasattr(t, "attach"):
-            t.attach(node)
     await node.start()
 
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -74,8 +80,7 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
     def add_extra(server):
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         for t in tiers:
-            if hasattr(t, "add_to_server"):
-                t.add_to_server(server)
+            t.add_to_server(server)
 
     creds = None
     if config.tls_enabled:
@@ -139,6 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
+    if config.knobs:
+        from .knobs import KNOBS, parse_knobs
+
+        KNOBS.apply(parse_knobs(config.knobs))
+        log.warning("tuning knobs overridden: %s", config.knobs)
     try:
         import uvloop
 

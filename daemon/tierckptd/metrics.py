@@ -122,6 +122,9 @@ class Metrics:
             ["reason"], registry=r)
         self.peer_up = Gauge(
             "tierckpt_peer_up", "1 if the last health check of a peer succeeded, else 0.", ["peer"], registry=r)
+        self.peer_calls = Counter(
+            "tierckpt_peer_calls_total", "Control RPCs this daemon made to a peer (health, catalog deltas, "
+            "replication, fetch), by peer: at scale only the ring neighbourhood should grow.", ["peer"], registry=r)
         self.staging_reclaimed = Counter(
             "tierckpt_staging_reclaimed_total",
             "Uncommitted saves whose staging files were reclaimed after staging_timeout.", registry=r)

@@ -8,9 +8,10 @@ servicer only validates and translates; everything here raises tierckpt exceptio
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
+import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -25,17 +26,17 @@ from tierckpt.errors import (
     UnavailableError,
 )
 
+from .knobs import KNOBS
 from .manifest import Manifest
+from .offload import run_blocking
 from .store import Eviction, LocalStore, Staging
-from .tiers import RemoteTier
+from .tiers import RankCopy, RemoteTier
 
 __all__ = ["Node", "StepView", "RestoreResult"]
 
 log = logging.getLogger(__name__)
 
 TIERS = ("local", "peer", "persistent")
-RESTORE_PIN_SECONDS = 60.0
-"""A step fetched from a remote tier is kept from retention this long after the restore."""
 
 
 @dataclass
@@ -92,6 +93,17 @@ class Node:
         self._reaper: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        for t in self.tiers:
+            t.bind(self)
+
+    @property
+    def fs_token(self) -> str:
+        """Token of the local dir's filesystem (a client that sees the same token shares it)."""
+        return self.store.fs_token
+
+    @property
+    def local_dir(self) -> str:
+        return str(self.store.root)
 
     def tier(self, name: str) -> RemoteTier | None:
         return next((t for t in self.tiers if t.name == name), None)
@@ -135,7 +147,7 @@ class Node:
                          specs: Sequence[tuple[str, int, str, Sequence[int]]], stream: bool) -> Staging:
         self._enter()
         try:
-            st = await asyncio.to_thread(self.store.begin, job, step, rank, world_size, specs, stream=stream)
+            st = await run_blocking(self.store.begin, job, step, rank, world_size, specs, stream=stream)
         finally:
             self._leave()
         self._update_gauges()
@@ -148,7 +160,7 @@ class Node:
         try:
             st = self.store.get_staging(save_id)
             pin = next((r for r in (t.commit_pin(st.job, st.step, persist) for t in self.tiers) if r), None)
-            man, _ = await asyncio.to_thread(self.store.commit, save_id, digests, metadata_json, persist=persist,
+            man, _ = await run_blocking(self.store.commit, save_id, digests, metadata_json, persist=persist,
                                              pin=pin)
         except TierckptError:
             if self.metrics:
@@ -183,8 +195,50 @@ class Node:
             for t in self.tiers:
                 self._loop.call_soon_threadsafe(t.on_evict, ev)
 
+    async def write_stream(self, chunks: AsyncIterator[tuple[str, str, int, bytes]]) -> int:
+        """Write streamed shard bytes (``(save_id, shard, offset, data)`` pieces) into staging files;
+        returns the bytes written. Counts as a save in flight, so shutdown waits for it."""
+        self._enter()
+        fds: dict = {}
+        total = 0
+        try:
+            async for save_id, shard, offset, data in chunks:
+                await run_blocking(self.store.write_chunk, save_id, shard, offset, data, fds)
+                total += len(data)
+        finally:
+            await run_blocking(_close_all, list(fds.values()))
+            self._leave()
+        return total
+
+    async def read_shard(self, job: str, step: int, rank: int, shard: str) -> AsyncIterator[tuple[int, bytes]]:
+        """Yield ``(offset, data)`` pieces of a locally committed shard (for streaming clients).
+
+        Raises:
+            NotFoundError: the rank or shard is not in the local tier, or it was evicted.
+        """
+        man = self.store.get(job, step, rank)
+        entry = None if man is None else next((s for s in man.shards if s.name == shard), None)
+        if man is None or entry is None:
+            raise NotFoundError(f"{job} step {step} rank {rank} shard {shard!r} is not in the local tier "
+                                "(call Restore first)")
+        path = self.store.lend(man)[[s.name for s in man.shards].index(entry.name)]
+        try:
+            fd = await run_blocking(os.open, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFoundError(f"{job} step {step} was evicted") from None
+        try:
+            offset = 0
+            while offset < entry.size:
+                data = await run_blocking(os.pread, fd, min(KNOBS.stream_chunk, entry.size - offset), offset)
+                if not data:
+                    break
+                yield offset, data
+                offset += len(data)
+        finally:
+            os.close(fd)
+
     async def abort_save(self, save_id: str) -> None:
-        await asyncio.to_thread(self.store.abort, save_id)
+        await run_blocking(self.store.abort, save_id)
         self._update_gauges()
 
     async def wait_tier(self, job: str, step: int, rank: int, tier: str, timeout: float | None) -> list[str]:
@@ -210,39 +264,66 @@ class Node:
 
     async def views(self, job: str) -> dict[int, StepView]:
         """Every step of ``job`` known to any tier, with where each rank is held."""
+        return (await self.views_with_gaps(job))[0]
+
+    async def views_with_gaps(self, job: str) -> tuple[dict[int, StepView], list[str]]:
+        """:meth:`views` plus the sources (peers, tiers) that did not answer within the deadline."""
         check_job(job)
         views: dict[int, StepView] = {}
-
-        def add(step: int, rank: int, world: int, tier: str, nodes: Sequence[str], nbytes: int, created: float):
-            v = views.get(step)
-            if v is None:
-                v = views[step] = StepView(step, world, created=created)
-            if world != v.world_size:
-                log.warning("%s step %d: rank %d has world_size %d, others %d", job, step, rank, world, v.world_size)
-                return
-            r = v.ranks.setdefault(rank, RankView(rank))
-            r.tiers.add(tier)
-            r.nodes.update(nodes)
-            r.nbytes = max(r.nbytes, nbytes)
-            v.created = min(v.created, created) if v.created else created
-
         for step, ranks in self.store.steps(job).items():
             for rank, man in ranks.items():
-                add(step, rank, man.world_size, "local", [self.node_id], man.nbytes, man.created)
-        results = await asyncio.gather(*(t.catalog(job) for t in self.tiers), return_exceptions=True)
+                _add(views, job, step, rank, "local", RankCopy(man.world_size, (self.node_id,), man.nbytes,
+                                                               man.created))
+        gaps: list[str] = []
+        results = await asyncio.gather(*(self._tier_catalog(t, job) for t in self.tiers), return_exceptions=True)
         for t, res in zip(self.tiers, results):
             if isinstance(res, BaseException):
                 log.warning("catalog of the %s tier unavailable for %s: %s", t.name, job, res)
+                gaps.append(f"{t.name} tier ({res})")
                 continue
-            for step, ranks in res.items():
+            copies, missed = res
+            gaps.extend(f"peer {n}" for n in missed)
+            for step, ranks in copies.items():
                 for rank, copy in ranks.items():
-                    add(step, rank, copy.world_size, t.name, copy.nodes, copy.nbytes, copy.created)
-        return views
+                    _add(views, job, step, rank, t.name, copy)
+        return views, gaps
+
+    async def _tier_catalog(self, t: RemoteTier, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
+        try:
+            return await asyncio.wait_for(t.catalog_with_gaps(job), KNOBS.fanout_deadline + KNOBS.rpc_timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"no answer within {KNOBS.fanout_deadline + KNOBS.rpc_timeout:.0f}s") from None
 
     async def latest(self, job: str) -> int | None:
-        views = await self.views(job)
+        return (await self.latest_with_gaps(job))[0]
+
+    async def latest_with_gaps(self, job: str) -> tuple[int | None, list[str]]:
+        """Newest step complete over all tiers and nodes that answered, and those that did not."""
+        views, gaps = await self.views_with_gaps(job)
         complete = [s for s, v in views.items() if v.complete]
-        return max(complete) if complete else None
+        return (max(complete) if complete else None), gaps
+
+    async def availability(self, job: str, rank: int) -> tuple[list[StepView], list[str]]:
+        """Steps that ``rank`` can restore: from the local tier, each remote tier's cheapest
+        answer for one rank (the peer tier: the ring neighbourhood), nearest tier first."""
+        check_job(job)
+        views: dict[int, StepView] = {}
+        for step, ranks in self.store.steps(job).items():
+            man = ranks.get(rank)
+            if man is not None:
+                _add(views, job, step, rank, "local", RankCopy(man.world_size, (self.node_id,), man.nbytes, man.created))
+        gaps: list[str] = []
+        results = await asyncio.gather(*(asyncio.wait_for(t.rank_catalog(job, rank), KNOBS.fanout_deadline
+                                                          + KNOBS.rpc_timeout) for t in self.tiers),
+                                       return_exceptions=True)
+        for t, res in zip(self.tiers, results):
+            if isinstance(res, BaseException):
+                log.warning("availability of %s rank %d: the %s tier did not answer: %r", job, rank, t.name, res)
+                gaps.append(f"{t.name} tier")
+                continue
+            for step, copy in res.items():
+                _add(views, job, step, rank, t.name, copy)
+        return [views[s] for s in sorted(views)], gaps
 
     # ------------------------------------------------------------------------- restore
 
@@ -265,8 +346,8 @@ class Node:
             log.error("client reported a corrupt local copy of %s step %d rank %d; dropping it", job, step, rank)
             if self.metrics:
                 self.metrics.checksum_failures.labels(tier="local").inc()
-            removed = await asyncio.to_thread(functools.partial(
-                self.store.remove_rank, job, step, rank, "checksum failure", generation=man.generation))
+            removed = await run_blocking(self.store.remove_rank, job, step, rank, "checksum failure",
+                                         generation=man.generation)
             man = None if removed else self.store.get(job, step, rank)
         tier, source = "local", self.node_id
         if man is None:
@@ -287,7 +368,7 @@ class Node:
                     tier, source = t.name, man.node
                     break
             finally:
-                self._spawn(self._unpin_later(job, step, reason, RESTORE_PIN_SECONDS if man else 0.0))
+                self._spawn(self._unpin_later(job, step, reason, KNOBS.restore_pin_seconds if man else 0.0))
             if man is None:
                 if errors:
                     raise DataLossError(f"{job} step {step} rank {rank}: every copy failed: " + "; ".join(errors))
@@ -311,14 +392,14 @@ class Node:
 
     async def _unpin_later(self, job: str, step: int, reason: str, delay: float) -> None:
         await asyncio.sleep(delay if self.accepting else 0)
-        await asyncio.to_thread(self.store.unpin, job, step, reason)
+        await run_blocking(self.store.unpin, job, step, reason)
 
     async def _reap_staging(self) -> None:
         interval = max(0.05, min(10.0, self.staging_timeout / 4))
         while True:
             await asyncio.sleep(interval)
             try:
-                n = await asyncio.to_thread(self.store.reclaim_expired, self.staging_timeout)
+                n = await run_blocking(self.store.reclaim_expired, self.staging_timeout)
             except Exception:  # task boundary: keep reaping after an unexpected error
                 log.exception("reclaiming expired staging failed")
                 continue
@@ -347,3 +428,22 @@ class Node:
         for t in self.tiers:
             out[t.name] = t.status()
         return out
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _add(views: dict[int, StepView], job: str, step: int, rank: int, tier: str, copy: RankCopy) -> None:
+    v = views.get(step)
+    if v is None:
+        v = views[step] = StepView(step, copy.world_size, created=copy.created)
+    if copy.world_size != v.world_size:
+        log.warning("%s step %d: rank %d has world_size %d, others %d", job, step, rank, copy.world_size, v.world_size)
+        return
+    r = v.ranks.setdefault(rank, RankView(rank))
+    r.tiers.add(tier)
+    r.nodes.update(copy.nodes)
+    r.nbytes = max(r.nbytes, copy.nbytes)
+    v.created = min(v.created, copy.created) if v.created else copy.created

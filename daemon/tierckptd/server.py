@@ -12,7 +12,6 @@ import os
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from tierckpt.common import status as _status
 from tierckpt.common.names import check_job, check_rank, check_shard, check_step
 from tierckpt.errors import InvalidArgumentError, TierckptError
 from tierckpt.v1 import tierckpt_pb2 as pb
@@ -21,37 +20,14 @@ from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
 from . import __version__
 from .config import DaemonConfig
 from .node import Node
+from .rpc import rpc, rpc_stream
 
-__all__ = ["TierckptServicer", "create_server", "Listening", "STREAM_CHUNK"]
+__all__ = ["TierckptServicer", "create_server", "Listening"]
 
 log = logging.getLogger(__name__)
 
-STREAM_CHUNK = 4 << 20
-
 TIER_NAMES = {pb.TIER_LOCAL: "local", pb.TIER_PEER: "peer", pb.TIER_PERSISTENT: "persistent"}
 TIER_ENUM = {v: k for k, v in TIER_NAMES.items()}
-
-
-def _rpc(fn: Callable) -> Callable:
-    """Map tierckpt exceptions to gRPC status codes (the one place it is done in the daemon)."""
-
-    @functools.wraps(fn)
-    async def wrapper(self, request, context):
-        try:
-            return await fn(self, request, context)
-        except TierckptError as e:
-            code = _status.code_for(e)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", fn.__name__)
-            await context.abort(code, str(e))
-        except OSError as e:
-            if e.errno == errno.ENOSPC:  # the local tier's filesystem is full: the capacity condition
-                log.error("%s failed: local_dir is full: %s", fn.__name__, e)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"local_dir is full on node: {e.strerror or e}")
-            log.exception("%s failed with an I/O error", fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"I/O error on node: {e.strerror or e}")
-
-    return wrapper
 
 
 def _check_json_object(text: str, field: str) -> str:
@@ -71,7 +47,7 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         self.node = node
         self.config = config
 
-    @_rpc
+    @rpc
     async def BeginSave(self, request: pb.BeginSaveRequest, context) -> pb.BeginSaveResponse:
         check_job(request.job)
         check_step(request.step)
@@ -86,24 +62,19 @@ class TierckptServicer(pb_grpc.TierckptServicer):
             save_id=st.save_id,
             shards=[pb.StagedShard(name=f.name, path="" if stream else str(f.path), recycled=f.recycled)
                     for f in st.files.values()],
-            fs_token=self.node.store.fs_token,
-            local_dir=str(self.node.store.root),
+            fs_token=self.node.fs_token,
+            local_dir=self.node.local_dir,
         )
 
-    @_rpc
+    @rpc
     async def WriteShard(self, request_iterator: AsyncIterator[pb.WriteShardRequest], context) -> pb.WriteShardResponse:
-        fds: dict = {}
-        total = 0
-        try:
+        async def pieces() -> AsyncIterator[tuple[str, str, int, bytes]]:
             async for req in request_iterator:
-                await asyncio.to_thread(self.node.store.write_chunk, req.save_id, req.shard, req.offset, req.data, fds)
-                total += len(req.data)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return pb.WriteShardResponse(bytes_written=total)
+                yield req.save_id, req.shard, req.offset, req.data
 
-    @_rpc
+        return pb.WriteShardResponse(bytes_written=await self.node.write_stream(pieces()))
+
+    @rpc
     async def CommitSave(self, request: pb.CommitSaveRequest, context) -> pb.CommitSaveResponse:
         if not request.save_id:
             raise InvalidArgumentError("save_id: required")
@@ -117,12 +88,12 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         man, seconds = await self.node.commit_save(request.save_id, digests, meta, request.persist)
         return pb.CommitSaveResponse(bytes=man.nbytes, commit_seconds=seconds)
 
-    @_rpc
+    @rpc
     async def AbortSave(self, request: pb.AbortSaveRequest, context) -> pb.AbortSaveResponse:
         await self.node.abort_save(request.save_id)
         return pb.AbortSaveResponse()
 
-    @_rpc
+    @rpc
     async def WaitTier(self, request: pb.WaitTierRequest, context) -> pb.WaitTierResponse:
         tier = TIER_NAMES.get(request.tier)
         if tier is None:
@@ -134,12 +105,21 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         nodes = await self.node.wait_tier(request.job, request.step, request.rank, tier, timeout)
         return pb.WaitTierResponse(nodes=nodes)
 
-    @_rpc
+    @rpc
     async def Latest(self, request: pb.LatestRequest, context) -> pb.LatestResponse:
-        step = await self.node.latest(request.job)
-        return pb.LatestResponse(found=step is not None, step=step or 0)
+        step, gaps = await self.node.latest_with_gaps(request.job)
+        return pb.LatestResponse(found=step is not None, step=step or 0, unreachable=gaps)
 
-    @_rpc
+    @rpc
+    async def Availability(self, request: pb.AvailabilityRequest, context) -> pb.AvailabilityResponse:
+        steps, gaps = await self.node.availability(request.job, request.rank)
+        return pb.AvailabilityResponse(unreachable=gaps, steps=[
+            pb.StepAvailability(step=v.step, world_size=v.world_size, nodes=sorted(v.ranks[request.rank].nodes),
+                                tiers=[TIER_ENUM[t] for t in ("local", "peer", "persistent")
+                                       if t in v.ranks[request.rank].tiers])
+            for v in steps])
+
+    @rpc
     async def List(self, request: pb.ListRequest, context) -> pb.ListResponse:
         views = await self.node.views(request.job)
         out = []
@@ -155,7 +135,7 @@ class TierckptServicer(pb_grpc.TierckptServicer):
             ))
         return pb.ListResponse(checkpoints=out)
 
-    @_rpc
+    @rpc
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreResponse:
         check_job(request.job)
         step = request.step if request.has_step else None
@@ -165,53 +145,27 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         shared = request.transfer != pb.TRANSFER_STREAM
         return pb.RestoreResponse(
             step=man.step, tier=TIER_ENUM[res.tier], world_size=man.world_size,
-            metadata_json=man.metadata_json, fs_token=self.node.store.fs_token, source_node=res.source_node,
-            local_dir=str(self.node.store.root), generation=man.generation,
+            metadata_json=man.metadata_json, fs_token=self.node.fs_token, source_node=res.source_node,
+            local_dir=self.node.local_dir, generation=man.generation,
             shards=[pb.RestoredShard(name=s.name, size=s.size, checksum=s.checksum, dtype=s.dtype,
                                      shape=list(s.shape), path=p if shared else "")
                     for s, p in zip(man.shards, res.paths)],
         )
 
+    @rpc_stream
     async def ReadShard(self, request: pb.ReadShardRequest, context) -> AsyncIterator[pb.ReadShardResponse]:
-        try:
-            check_job(request.job)
-            check_shard(request.shard)
-            man = self.node.store.get(request.job, request.step, request.rank)
-            if man is None:
-                raise _not_found(request)
-            try:
-                entry = man.shard(request.shard)
-            except KeyError:
-                raise _not_found(request) from None
-            path = self.node.store.lend(man)[[s.name for s in man.shards].index(entry.name)]
-            fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)
-        except TierckptError as e:
-            await context.abort(_status.code_for(e), str(e))
-            return
-        except FileNotFoundError:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.job} step {request.step} was evicted")
-            return
-        try:
-            offset = 0
-            while offset < entry.size:
-                data = await asyncio.to_thread(os.pread, fd, min(STREAM_CHUNK, entry.size - offset), offset)
-                if not data:
-                    break
-                yield pb.ReadShardResponse(offset=offset, data=data)
-                offset += len(data)
-        except OSError as e:
-            log.error("ReadShard %s step %d rank %d %s: %s", request.job, request.step, request.rank,
-                      request.shard, e)
-            await context.abort(grpc.StatusCode.INTERNAL, f"I/O error on node reading shard: {e.strerror or e}")
-        finally:
-            os.close(fd)
+        check_job(request.job)
+        check_step(request.step)
+        check_shard(request.shard)
+        async for offset, data in self.node.read_shard(request.job, request.step, request.rank, request.shard):
+            yield pb.ReadShardResponse(offset=offset, data=data)
 
-    @_rpc
+    @rpc
     async def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
         st = self.node.status()
         u = st["usage"]
         resp = pb.StatusResponse(
-            node_id=st["node_id"], version=__version__, local_dir=str(self.node.store.root),
+            node_id=st["node_id"], version=__version__, local_dir=self.node.local_dir,
             capacity_bytes=u.capacity, used_bytes=u.used, staging_bytes=u.staging, recycle_bytes=u.recycle,
             replicas=self.config.replicas, persistent_url=self.config.persistent, uptime_seconds=st["uptime"],
         )
@@ -225,13 +179,6 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         resp.drain_backlog_steps = int(drain.get("backlog_steps", 0))
         resp.drain_oldest_age_seconds = float(drain.get("oldest_age_seconds", 0.0))
         return resp
-
-
-def _not_found(request: pb.ReadShardRequest):
-    from tierckpt.errors import NotFoundError
-
-    return NotFoundError(f"{request.job} step {request.step} rank {request.rank} shard {request.shard!r} "
-                         "is not in the local tier (call Restore first)")
 
 
 @dataclass

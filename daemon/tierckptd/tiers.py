@@ -11,7 +11,8 @@ A :class:`RemoteTier` is driven by the :class:`~tierckptd.node.Node`. Call order
    ``on_commit(manifest)`` after every local commit (including copies ingested from other
    tiers, flagged by ``ingested=True``); it must not block: schedule background work and return.
    ``on_evict(eviction)`` after local retention or capacity evicted a step (on the event loop).
-3. Concurrently: ``catalog(job)`` (what this tier holds), ``fetch(job, step, rank)`` (bring a
+3. Concurrently: ``catalog(job)`` (what this tier holds; ``catalog_with_gaps`` also names the
+   sources that did not answer), ``rank_catalog(job, rank)`` (one rank, cheaply), ``fetch(job, step, rank)`` (bring a
    rank into the local store, verifying checksums), ``wait(job, step, rank, timeout)`` (until a
    committed rank reached this tier), ``status()``.
 4. ``stop(timeout)`` once, on shutdown: finish or persist in-flight work within the timeout.
@@ -81,6 +82,15 @@ class RemoteTier(abc.ABC):
     @abc.abstractmethod
     async def catalog(self, job: str) -> dict[int, dict[int, RankCopy]]:
         """step -> rank -> copy for the committed ranks this tier holds for ``job``."""
+
+    async def catalog_with_gaps(self, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
+        """:meth:`catalog` plus the sources that did not answer in time (default: none)."""
+        return await self.catalog(job), []
+
+    async def rank_catalog(self, job: str, rank: int) -> dict[int, RankCopy]:
+        """step -> copy of one rank held by this tier, as cheaply as the tier can answer it (the
+        peer tier asks only this node's ring neighbourhood). Default: filter :meth:`catalog`."""
+        return {step: ranks[rank] for step, ranks in (await self.catalog(job)).items() if rank in ranks}
 
     @abc.abstractmethod
     async def fetch(self, job: str, step: int, rank: int) -> Manifest:

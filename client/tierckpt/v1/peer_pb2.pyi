@@ -25,12 +25,26 @@ class HelloResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., instance: _Optional[str] = ..., bulk_port: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class CatalogRequest(_message.Message):
-    __slots__ = ("job", "node_id")
+    __slots__ = ("job", "node_id", "since_version", "since_instance")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SINCE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+    since_version: int
+    since_instance: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., since_version: _Optional[int] = ..., since_instance: _Optional[str] = ...) -> None: ...
+
+class RankKey(_message.Message):
+    __slots__ = ("job", "step", "rank")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class CatalogEntry(_message.Message):
     __slots__ = ("job", "step", "rank", "world_size", "owner", "generation", "bytes", "created_unix")
@@ -53,16 +67,22 @@ class CatalogEntry(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owner: _Optional[str] = ..., generation: _Optional[str] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
 
 class CatalogResponse(_message.Message):
-    __slots__ = ("node_id", "instance", "bulk_port", "entries")
+    __slots__ = ("node_id", "instance", "bulk_port", "entries", "version", "delta", "removed")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     instance: str
     bulk_port: int
     entries: _containers.RepeatedCompositeFieldContainer[CatalogEntry]
-    def __init__(self, node_id: _Optional[str] = ..., instance: _Optional[str] = ..., bulk_port: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[CatalogEntry, _Mapping]]] = ...) -> None: ...
+    version: int
+    delta: bool
+    removed: _containers.RepeatedCompositeFieldContainer[RankKey]
+    def __init__(self, node_id: _Optional[str] = ..., instance: _Optional[str] = ..., bulk_port: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[CatalogEntry, _Mapping]]] = ..., version: _Optional[int] = ..., delta: _Optional[bool] = ..., removed: _Optional[_Iterable[_Union[RankKey, _Mapping]]] = ...) -> None: ...
 
 class PrepareReplicaRequest(_message.Message):
     __slots__ = ("sender", "manifest_json")

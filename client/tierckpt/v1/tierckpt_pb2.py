@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atierckpt/v1/tierckpt.proto\x12\x0btierckpt.v1\"E\n\tShardSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\"\xa0\x01\n\x10\x42\x65ginSaveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12&\n\x06shards\x18\x05 \x03(\x0b\x32\x16.tierckpt.v1.ShardSpec\x12\'\n\x08transfer\x18\x06 \x01(\x0e\x32\x15.tierckpt.v1.Transfer\";\n\x0bStagedShard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x10\n\x08recycled\x18\x03 \x01(\x08\"s\n\x11\x42\x65ginSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12(\n\x06shards\x18\x02 \x03(\x0b\x32\x18.tierckpt.v1.StagedShard\x12\x10\n\x08\x66s_token\x18\x03 \x01(\t\x12\x11\n\tlocal_dir\x18\x04 \x01(\t\"Q\n\x11WriteShardRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"+\n\x12WriteShardResponse\x12\x15\n\rbytes_written\x18\x01 \x01(\x04\"-\n\x0bShardDigest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\"w\n\x11\x43ommitSaveRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12)\n\x07\x64igests\x18\x02 \x03(\x0b\x32\x18.tierckpt.v1.ShardDigest\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\x12\x0f\n\x07persist\x18\x04 \x01(\x08\";\n\x12\x43ommitSaveResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x16\n\x0e\x63ommit_seconds\x18\x02 \x01(\x01\"#\n\x10\x41\x62ortSaveRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\"\x13\n\x11\x41\x62ortSaveResponse\"t\n\x0fWaitTierRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x1f\n\x04tier\x18\x04 \x01(\x0e\x32\x11.tierckpt.v1.Tier\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"!\n\x10WaitTierResponse\x12\r\n\x05nodes\x18\x01 \x03(\t\"\x1c\n\rLatestRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"-\n\x0eLatestResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x04\"\x1a\n\x0bListRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\\\n\x0cRankLocation\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12 \n\x05tiers\x18\x02 \x03(\x0e\x32\x11.tierckpt.v1.Tier\x12\r\n\x05nodes\x18\x03 \x03(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"\xa6\x01\n\x0e\x43heckpointInfo\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\x12(\n\x05ranks\x18\x04 \x03(\x0b\x32\x19.tierckpt.v1.RankLocation\x12 \n\x05tiers\x18\x05 \x03(\x0e\x32\x11.tierckpt.v1.Tier\x12\x14\n\x0c\x63reated_unix\x18\x06 \x01(\x01\"@\n\x0cListResponse\x12\x30\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointInfo\"\xa7\x01\n\x0eRestoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x10\n\x08has_step\x18\x03 \x01(\x08\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\'\n\x08transfer\x18\x05 \x01(\x0e\x32\x15.tierckpt.v1.Transfer\x12\x15\n\rlocal_corrupt\x18\x06 \x01(\x08\x12\x1a\n\x12\x63orrupt_generation\x18\x07 \x01(\t\"i\n\rRestoredShard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x04\x12\x0c\n\x04path\x18\x06 \x01(\t\"\xe5\x01\n\x0fRestoreResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x1f\n\x04tier\x18\x02 \x01(\x0e\x32\x11.tierckpt.v1.Tier\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\x12*\n\x06shards\x18\x05 \x03(\x0b\x32\x1a.tierckpt.v1.RestoredShard\x12\x10\n\x08\x66s_token\x18\x06 \x01(\t\x12\x13\n\x0bsource_node\x18\x07 \x01(\t\x12\x11\n\tlocal_dir\x18\x08 \x01(\t\x12\x12\n\ngeneration\x18\t \x01(\t\"J\n\x10ReadShardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05shard\x18\x04 \x01(\t\"1\n\x11ReadShardResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x0f\n\rStatusRequest\"Z\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x12\n\nhas_latest\x18\x03 \x01(\x08\x12\x0e\n\x06latest\x18\x04 \x01(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\"f\n\nPeerStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\n\n\x02up\x18\x03 \x01(\x08\x12\x16\n\x0elast_seen_unix\x18\x04 \x01(\x01\x12\x12\n\nlast_error\x18\x05 \x01(\t\"\x8b\x03\n\x0eStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tlocal_dir\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x15\n\rstaging_bytes\x18\x06 \x01(\x04\x12\x15\n\rrecycle_bytes\x18\x07 \x01(\x04\x12$\n\x04jobs\x18\x08 \x03(\x0b\x32\x16.tierckpt.v1.JobStatus\x12&\n\x05peers\x18\t \x03(\x0b\x32\x17.tierckpt.v1.PeerStatus\x12\x16\n\x0epersistent_url\x18\n \x01(\t\x12\x1b\n\x13\x64rain_backlog_bytes\x18\x0b \x01(\x04\x12\x1b\n\x13\x64rain_backlog_steps\x18\x0c \x01(\x04\x12 \n\x18\x64rain_oldest_age_seconds\x18\r \x01(\x01\x12\x10\n\x08replicas\x18\x0e \x01(\r\x12\x16\n\x0euptime_seconds\x18\x0f \x01(\x01*P\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0e\n\nTIER_LOCAL\x10\x01\x12\r\n\tTIER_PEER\x10\x02\x12\x13\n\x0fTIER_PERSISTENT\x10\x03*Q\n\x08Transfer\x12\x18\n\x14TRANSFER_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_SHARED_FS\x10\x01\x12\x13\n\x0fTRANSFER_STREAM\x10\x02\x32\xe2\x05\n\x08Tierckpt\x12J\n\tBeginSave\x12\x1d.tierckpt.v1.BeginSaveRequest\x1a\x1e.tierckpt.v1.BeginSaveResponse\x12O\n\nWriteShard\x12\x1e.tierckpt.v1.WriteShardRequest\x1a\x1f.tierckpt.v1.WriteShardResponse(\x01\x12M\n\nCommitSave\x12\x1e.tierckpt.v1.CommitSaveRequest\x1a\x1f.tierckpt.v1.CommitSaveResponse\x12J\n\tAbortSave\x12\x1d.tierckpt.v1.AbortSaveRequest\x1a\x1e.tierckpt.v1.AbortSaveResponse\x12G\n\x08WaitTier\x12\x1c.tierckpt.v1.WaitTierRequest\x1a\x1d.tierckpt.v1.WaitTierResponse\x12\x41\n\x06Latest\x12\x1a.tierckpt.v1.LatestRequest\x1a\x1b.tierckpt.v1.LatestResponse\x12;\n\x04List\x12\x18.tierckpt.v1.ListRequest\x1a\x19.tierckpt.v1.ListResponse\x12\x44\n\x07Restore\x12\x1b.tierckpt.v1.RestoreRequest\x1a\x1c.tierckpt.v1.RestoreResponse\x12L\n\tReadShard\x12\x1d.tierckpt.v1.ReadShardRequest\x1a\x1e.tierckpt.v1.ReadShardResponse0\x01\x12\x41\n\x06Status\x12\x1a.tierckpt.v1.StatusRequest\x1a\x1b.tierckpt.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atierckpt/v1/tierckpt.proto\x12\x0btierckpt.v1\"E\n\tShardSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\"\xa0\x01\n\x10\x42\x65ginSaveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12&\n\x06shards\x18\x05 \x03(\x0b\x32\x16.tierckpt.v1.ShardSpec\x12\'\n\x08transfer\x18\x06 \x01(\x0e\x32\x15.tierckpt.v1.Transfer\";\n\x0bStagedShard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x10\n\x08recycled\x18\x03 \x01(\x08\"s\n\x11\x42\x65ginSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12(\n\x06shards\x18\x02 \x03(\x0b\x32\x18.tierckpt.v1.StagedShard\x12\x10\n\x08\x66s_token\x18\x03 \x01(\t\x12\x11\n\tlocal_dir\x18\x04 \x01(\t\"Q\n\x11WriteShardRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"+\n\x12WriteShardResponse\x12\x15\n\rbytes_written\x18\x01 \x01(\x04\"-\n\x0bShardDigest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\"w\n\x11\x43ommitSaveRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12)\n\x07\x64igests\x18\x02 \x03(\x0b\x32\x18.tierckpt.v1.ShardDigest\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\x12\x0f\n\x07persist\x18\x04 \x01(\x08\";\n\x12\x43ommitSaveResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x16\n\x0e\x63ommit_seconds\x18\x02 \x01(\x01\"#\n\x10\x41\x62ortSaveRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\"\x13\n\x11\x41\x62ortSaveResponse\"t\n\x0fWaitTierRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x1f\n\x04tier\x18\x04 \x01(\x0e\x32\x11.tierckpt.v1.Tier\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"!\n\x10WaitTierResponse\x12\r\n\x05nodes\x18\x01 \x03(\t\"\x1c\n\rLatestRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"B\n\x0eLatestResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0bunreachable\x18\x03 \x03(\t\"0\n\x13\x41vailabilityRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\"e\n\x10StepAvailability\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12 \n\x05tiers\x18\x03 \x03(\x0e\x32\x11.tierckpt.v1.Tier\x12\r\n\x05nodes\x18\x04 \x03(\t\"Y\n\x14\x41vailabilityResponse\x12,\n\x05steps\x18\x01 \x03(\x0b\x32\x1d.tierckpt.v1.StepAvailability\x12\x13\n\x0bunreachable\x18\x02 \x03(\t\"\x1a\n\x0bListRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\\\n\x0cRankLocation\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12 \n\x05tiers\x18\x02 \x03(\x0e\x32\x11.tierckpt.v1.Tier\x12\r\n\x05nodes\x18\x03 \x03(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"\xa6\x01\n\x0e\x43heckpointInfo\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\x12(\n\x05ranks\x18\x04 \x03(\x0b\x32\x19.tierckpt.v1.RankLocation\x12 \n\x05tiers\x18\x05 \x03(\x0e\x32\x11.tierckpt.v1.Tier\x12\x14\n\x0c\x63reated_unix\x18\x06 \x01(\x01\"@\n\x0cListResponse\x12\x30\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointInfo\"\xa7\x01\n\x0eRestoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x10\n\x08has_step\x18\x03 \x01(\x08\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\'\n\x08transfer\x18\x05 \x01(\x0e\x32\x15.tierckpt.v1.Transfer\x12\x15\n\rlocal_corrupt\x18\x06 \x01(\x08\x12\x1a\n\x12\x63orrupt_generation\x18\x07 \x01(\t\"i\n\rRestoredShard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x04\x12\x0c\n\x04path\x18\x06 \x01(\t\"\xe5\x01\n\x0fRestoreResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x1f\n\x04tier\x18\x02 \x01(\x0e\x32\x11.tierckpt.v1.Tier\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\x12*\n\x06shards\x18\x05 \x03(\x0b\x32\x1a.tierckpt.v1.RestoredShard\x12\x10\n\x08\x66s_token\x18\x06 \x01(\t\x12\x13\n\x0bsource_node\x18\x07 \x01(\t\x12\x11\n\tlocal_dir\x18\x08 \x01(\t\x12\x12\n\ngeneration\x18\t \x01(\t\"J\n\x10ReadShardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05shard\x18\x04 \x01(\t\"1\n\x11ReadShardResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x0f\n\rStatusRequest\"Z\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x12\n\nhas_latest\x18\x03 \x01(\x08\x12\x0e\n\x06latest\x18\x04 \x01(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\"f\n\nPeerStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\n\n\x02up\x18\x03 \x01(\x08\x12\x16\n\x0elast_seen_unix\x18\x04 \x01(\x01\x12\x12\n\nlast_error\x18\x05 \x01(\t\"\x8b\x03\n\x0eStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tlocal_dir\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x15\n\rstaging_bytes\x18\x06 \x01(\x04\x12\x15\n\rrecycle_bytes\x18\x07 \x01(\x04\x12$\n\x04jobs\x18\x08 \x03(\x0b\x32\x16.tierckpt.v1.JobStatus\x12&\n\x05peers\x18\t \x03(\x0b\x32\x17.tierckpt.v1.PeerStatus\x12\x16\n\x0epersistent_url\x18\n \x01(\t\x12\x1b\n\x13\x64rain_backlog_bytes\x18\x0b \x01(\x04\x12\x1b\n\x13\x64rain_backlog_steps\x18\x0c \x01(\x04\x12 \n\x18\x64rain_oldest_age_seconds\x18\r \x01(\x01\x12\x10\n\x08replicas\x18\x0e \x01(\r\x12\x16\n\x0euptime_seconds\x18\x0f \x01(\x01*P\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0e\n\nTIER_LOCAL\x10\x01\x12\r\n\tTIER_PEER\x10\x02\x12\x13\n\x0fTIER_PERSISTENT\x10\x03*Q\n\x08Transfer\x12\x18\n\x14TRANSFER_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_SHARED_FS\x10\x01\x12\x13\n\x0fTRANSFER_STREAM\x10\x02\x32\xb7\x06\n\x08Tierckpt\x12J\n\tBeginSave\x12\x1d.tierckpt.v1.BeginSaveRequest\x1a\x1e.tierckpt.v1.BeginSaveResponse\x12O\n\nWriteShard\x12\x1e.tierckpt.v1.WriteShardRequest\x1a\x1f.tierckpt.v1.WriteShardResponse(\x01\x12M\n\nCommitSave\x12\x1e.tierckpt.v1.CommitSaveRequest\x1a\x1f.tierckpt.v1.CommitSaveResponse\x12J\n\tAbortSave\x12\x1d.tierckpt.v1.AbortSaveRequest\x1a\x1e.tierckpt.v1.AbortSaveResponse\x12G\n\x08WaitTier\x12\x1c.tierckpt.v1.WaitTierRequest\x1a\x1d.tierckpt.v1.WaitTierResponse\x12\x41\n\x06Latest\x12\x1a.tierckpt.v1.LatestRequest\x1a\x1b.tierckpt.v1.LatestResponse\x12S\n\x0c\x41vailability\x12 .tierckpt.v1.AvailabilityRequest\x1a!.tierckpt.v1.AvailabilityResponse\x12;\n\x04List\x12\x18.tierckpt.v1.ListRequest\x1a\x19.tierckpt.v1.ListResponse\x12\x44\n\x07Restore\x12\x1b.tierckpt.v1.RestoreRequest\x1a\x1c.tierckpt.v1.RestoreResponse\x12L\n\tReadShard\x12\x1d.tierckpt.v1.ReadShardRequest\x1a\x1e.tierckpt.v1.ReadShardResponse0\x01\x12\x41\n\x06Status\x12\x1a.tierckpt.v1.StatusRequest\x1a\x1b.tierckpt.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierckpt.v1.tierckpt_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2704
-  _globals['_TIER']._serialized_end=2784
-  _globals['_TRANSFER']._serialized_start=2786
-  _globals['_TRANSFER']._serialized_end=2867
+  _globals['_TIER']._serialized_start=2969
+  _globals['_TIER']._serialized_end=3049
+  _globals['_TRANSFER']._serialized_start=3051
+  _globals['_TRANSFER']._serialized_end=3132
   _globals['_SHARDSPEC']._serialized_start=43
   _globals['_SHARDSPEC']._serialized_end=112
   _globals['_BEGINSAVEREQUEST']._serialized_start=115
@@ -64,33 +64,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LATESTREQUEST']._serialized_start=1023
   _globals['_LATESTREQUEST']._serialized_end=1051
   _globals['_LATESTRESPONSE']._serialized_start=1053
-  _globals['_LATESTRESPONSE']._serialized_end=1098
-  _globals['_LISTREQUEST']._serialized_start=1100
-  _globals['_LISTREQUEST']._serialized_end=1126
-  _globals['_RANKLOCATION']._serialized_start=1128
-  _globals['_RANKLOCATION']._serialized_end=1220
-  _globals['_CHECKPOINTINFO']._serialized_start=1223
-  _globals['_CHECKPOINTINFO']._serialized_end=1389
-  _globals['_LISTRESPONSE']._serialized_start=1391
-  _globals['_LISTRESPONSE']._serialized_end=1455
-  _globals['_RESTOREREQUEST']._serialized_start=1458
-  _globals['_RESTOREREQUEST']._serialized_end=1625
-  _globals['_RESTOREDSHARD']._serialized_start=1627
-  _globals['_RESTOREDSHARD']._serialized_end=1732
-  _globals['_RESTORERESPONSE']._serialized_start=1735
-  _globals['_RESTORERESPONSE']._serialized_end=1964
-  _globals['_READSHARDREQUEST']._serialized_start=1966
-  _globals['_READSHARDREQUEST']._serialized_end=2040
-  _globals['_READSHARDRESPONSE']._serialized_start=2042
-  _globals['_READSHARDRESPONSE']._serialized_end=2091
-  _globals['_STATUSREQUEST']._serialized_start=2093
-  _globals['_STATUSREQUEST']._serialized_end=2108
-  _globals['_JOBSTATUS']._serialized_start=2110
-  _globals['_JOBSTATUS']._serialized_end=2200
-  _globals['_PEERSTATUS']._serialized_start=2202
-  _globals['_PEERSTATUS']._serialized_end=2304
-  _globals['_STATUSRESPONSE']._serialized_start=2307
-  _globals['_STATUSRESPONSE']._serialized_end=2702
-  _globals['_TIERCKPT']._serialized_start=2870
-  _globals['_TIERCKPT']._serialized_end=3608
+  _globals['_LATESTRESPONSE']._serialized_end=1119
+  _globals['_AVAILABILITYREQUEST']._serialized_start=1121
+  _globals['_AVAILABILITYREQUEST']._serialized_end=1169
+  _globals['_STEPAVAILABILITY']._serialized_start=1171
+  _globals['_STEPAVAILABILITY']._serialized_end=1272
+  _globals['_AVAILABILITYRESPONSE']._serialized_start=1274
+  _globals['_AVAILABILITYRESPONSE']._serialized_end=1363
+  _globals['_LISTREQUEST']._serialized_start=1365
+  _globals['_LISTREQUEST']._serialized_end=1391
+  _globals['_RANKLOCATION']._serialized_start=1393
+  _globals['_RANKLOCATION']._serialized_end=1485
+  _globals['_CHECKPOINTINFO']._serialized_start=1488
+  _globals['_CHECKPOINTINFO']._serialized_end=1654
+  _globals['_LISTRESPONSE']._serialized_start=1656
+  _globals['_LISTRESPONSE']._serialized_end=1720
+  _globals['_RESTOREREQUEST']._serialized_start=1723
+  _globals['_RESTOREREQUEST']._serialized_end=1890
+  _globals['_RESTOREDSHARD']._serialized_start=1892
+  _globals['_RESTOREDSHARD']._serialized_end=1997
+  _globals['_RESTORERESPONSE']._serialized_start=2000
+  _globals['_RESTORERESPONSE']._serialized_end=2229
+  _globals['_READSHARDREQUEST']._serialized_start=2231
+  _globals['_READSHARDREQUEST']._serialized_end=2305
+  _globals['_READSHARDRESPONSE']._serialized_start=2307
+  _globals['_READSHARDRESPONSE']._serialized_end=2356
+  _globals['_STATUSREQUEST']._serialized_start=2358
+  _globals['_STATUSREQUEST']._serialized_end=2373
+  _globals['_JOBSTATUS']._serialized_start=2375
+  _globals['_JOBSTATUS']._serialized_end=2465
+  _globals['_PEERSTATUS']._serialized_start=2467
+  _globals['_PEERSTATUS']._serialized_end=2569
+  _globals['_STATUSRESPONSE']._serialized_start=2572
+  _globals['_STATUSRESPONSE']._serialized_end=2967
+  _globals['_TIERCKPT']._serialized_start=3135
+  _globals['_TIERCKPT']._serialized_end=3958
 # @@protoc_insertion_point(module_scope)

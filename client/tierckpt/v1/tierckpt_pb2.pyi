@@ -160,12 +160,42 @@ class LatestRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class LatestResponse(_message.Message):
-    __slots__ = ("found", "step")
+    __slots__ = ("found", "step", "unreachable")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     found: bool
     step: int
-    def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AvailabilityRequest(_message.Message):
+    __slots__ = ("job", "rank")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class StepAvailability(_message.Message):
+    __slots__ = ("step", "world_size", "tiers", "nodes")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    world_size: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AvailabilityResponse(_message.Message):
+    __slots__ = ("steps", "unreachable")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepAvailability]
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepAvailability, _Mapping]]] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("job",)

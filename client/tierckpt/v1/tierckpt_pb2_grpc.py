@@ -66,6 +66,11 @@ class TierckptStub:
                 request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.LatestRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.LatestResponse.FromString,
                 _registered_method=True)
+        self.Availability = channel.unary_unary(
+                '/tierckpt.v1.Tierckpt/Availability',
+                request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.AvailabilityRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.AvailabilityResponse.FromString,
+                _registered_method=True)
         self.List = channel.unary_unary(
                 '/tierckpt.v1.Tierckpt/List',
                 request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.ListRequest.SerializeToString,
@@ -137,6 +142,15 @@ class TierckptServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Availability(self, request, context):
+        """Steps that one rank can restore and from which tiers, from this node, its ring
+        neighbourhood (the holders of this node's replicas) and the persistent catalog: O(R) calls.
+        The job's ranks intersect their answers through their process group. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def List(self, request, context):
         """Steps of a job with where each rank is held. Idempotent.
         """
@@ -198,6 +212,11 @@ def add_TierckptServicer_to_server(servicer, server):
                     servicer.Latest,
                     request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.LatestRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.LatestResponse.SerializeToString,
+            ),
+            'Availability': grpc.unary_unary_rpc_method_handler(
+                    servicer.Availability,
+                    request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.AvailabilityRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.AvailabilityResponse.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
@@ -384,6 +403,33 @@ class Tierckpt:
             '/tierckpt.v1.Tierckpt/Latest',
             tierckpt_dot_v1_dot_tierckpt__pb2.LatestRequest.SerializeToString,
             tierckpt_dot_v1_dot_tierckpt__pb2.LatestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Availability(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Tierckpt/Availability',
+            tierckpt_dot_v1_dot_tierckpt__pb2.AvailabilityRequest.SerializeToString,
+            tierckpt_dot_v1_dot_tierckpt__pb2.AvailabilityResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,10 +21,11 @@ from typing import Any
 
 from tierckpt.errors import InvalidArgumentError
 from tierckptd.config import ConfigError
+from tierckptd.redact import redact_text, redact_url
 
 from .base import Backend, BackendError, MissingExtraError, check_key
 
-__all__ = ["Backend", "BackendError", "MissingExtraError", "open_backend", "parse_url"]
+__all__ = ["Backend", "BackendError", "MissingExtraError", "open_backend", "parse_url", "redact_text", "redact_url"]
 
 _FIELD = "persistent"
 _BUCKET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,221}[A-Za-z0-9]")
@@ -32,7 +33,9 @@ _MODULES = {"s3": ("s3", "S3Backend"), "gs": ("gcs", "GcsBackend")}
 
 
 def _bad(url: str, why: str) -> ConfigError:
-    return ConfigError(f"{_FIELD}: {url!r} {why} (expected file:///dir, s3://bucket/prefix or gs://bucket/prefix)")
+    # The URL is shown redacted: a rejected URL is exactly the one that may carry a secret.
+    return ConfigError(f"{_FIELD}: {redact_url(url)!r} {redact_text(why)} "
+                       "(expected file:///dir, s3://bucket/prefix or gs://bucket/prefix)")
 
 
 def parse_url(url: str) -> tuple[str, str, str]:
@@ -46,7 +49,10 @@ def parse_url(url: str) -> tuple[str, str, str]:
     """
     if not isinstance(url, str) or not url:
         raise _bad(str(url), "is empty")
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        raise _bad(url, "is not a URL") from None
     if parts.query or parts.fragment or parts.username or parts.password:
         raise _bad(url, "must not carry a query, fragment or credentials")
     if parts.scheme == "file":

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from tierckpt.errors import NotFoundError, TierckptError
 
+from ..redact import redact_text, redact_url
 from .base import Backend, BackendError, MissingExtraError, atomic_local_file, check_key, check_prefix, translate_errors
 
 __all__ = ["GcsBackend"]
@@ -58,7 +59,7 @@ def _translate(sdk: SimpleNamespace, e: BaseException, what: str) -> TierckptErr
     if isinstance(e, gexc.NotFound):
         if what.startswith("get"):
             return NotFoundError(f"{what}: no such object")
-        return BackendError(f"{what}: bucket not found ({e.message})", retryable=False)
+        return BackendError(f"{what}: bucket not found ({redact_text(e.message)})", retryable=False)
     if isinstance(e, gexc.GoogleAPICallError):
         retryable = _retryable_status(e.code)
     elif isinstance(e, sdk.InvalidResponse):
@@ -69,7 +70,7 @@ def _translate(sdk: SimpleNamespace, e: BaseException, what: str) -> TierckptErr
         retryable = isinstance(e, (rexc.ConnectionError, rexc.Timeout, rexc.ChunkedEncodingError))
     else:  # RetryError (the SDK's own retries ran out), DataCorruption, ConnectionError, TimeoutError
         retryable = True
-    return BackendError(f"{what}: {type(e).__name__}: {e}", retryable=retryable)
+    return BackendError(f"{what}: {type(e).__name__}: {redact_text(e)}", retryable=retryable)  # no signed URLs
 
 
 class GcsBackend(Backend):
@@ -114,7 +115,7 @@ class GcsBackend(Backend):
         self._sdk = sdk = _load_sdk()
         self.bucket = bucket
         self.prefix = prefix
-        self.url = url or f"gs://{bucket}/{prefix}"
+        self.url = redact_url(url) if url else f"gs://{bucket}/{prefix}"
         self._chunk_size = chunk_size
         self._download_chunk_size = download_chunk_size
         self._download_workers = download_workers

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from tierckpt.errors import NotFoundError, TierckptError
 
+from ..redact import redact_text, redact_url  # no secret in a log or an error
 from .base import Backend, BackendError, MissingExtraError, check_key, check_prefix, translate_errors
 
 if TYPE_CHECKING:
@@ -78,7 +79,8 @@ def _translate(sdk: SimpleNamespace, e: BaseException, what: str) -> TierckptErr
         if code in _MISSING_CODES and what.startswith("get"):
             return NotFoundError(f"{what}: no such object")
         retryable = status >= 500 or status in (408, 429) or code in _RETRYABLE_CODES
-        return BackendError(f"{what}: {code or status} {err.get('Message', '')}".rstrip(), retryable=retryable)
+        message = redact_text(err.get("Message", ""))  # an SDK message may quote a signed URL
+        return BackendError(f"{what}: {code or status} {message}".rstrip(), retryable=retryable)
     retryable = isinstance(e, (
         bexc.ConnectionError,  # refused, connect timeout, DNS, proxy, TLS handshake
         bexc.HTTPClientError,  # read timeout, connection closed, response streaming
@@ -86,7 +88,7 @@ def _translate(sdk: SimpleNamespace, e: BaseException, what: str) -> TierckptErr
         bexc.ChecksumError,
         sdk.sexc.RetriesExceededError,  # s3transfer gave up on a ranged GET's body
     ))
-    return BackendError(f"{what}: {e}", retryable=retryable)
+    return BackendError(f"{what}: {redact_text(e)}", retryable=retryable)
 
 
 class S3Backend(Backend):
@@ -130,7 +132,7 @@ class S3Backend(Backend):
         self._sdk = sdk = _load_sdk()
         self.bucket = bucket
         self.prefix = prefix
-        self.url = url or f"s3://{bucket}/{prefix}"
+        self.url = redact_url(url) if url else f"s3://{bucket}/{prefix}"
         self.transfer_config = transfer_config or default_transfer_config()
         config = sdk.Config(
             retries={"mode": "standard", "max_attempts": sdk_max_attempts},

@@ -23,7 +23,7 @@ from ..knobs import KNOBS
 from ..manifest import Manifest
 from ..offload import run_blocking
 from ..store import Eviction, LocalStore
-from ..tiers import RankCopy, RemoteTier, TierHost
+from ..tiers import RankCopy, RemoteTier
 from .calls import BackendCalls
 from .catalog import Catalog
 from .codec import IDENTITY, ShardCodec
@@ -83,10 +83,6 @@ class PersistentTier(RemoteTier):
         self.restorer = Restorer(store, self.calls, self.catalog_cache, metrics, self._announce)
 
     # ----------------------------------------------------------------------------- lifecycle
-
-    def attach(self, node: TierHost) -> None:
-        """Transitional alias of :meth:`bind` while ``main`` still calls ``attach`` (remove then)."""
-        self.bind(node)
 
     def _announce(self, man: Manifest) -> None:
         self.host.notify_ingested(man)

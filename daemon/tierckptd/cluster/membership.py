@@ -1,0 +1,378 @@
+"""The peer set as this node sees it: discovery, health, down-since and cached catalogs.
+
+Peers come from the static ``--peers`` list and, with ``--peers-dns NAME:PORT``, from the A/AAAA
+records of NAME (each new address is asked for its node id with ``Hello``; under mTLS its
+certificate must carry NAME). Every :data:`~tierckptd.knobs.Knobs.refresh_interval` the peer
+tier calls :meth:`Membership.refresh`: each peer's catalog is read (the health check); a peer
+that fails a call is down until it answers again. The catalogs back :meth:`is_complete` (the
+cluster-aware completeness used by local retention) and :meth:`live_holders`.
+
+This is the one home of "is that node up", "since when is it down" and "who holds that rank":
+both remote tiers read it through :class:`~tierckptd.cluster.ClusterView`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import grpc
+
+from tierckpt.common.names import check_node
+from tierckpt.common.status import error_from_rpc
+from tierckpt.errors import DeadlineExceededError, FailedPreconditionError, TierckptError
+from tierckpt.v1 import peer_pb2 as ppb
+from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
+
+from ..config import DaemonConfig
+from ..knobs import KNOBS
+from . import Key, ring
+
+__all__ = ["Held", "PeerInfo", "Membership"]
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+class Held(NamedTuple):
+    """One committed rank in a peer's catalog."""
+
+    world_size: int
+    owner: str
+    generation: str
+    nbytes: int
+    created: float
+
+
+@dataclass(eq=False)
+class PeerInfo:
+    """A peer daemon: its address, channel, health and last catalog."""
+
+    node_id: str
+    host: str
+    port: int
+    tls_name: str | None = None  # name to verify the certificate against (DNS-discovered peers)
+    channel: Any = None
+    stub: Any = None
+    up: bool = False
+    last_seen: float = 0.0
+    last_error: str = "not contacted yet"
+    instance: str = ""
+    bulk_port: int = 0
+    refreshed: float = -1.0  # monotonic time of the last catalog received
+    held: dict[Key, Held] = field(default_factory=dict)
+    version: int = 0  # the peer's catalog version that ``held`` reflects (0: none)
+    contacted: bool = False  # answered or failed at least once
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def holds(self, key: Key, generation: str) -> bool:
+        h = self.held.get(key)
+        return h is not None and h.generation == generation
+
+
+def held_from(entries: Any) -> dict[Key, Held]:
+    return {(e.job, e.step, e.rank): Held(e.world_size, e.owner, e.generation, e.bytes, e.created_unix)
+            for e in entries}
+
+
+class Membership:
+    """The peers of this node and what it knows of them.
+
+    Args:
+        config: peers, peers_dns, node_id, max_message_bytes.
+        metrics: optional :class:`~tierckptd.metrics.Metrics` (``peer_up``).
+        credentials: gRPC channel credentials under mTLS, else None.
+    """
+
+    def __init__(self, config: DaemonConfig, metrics: Any = None, credentials: Any = None) -> None:
+        self.config = config
+        self.node_id = config.node_id
+        self.metrics = metrics
+        self._creds = credentials
+        self.peers: dict[str, PeerInfo] = {p.node_id: PeerInfo(p.node_id, p.host, p.port)
+                                           for p in config.other_peers()}
+        self._dns: tuple[str, int] | None = None
+        if config.peers_dns:
+            name, _, port = config.peers_dns.rpartition(":")
+            self._dns = (name, int(port))
+        self._self_addrs: set[str] = set()
+        self._index: dict[tuple[str, int], frozenset[int]] = {}
+        self._owned: dict[str, set[int]] = {}
+        self._own: dict[str, set[int]] = {}
+        self._whole_view = True
+        self._down_since: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------ channels
+
+    def connect_all(self) -> None:
+        for p in self.peers.values():
+            self._connect(p)
+
+    def _connect(self, p: PeerInfo) -> None:
+        opts = list(_CHANNEL_OPTIONS) + [("grpc.max_receive_message_length", self.config.max_message_bytes),
+                                         ("grpc.max_send_message_length", self.config.max_message_bytes)]
+        if self._creds is not None:
+            if p.tls_name:
+                opts.append(("grpc.ssl_target_name_override", p.tls_name))
+            p.channel = grpc.aio.secure_channel(p.address, self._creds, options=opts)
+        else:
+            p.channel = grpc.aio.insecure_channel(p.address, options=opts)
+        p.stub = ppb_grpc.PeerStub(p.channel)
+
+    async def close(self) -> None:
+        for p in self.peers.values():
+            if p.channel is not None:
+                await p.channel.close()
+
+    async def call(self, p: PeerInfo, method: str, request: Any, timeout: float | None = None) -> Any:
+        """Call ``method`` (a Peer RPC name) on ``p``; gRPC errors become tierckpt errors naming the peer."""
+        if self.metrics:
+            self.metrics.peer_calls.labels(peer=p.node_id).inc()
+        try:
+            return await getattr(p.stub, method)(request, timeout=KNOBS.rpc_timeout if timeout is None else timeout)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, f"peer {p.node_id} ({p.address})") from None
+
+    # ------------------------------------------------------------------------------ health
+
+    def mark_up(self, p: PeerInfo) -> None:
+        if not p.up:
+            log.info("peer %s (%s) is up", p.node_id, p.address)
+            p.last_error = ""
+        p.up, p.last_seen, p.contacted = True, time.time(), True
+        self._down_since.pop(p.node_id, None)
+        if self.metrics:
+            self.metrics.peer_up.labels(peer=p.node_id).set(1)
+
+    def mark_down(self, p: PeerInfo, err: BaseException) -> None:
+        p.last_error = str(err)
+        if p.up:
+            log.warning("peer %s (%s) is down: %s", p.node_id, p.address, err)
+        p.up, p.contacted = False, True
+        self._down_since.setdefault(p.node_id, time.monotonic())
+        if self.metrics:
+            self.metrics.peer_up.labels(peer=p.node_id).set(0)
+
+    async def refresh_peer(self, p: PeerInfo) -> bool:
+        """Bring one peer's catalog up to date (a delta when possible); returns True if it came
+        back or restarted."""
+        req = ppb.CatalogRequest(node_id=self.node_id, since_version=p.version if p.up else 0,
+                                 since_instance=p.instance if p.up else "")
+        try:
+            resp = await self.call(p, "Catalog", req)
+        except TierckptError as e:
+            self.mark_down(p, e)
+            return False
+        if resp.node_id != p.node_id:
+            self.mark_down(p, FailedPreconditionError(f"{p.address} answers as node {resp.node_id!r}"))
+            return False
+        came_back = not p.up or (p.instance and p.instance != resp.instance)
+        if resp.delta and not came_back:
+            for k in resp.removed:
+                p.held.pop((k.job, k.step, k.rank), None)
+            p.held.update(held_from(resp.entries))
+        else:
+            p.held = held_from(resp.entries)
+        p.instance, p.bulk_port, p.refreshed, p.version = resp.instance, resp.bulk_port, time.monotonic(), resp.version
+        self.mark_up(p)
+        return bool(came_back)
+
+    async def refresh(self) -> tuple[bool, bool]:
+        """Refresh the watched neighbourhood (:meth:`watched`). Returns (a peer came back or
+        restarted, cluster completeness changed)."""
+        if self._dns:
+            await self._discover()
+        watched = self.watched()
+        for n, p in self.peers.items():
+            if n not in watched and p.held:
+                p.held, p.version = {}, 0  # left the neighbourhood: forget its catalog
+        results = await asyncio.gather(*(self.refresh_peer(self.peers[n]) for n in sorted(watched)))
+        return any(results), self._rebuild_index()
+
+    def watched(self) -> set[str]:
+        """The neighbourhood this node keeps in touch with: walking the ring both ways from this
+        node, peers until R + 1 that are not known to be down are found on each side (a down
+        neighbour widens the walk by one). Independent of the cluster's size."""
+        succ = ring.after(self.node_id, self.ids())
+        want = max(1, self.config.replicas) + 1
+        out: set[str] = set()
+        for side in (succ, succ[::-1]):
+            alive = 0
+            for n in side:
+                if alive >= want:
+                    break
+                out.add(n)
+                p = self.peers[n]
+                if p.up or not p.contacted:
+                    alive += 1
+        return out
+
+    async def job_catalogs(self, job: str, nodes: set[str] | None = None
+                           ) -> tuple[list[tuple[PeerInfo, list[Any]]], list[str]]:
+        """Ask peers (``nodes``, default every known peer) for their committed ranks of ``job``,
+        ``KNOBS.fanout`` at a time, within ``KNOBS.fanout_deadline`` seconds.
+
+        Returns:
+            (answers, the ids of peers that did not answer in time or failed).
+        """
+        targets = sorted(self.peers if nodes is None else nodes & set(self.peers))
+        req = ppb.CatalogRequest(job=job, node_id=self.node_id)
+        sem = asyncio.Semaphore(max(1, KNOBS.fanout))
+        deadline = time.monotonic() + KNOBS.fanout_deadline
+
+        async def ask(p: PeerInfo) -> Any:
+            async with sem:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceededError(f"peer {p.node_id}: not asked before the deadline")
+                return await self.call(p, "Catalog", req, min(left, KNOBS.rpc_timeout))
+
+        results = await asyncio.gather(*(ask(self.peers[n]) for n in targets), return_exceptions=True)
+        out, missed = [], []
+        for n, res in zip(targets, results):
+            p = self.peers[n]
+            if isinstance(res, TierckptError):
+                missed.append(n)
+                if not isinstance(res, DeadlineExceededError) or p.up:
+                    self.mark_down(p, res)
+                continue
+            if isinstance(res, BaseException):
+                raise res
+            if not p.up:
+                self.mark_up(p)
+            out.append((p, list(res.entries)))
+        if missed:
+            log.info("%s: %d of %d peers did not answer within %.1fs: %s", job, len(missed), len(targets),
+                     KNOBS.fanout_deadline, ",".join(missed[:10]) + (" ..." if len(missed) > 10 else ""))
+        return out, missed
+
+    # ------------------------------------------------------------------------------ discovery
+
+    async def _discover(self) -> None:
+        """Resolve --peers-dns and learn the node id behind each new address."""
+        assert self._dns is not None
+        name, port = self._dns
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            log.warning("peers_dns: cannot resolve %s: %s", name, e)
+            return
+        known = {p.host for p in self.peers.values()} | self._self_addrs
+        for addr in sorted({i[4][0] for i in infos} - known):
+            await self._probe(addr, port, name)
+
+    async def _probe(self, addr: str, port: int, name: str) -> None:
+        probe = PeerInfo("?", addr, port, tls_name=name if self._creds else None)
+        self._connect(probe)
+        try:
+            hello = await self.call(probe, "Hello", ppb.HelloRequest(node_id=self.node_id))
+            check_node(hello.node_id)
+        except TierckptError as e:
+            log.debug("peers_dns: %s did not answer: %s", addr, e)
+            await probe.channel.close()
+            return
+        if hello.node_id == self.node_id:
+            self._self_addrs.add(addr)
+            await probe.channel.close()
+            return
+        old = self.peers.get(hello.node_id)
+        if old is not None and old.channel is not None:
+            await old.channel.close()
+            log.info("peers_dns: node %s moved from %s to %s", hello.node_id, old.host, addr)
+        else:
+            log.info("peers_dns: discovered node %s at %s", hello.node_id, addr)
+        probe.node_id = hello.node_id
+        self.peers[hello.node_id] = probe
+
+    # ------------------------------------------------------------------------------ views
+
+    def ids(self) -> set[str]:
+        """Every node id of the ring, this node's included."""
+        return set(self.peers) | {self.node_id}
+
+    def up_ids(self, *, include_self: bool = False) -> set[str]:
+        up = {n for n, p in self.peers.items() if p.up}
+        return up | {self.node_id} if include_self else up
+
+    def get(self, node_id: str) -> PeerInfo | None:
+        return self.peers.get(node_id)
+
+    def is_up(self, node_id: str) -> bool:
+        p = self.peers.get(node_id)
+        return p is not None and p.up
+
+    def down_for(self, node_id: str) -> float:
+        if self.is_up(node_id):
+            return 0.0
+        since = self._down_since.setdefault(node_id, time.monotonic())
+        return time.monotonic() - since
+
+    def live_holders(self, key: Key, generation: str) -> list[str]:
+        return sorted(n for n, p in self.peers.items() if p.up and p.holds(key, generation))
+
+    def newer_elsewhere(self, key: Key, created: float) -> bool:
+        """Whether a live peer holds a newer save of the rank than one created at ``created``."""
+        return any(p.up and (h := p.held.get(key)) is not None and h.created > created for p in self.peers.values())
+
+    def owner_holds(self, owner: str, key: Key) -> bool:
+        """Whether ``owner`` is up and its last catalog lists the rank."""
+        p = self.peers.get(owner)
+        return p is not None and p.up and key in p.held
+
+    def _rebuild_index(self) -> bool:
+        idx: dict[tuple[str, int], set[int]] = collections.defaultdict(set)
+        owned: dict[str, set[int]] = collections.defaultdict(set)  # job -> ranks owned by nodes in view
+        watched = self.watched()
+        for p in self.peers.values():
+            if p.up:
+                for (job, step, rank), h in p.held.items():
+                    idx[(job, step)].add(rank)
+                    if h.owner in watched or h.owner == self.node_id:
+                        owned[job].add(rank)
+        new = {k: frozenset(v) for k, v in idx.items()}
+        changed = new != self._index or owned != self._owned
+        self._index, self._owned = new, dict(owned)
+        self._whole_view = len(watched) == len(self.peers)
+        return changed
+
+    def is_complete(self, job: str, step: int, world_size: int, ranks: set[int]) -> bool:
+        """Cluster-aware completeness for local retention.
+
+        When this node watches every peer (small clusters): every rank is held here or by a
+        live peer. At scale it sees only its neighbourhood, so a step counts as complete when
+        every rank owned by a live node in view (this node's own included) is held for it: as
+        complete as this node can tell. A far node that failed to save the step is not seen;
+        see the README's "Retention at scale" for what that risks and how per-job retention on
+        the persistent tier bounds it.
+        """
+        present = ranks | self._index.get((job, step), frozenset())
+        if len(present) >= world_size:
+            return True
+        if self._whole_view:
+            return False
+        owned = self._owned.get(job, set()) | self._own_ranks(job)
+        return bool(present) and owned <= present
+
+    def _own_ranks(self, job: str) -> set[int]:
+        return self._own.get(job, set())
+
+    def note_own(self, job: str, rank: int) -> None:
+        """A rank of ``job`` was saved on this node (its owner); completeness expects it."""
+        self._own.setdefault(job, set()).add(rank)
+
+    def status(self) -> list[dict]:
+        return [{"node_id": p.node_id, "address": p.address, "up": p.up, "last_seen_unix": p.last_seen,
+                 "last_error": p.last_error} for p in sorted(self.peers.values(), key=lambda p: p.node_id)]

@@ -1,0 +1,271 @@
+"""The receiving side of the peer tier: inbound replicas and read tickets, served over the bulk port.
+
+``PrepareReplica`` opens a staging area in the local store and issues a "put" ticket; the bulk
+connections write the shards into it while :class:`~.bulk.OrderedHasher` hashes them in byte
+order; ``CommitReplica`` checks every checksum and commits through the local commit protocol
+(manifest last). ``OpenRead`` issues a "get" ticket for a held rank. Inbound replicas pause
+while this node restores (a replacement node's trainers wait on the restore).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierckpt.errors import (
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    TierckptError,
+)
+from tierckpt.v1 import peer_pb2 as ppb
+
+from ..knobs import KNOBS
+from ..manifest import Manifest
+from ..offload import run_blocking
+from ..store import LocalStore, Staging
+from . import bulk
+
+__all__ = ["Receiver", "check_digest"]
+
+log = logging.getLogger(__name__)
+
+
+def check_digest(man: Manifest, shard: str, actual: str, what: str, metrics: Any = None) -> None:
+    """Raise DataLossError (and count it) if ``actual`` is not the manifest's checksum of ``shard``."""
+    expected = man.shard(shard).checksum
+    if actual != expected:
+        if metrics:
+            metrics.checksum_failures.labels(tier="peer").inc()
+        raise DataLossError(f"checksum mismatch for {man.job}/{man.step}/rank {man.rank}/{shard} ({what}): "
+                            f"expected {expected}, got {actual}")
+
+
+@dataclass(eq=False)
+class _Inbound:
+    """A replica being received: its staging area and the pieces that arrived."""
+
+    ticket: str
+    man: Manifest
+    staging: Staging
+    sender: str
+    hashers: dict[str, bulk.OrderedHasher]
+    created: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class _Reader:
+    man: Manifest
+    created: float
+
+
+class Receiver:
+    """Inbound replicas, read tickets and the bulk server's request handler.
+
+    Args:
+        store: the local store.
+        announce: called with the local manifest of every copy committed here.
+        staging_timeout: seconds an unfinished inbound replica is kept.
+        metrics: optional metrics.
+    """
+
+    def __init__(self, node_id: str, store: LocalStore, announce: Callable[[Manifest], None], staging_timeout: float,
+                 metrics: Any = None) -> None:
+        self.node_id = node_id
+        self.store = store
+        self.announce = announce
+        self.staging_timeout = staging_timeout
+        self.metrics = metrics
+        self.bulk_port = 0
+        self._inbound: dict[str, _Inbound] = {}
+        self._readers: dict[str, _Reader] = {}
+        self._lock = threading.Lock()  # guards _inbound and _readers (bulk threads use them)
+        self._restoring = 0  # fetches in progress: inbound replicas give way to them
+        self._restore_cv = threading.Condition()
+        self.fetching: set[tuple[str, int, int]] = set()  # ranks being fetched (not to be staged twice)
+
+    # ------------------------------------------------------------------------------ replicas
+
+    async def prepare(self, sender: str, manifest_json: str) -> ppb.PrepareReplicaResponse:
+        """Open a staging area for a replica and issue its bulk "put" ticket (PrepareReplica RPC).
+
+        Raises:
+            InvalidArgumentError: the manifest is malformed.
+            FailedPreconditionError: this node saved the rank itself (a copy never replaces it),
+                or is restoring it right now.
+            CapacityError: the local tier cannot hold the replica.
+        """
+        try:
+            man = Manifest.from_json(manifest_json)
+        except DataLossError as e:
+            raise InvalidArgumentError(f"manifest_json: {e}") from None
+        cur = self.store.get(*man.key)
+        if cur is not None and cur.generation == man.generation:
+            return ppb.PrepareReplicaResponse(already_committed=True)
+        if man.key in self.fetching:  # a restore is bringing it in; the owner retries after
+            raise FailedPreconditionError(f"{man.job} step {man.step} rank {man.rank} is being restored on "
+                                          f"{self.node_id}")
+        if cur is not None and cur.node == self.node_id != man.node:
+            raise FailedPreconditionError(f"{man.job} step {man.step} rank {man.rank} was saved on {self.node_id}; "
+                                          f"refusing a copy owned by {man.node}")
+        specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
+        st = await run_blocking(self.store.begin, man.job, man.step, man.rank, man.world_size, specs)
+        ticket = secrets.token_urlsafe(18)
+        with self._lock:
+            self._inbound[ticket] = _Inbound(ticket, man, st, sender,
+                                             {s.name: bulk.OrderedHasher(s.size) for s in man.shards})
+        return ppb.PrepareReplicaResponse(ticket=ticket, bulk_port=self.bulk_port)
+
+    async def commit(self, ticket: str) -> int:
+        """Check every shard arrived whole with its checksum, then commit (CommitReplica RPC).
+
+        Returns:
+            The bytes committed.
+
+        Raises:
+            FailedPreconditionError: unknown or expired ticket.
+            InvalidArgumentError: a shard is incomplete.
+            DataLossError: a checksum mismatch (the staging area is dropped).
+        """
+        with self._lock:
+            inb = self._inbound.pop(ticket, None)
+        if inb is None:
+            raise FailedPreconditionError("ticket: unknown, expired or already committed replica ticket")
+        man = inb.man
+        try:
+            for s in man.shards:
+                h = inb.hashers[s.name]
+                if not h.complete:
+                    raise InvalidArgumentError(f"shard {s.name!r}: {h.pos} of {s.size} bytes received in order")
+                check_digest(man, s.name, h.hexdigest(), f"replica from {inb.sender}", self.metrics)
+            local = await self.commit_copy(inb.staging, man)
+        except BaseException:
+            await run_blocking(self.store.abort, inb.staging.save_id)
+            raise
+        log.info("committed replica of %s step %d rank %d from %s (%d bytes)", man.job, man.step, man.rank,
+                 inb.sender, man.nbytes)
+        self.announce(local)
+        return local.nbytes
+
+    async def commit_copy(self, staging: Staging, man: Manifest) -> Manifest:
+        """Commit a verified copy of ``man`` (a replica or a fetch) under the owner's identity."""
+        local, _ = await run_blocking(
+            self.store.commit, staging.save_id, {s.name: s.checksum for s in man.shards}, man.metadata_json,
+            persist=man.persist, verify=False, node=man.node, generation=man.generation, created=man.created)
+        return local
+
+    def abort(self, ticket: str) -> None:
+        """Drop an unfinished replica (AbortReplica RPC; blocking). Idempotent."""
+        with self._lock:
+            inb = self._inbound.pop(ticket, None)
+        if inb is not None:
+            self.store.abort(inb.staging.save_id)
+
+    def open_read(self, job: str, step: int, rank: int) -> ppb.OpenReadResponse:
+        """Describe a held rank and issue a bulk "get" ticket for it (OpenRead RPC).
+
+        Raises:
+            NotFoundError: the rank is not held here.
+        """
+        man = self.store.get(job, step, rank)
+        if man is None:
+            raise NotFoundError(f"{job} step {step} rank {rank} is not held by node {self.node_id}")
+        ticket = secrets.token_urlsafe(18)
+        with self._lock:
+            self._readers[ticket] = _Reader(man, time.monotonic())
+        return ppb.OpenReadResponse(manifest_json=man.to_json().decode(), ticket=ticket, bulk_port=self.bulk_port)
+
+    def expire(self) -> None:
+        """Drop inbound replicas past the staging timeout and stale read tickets (blocking)."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [t for t, i in self._inbound.items() if now - i.created > self.staging_timeout]
+            dropped = [self._inbound.pop(t) for t in stale]
+            for t in [t for t, r in self._readers.items() if now - r.created > KNOBS.read_ticket_ttl]:
+                del self._readers[t]
+        for inb in dropped:
+            self.store.abort(inb.staging.save_id)
+
+    # ------------------------------------------------------------------------------ restores
+
+    def restore_begun(self, delta: int) -> None:
+        with self._restore_cv:
+            self._restoring += delta
+            self._restore_cv.notify_all()
+
+    def _yield_to_restores(self) -> None:
+        """Inbound replicas pause while this node restores. Bounded, so the sender never times out."""
+        with self._restore_cv:
+            self._restore_cv.wait_for(lambda: self._restoring == 0, timeout=bulk.IO_TIMEOUT / 3)
+
+    # ------------------------------------------------------------------------------ bulk server
+
+    def serve_bulk(self, sock: socket.socket, req: dict, buf: bytearray) -> None:
+        """Serve one bulk request (a bulk thread). Errors are answered, then close the connection."""
+        try:
+            op, ticket, shard = req.get("op"), str(req.get("ticket", "")), str(req.get("shard", ""))
+            piece = (req.get("offset"), req.get("chunk"), req.get("stride"))
+            if op == "put":
+                self._put(sock, ticket, shard, piece, buf)
+            elif op == "get":
+                self._get(sock, ticket, shard, piece, buf)
+            else:
+                raise InvalidArgumentError(f"op: {op!r} must be put or get")
+        except TierckptError as e:
+            bulk.send_msg(sock, bulk.error_msg(e))
+            raise
+
+    def _put(self, sock: socket.socket, ticket: str, shard: str, piece: tuple, buf: bytearray) -> None:
+        with self._lock:
+            inb = self._inbound.get(ticket)
+        if inb is None:
+            raise FailedPreconditionError("ticket: unknown or expired replica ticket")
+        f = inb.staging.files.get(shard)
+        if f is None:
+            raise InvalidArgumentError(f"shard: {shard!r} is not part of this replica")
+        bulk.check_piece(*piece, f.size)
+        try:
+            fd = os.open(f.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise FailedPreconditionError("ticket: the replica's staging area was aborted or expired") from None
+        hasher = inb.hashers[shard]
+        try:
+            bulk.send_msg(sock, {"ok": True})
+            for start, length in bulk.runs(*piece, f.size):
+                bulk.recv_range(sock, fd, start, length, buf, hasher.update, self._yield_to_restores)
+        except OSError as e:
+            for h in inb.hashers.values():  # fail the other connections of this replica now
+                h.abort(f"a connection of this replica broke: {e}")
+            raise
+        finally:
+            os.close(fd)
+        bulk.send_msg(sock, {"ok": True})
+
+    def _get(self, sock: socket.socket, ticket: str, shard: str, piece: tuple, buf: bytearray) -> None:
+        with self._lock:
+            rd = self._readers.get(ticket)
+        if rd is None:
+            raise FailedPreconditionError("ticket: unknown or expired read ticket")
+        try:
+            entry = rd.man.shard(shard)
+        except KeyError:
+            raise InvalidArgumentError(f"shard: {shard!r} is not part of this rank") from None
+        bulk.check_piece(*piece, entry.size)
+        ranges = list(bulk.runs(*piece, entry.size))
+        try:
+            fh = self.store.shard_path(rd.man, shard).open("rb")  # closed below (the reply needs it open)
+        except FileNotFoundError:
+            raise NotFoundError(f"{rd.man.job} step {rd.man.step} rank {rd.man.rank} was evicted") from None
+        with fh:
+            bulk.send_msg(sock, {"ok": True, "length": sum(n for _, n in ranges)})
+            for start, length in ranges:
+                bulk.send_range(sock, fh, start, length, buf)
+

@@ -1,0 +1,168 @@
+"""Keeping the right number of copies: lost owners' ranks, surplus and retired replicas.
+
+Lost owners: when an owner has been down for ``KNOBS.owner_grace`` seconds (this node's view),
+its own copy counts as gone, so its ranks in the retention window should have R + 1 copies among
+the live nodes (a stand-in for the owner's copy plus R replicas): the first live holder of a
+rank on the ring after the owner pushes it (the replicator's push path) to the first R + 1 live
+nodes after the owner that lack it. While an owner is down (any duration), or up without the
+rank (a replacement that has not restored it), garbage collection also counts R + 1 copies, so
+it never drops those; once the owner holds the rank again, placement is R again and the copies
+beyond it are surplus and dropped by the usual rule. Hysteresis against ping-pong: copies are
+pushed only after the grace, but kept as soon as the owner is down; nothing here pushes while
+the owner is up, so garbage collection and re-replication never undo each other.
+
+Garbage: a replica is surplus once the placement holds its copies without this node, and
+retired once its owner is up, no longer holds it and ``keep_local`` newer steps are complete.
+Replicas also follow the owner's retention: the owner's evictions send ``DropReplicas``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from tierckpt.errors import DeadlineExceededError, TierckptError, UnavailableError
+from tierckpt.v1 import peer_pb2 as ppb
+
+from ..cluster import ring
+from ..cluster.membership import Membership
+from ..knobs import KNOBS
+from ..manifest import Manifest
+from ..offload import run_blocking
+from ..store import Eviction, LocalStore
+from .replicator import Pusher, Replicator, retention_floor
+
+__all__ = ["Redundancy"]
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, int, int]
+
+
+class Redundancy:
+    """Re-replication of lost owners' ranks, and garbage collection of replicas held here."""
+
+    def __init__(self, node_id: str, store: LocalStore, cluster: Membership, replicator: Replicator,
+                 pusher: Pusher) -> None:
+        self.node_id, self.store, self.cluster = node_id, store, cluster
+        self.replicator, self.pusher = replicator, pusher
+        self._sem = asyncio.Semaphore(KNOBS.max_parallel_ranks)
+        self.tasks: dict[Key, asyncio.Task] = {}  # lost owners' ranks being pushed
+        self._backoff: dict[Key, tuple[int, float]] = {}  # key -> (fails, not before)
+
+    def copies_wanted(self, man: Manifest) -> int:
+        """Copies of a replica's rank wanted besides the owner's (see :func:`ring.copies_wanted`)."""
+        return ring.copies_wanted(self.replicator.replicas_for(man), self.cluster.owner_holds(man.node, man.key))
+
+    # ------------------------------------------------------------------------------ lost owners
+
+    def restore(self) -> None:
+        """Push copies of lost owners' ranks held here to live nodes lacking them (each maintenance pass)."""
+        lost = {n for n in self.cluster.peers if self.cluster.down_for(n) >= KNOBS.owner_grace}
+        if not lost:
+            self._backoff.clear()
+            return
+        seen: set[Key] = set()
+        for man in self._window():
+            seen.add(man.key)
+            if man.node in lost and man.key not in self.tasks and self.replicator.replicas_for(man):
+                self._consider(man)
+        for key in [k for k in self._backoff if k not in seen]:
+            del self._backoff[key]
+
+    def _window(self) -> list[Manifest]:
+        """Every rank held here in its job's retention window."""
+        out = []
+        for job in self.store.jobs():
+            floor = retention_floor(self.store.complete_steps(job), self.store.keep_local)
+            for step, ranks in self.store.steps(job).items():
+                if step >= floor:
+                    out.extend(ranks.values())
+        return out
+
+    def _consider(self, man: Manifest) -> None:
+        fails, not_before = self._backoff.get(man.key, (0, 0.0))
+        if time.monotonic() < not_before:
+            return
+        if self.cluster.newer_elsewhere(man.key, man.created):
+            return  # a newer save of the rank lives elsewhere: its holders act
+        holders = self.cluster.live_holders(man.key, man.generation)
+        if ring.first_after(man.node, [self.node_id, *holders]) != self.node_id:
+            return  # only the first live holder after the owner on the ring acts
+        up = self.cluster.up_ids(include_self=True)
+        missing = [t for t in ring.placement(man.node, self.cluster.ids(), up, self.replicator.replicas_for(man) + 1)
+                   if t != self.node_id and t not in holders]
+        if missing:
+            self.tasks[man.key] = asyncio.create_task(self._rereplicate(man, missing, fails))
+
+    async def _rereplicate(self, man: Manifest, targets: list[str], fails: int) -> None:
+        """Push a lost owner's rank held here to ``targets``; failures back off (the retry policy's delays)."""
+        try:
+            log.warning("owner %s of %s step %d rank %d is down for over %.0fs: copying it to %s to restore "
+                        "redundancy", man.node, man.job, man.step, man.rank, KNOBS.owner_grace, ",".join(targets))
+            async with self._sem:
+                outcomes = await self.pusher.push_all(man, targets)
+            failed = False
+            for t, err in zip(targets, outcomes):
+                if isinstance(err, asyncio.CancelledError):
+                    raise err
+                if err is not None:
+                    failed = True
+                    log.warning("copying %s step %d rank %d (owner %s down) to %s failed: %s",
+                                man.job, man.step, man.rank, man.node, t, err)
+                    if isinstance(err, (UnavailableError, DeadlineExceededError)):
+                        await self.cluster.refresh_peer(self.cluster.peers[t])
+            retry = KNOBS.replicate_retry
+            if failed:
+                fails = min(fails + 1, retry.max_attempts)
+                self._backoff[man.key] = (fails, time.monotonic() + retry.delay(fails))
+            else:
+                self._backoff.pop(man.key, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # task boundary: retried on a later pass
+            log.exception("re-replication of %s failed unexpectedly", man.key)
+        finally:
+            self.tasks.pop(man.key, None)
+
+    # ------------------------------------------------------------------------------ garbage
+
+    async def collect_garbage(self) -> None:
+        """Drop surplus replicas (placement holds their copies without us) and retired ones."""
+        drop = [(man, why) for man in self._replicas() if (why := self._why_drop(man))]
+        for man, reason in drop:
+            await run_blocking(self.store.remove_rank, man.job, man.step, man.rank, reason)
+
+    def _replicas(self) -> list[Manifest]:
+        return [man for job in self.store.jobs() for ranks in self.store.steps(job).values()
+                for man in ranks.values() if man.node != self.node_id]
+
+    def _why_drop(self, man: Manifest) -> str:
+        wanted = self.copies_wanted(man)
+        placement = ring.placement(man.node, self.cluster.ids(), self.cluster.up_ids(include_self=True), wanted)
+        confirmed = [n for n in placement if n != self.node_id and self.cluster.peers[n].holds(man.key, man.generation)]
+        if self.node_id not in placement and self.replicator.replicas_for(man) and len(confirmed) >= wanted:
+            return f"surplus copy: held by {','.join(confirmed)}"
+        owner = self.cluster.get(man.node)
+        newer = sum(1 for s in self.store.complete_steps(man.job) if s > man.step)
+        if owner is not None and owner.up and man.key not in owner.held and newer >= self.store.keep_local:
+            return f"retired: owner {man.node} evicted it"
+        return ""
+
+    async def drop_everywhere(self, ev: Eviction) -> None:
+        """Replicas follow the owner's retention: ask the live peers to drop our copies of the step."""
+        req = ppb.DropReplicasRequest(owner=self.node_id, job=ev.job, step=ev.step, ranks=list(ev.ranks),
+                                      reason=ev.reason)
+        peers = [p for p in self.cluster.peers.values() if p.up]
+        results = await asyncio.gather(*(self.cluster.call(p, "DropReplicas", req) for p in peers),
+                                       return_exceptions=True)
+        for p, res in zip(peers, results):
+            if isinstance(res, TierckptError):
+                log.info("could not drop replicas of %s step %d on %s (garbage-collected later): %s",
+                         ev.job, ev.step, p.node_id, res)
+
+    def cancel(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()

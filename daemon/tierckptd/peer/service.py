@@ -1,0 +1,66 @@
+"""The daemon-to-daemon Peer service: validate, delegate to the peer tier's parts, translate proto."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tierckpt.common.names import check_job, check_node, check_step
+from tierckpt.errors import InvalidArgumentError
+from tierckpt.v1 import peer_pb2 as ppb
+from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
+
+from ..offload import run_blocking
+from ..rpc import rpc
+
+if TYPE_CHECKING:
+    from .tier import PeerTier
+
+__all__ = ["PeerServicer"]
+
+
+class PeerServicer(ppb_grpc.PeerServicer):
+    """Thin servicer of the Peer service (served on the TCP listener only)."""
+
+    def __init__(self, tier: PeerTier) -> None:
+        self.tier = tier
+
+    @rpc
+    async def Hello(self, request: ppb.HelloRequest, context: Any) -> ppb.HelloResponse:
+        return self.tier.hello()
+
+    @rpc
+    async def Catalog(self, request: ppb.CatalogRequest, context: Any) -> ppb.CatalogResponse:
+        if request.job:
+            check_job(request.job)
+        return self.tier.local_catalog(request.job, request.since_version, request.since_instance)
+
+    @rpc
+    async def PrepareReplica(self, request: ppb.PrepareReplicaRequest, context: Any) -> ppb.PrepareReplicaResponse:
+        if not request.manifest_json:
+            raise InvalidArgumentError("manifest_json: required")
+        return await self.tier.receiver.prepare(request.sender, request.manifest_json)
+
+    @rpc
+    async def CommitReplica(self, request: ppb.CommitReplicaRequest, context: Any) -> ppb.CommitReplicaResponse:
+        if not request.ticket:
+            raise InvalidArgumentError("ticket: required")
+        return ppb.CommitReplicaResponse(bytes=await self.tier.receiver.commit(request.ticket))
+
+    @rpc
+    async def AbortReplica(self, request: ppb.AbortReplicaRequest, context: Any) -> ppb.AbortReplicaResponse:
+        await run_blocking(self.tier.receiver.abort, request.ticket)
+        return ppb.AbortReplicaResponse()
+
+    @rpc
+    async def OpenRead(self, request: ppb.OpenReadRequest, context: Any) -> ppb.OpenReadResponse:
+        check_job(request.job)
+        check_step(request.step)
+        return self.tier.receiver.open_read(request.job, request.step, request.rank)
+
+    @rpc
+    async def DropReplicas(self, request: ppb.DropReplicasRequest, context: Any) -> ppb.DropReplicasResponse:
+        check_job(request.job)
+        check_node(request.owner, "owner")
+        removed = await self.tier.drop_replicas(request.owner, request.job, request.step, list(request.ranks),
+                                                request.reason)
+        return ppb.DropReplicasResponse(removed=removed)
