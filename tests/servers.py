@@ -61,7 +61,7 @@ import pytest
 
 __all__ = [
     "BackendTarget", "GcsServer", "MotoServer", "ServerProcess",
-    "backend_target", "free_port", "gcs_server", "moto_server",
+    "backend_target", "free_port", "gcs_server", "make_backend_target", "moto_server",
 ]
 
 _HOST = "127.0.0.1"
@@ -291,7 +291,12 @@ _GCS_NEUTRAL = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT", "API_E
 @pytest.fixture(params=["file", "s3", "gs"])
 def backend_target(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> BackendTarget:
     """A fresh location per test for each backend kind; the environment is set in this process."""
-    kind: str = request.param
+    return make_backend_target(request.param, request, tmp_path, monkeypatch)
+
+
+def make_backend_target(kind: str, request: pytest.FixtureRequest, tmp_path: Path,
+                        monkeypatch: pytest.MonkeyPatch) -> BackendTarget:
+    """The body of :func:`backend_target`, for a module that extends its parameters."""
     if kind == "file":
         return BackendTarget(kind, (tmp_path / "store").as_uri(), {}, None)
     server: MotoServer | GcsServer = request.getfixturevalue("moto_server" if kind == "s3" else "gcs_server")

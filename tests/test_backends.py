@@ -20,7 +20,10 @@ import pytest
 from tierckpt.errors import InvalidArgumentError, NotFoundError
 from tierckptd.backends import Backend, BackendError, MissingExtraError, open_backend
 from tierckptd.config import ConfigError
+from tierckptd.fakes import MemoryBackend
 from tierckptd.retry import RetryPolicy, call_with_retry
+
+from .servers import BackendTarget, make_backend_target
 
 MiB = 1 << 20
 # Fail fast while a server is down: the SDKs' own retries would only slow the outage tests.
@@ -28,9 +31,22 @@ _FAST: dict[str, dict[str, Any]] = {"file": {}, "s3": {"sdk_max_attempts": 1, "c
          "gs": {"sdk_retry_timeout": 0, "timeout": (2.0, 10.0)}}
 
 
+@pytest.fixture(params=["file", "s3", "gs", "memory"])
+def backend_target(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> BackendTarget:
+    """The servers' targets plus ``memory`` (:class:`~tierckptd.fakes.MemoryBackend`), so the
+    in-memory test double is held to the same contract as the real backends."""
+    if request.param == "memory":
+        return BackendTarget("memory", "memory://contract/ckpt", {}, None)
+    return make_backend_target(request.param, request, tmp_path, monkeypatch)
+
+
+def _open(url: str) -> Backend:
+    return MemoryBackend(url) if url.startswith("memory://") else open_backend(url)
+
+
 @pytest.fixture
 def be(backend_target) -> Iterator[Backend]:
-    with open_backend(backend_target.url) as backend:
+    with _open(backend_target.url) as backend:
         yield backend
 
 
@@ -129,7 +145,7 @@ def test_list_is_recursive_sorted_and_prefix_based(be: Backend, backend_target) 
     assert be.list("job/1") == ["job/1/a", "job/1/sub/b", "job/10/a"]
     assert be.list("job/1/sub/b") == ["job/1/sub/b"]
     assert be.list("nothing/") == []
-    with open_backend(backend_target.url + "-other") as other:
+    with _open(backend_target.url + "-other") as other:
         assert other.list() == []  # keys are relative to the root prefix; roots do not overlap
         other.put_bytes("job/1/a", b"y")
     assert be.get_bytes("job/1/a") == b"x"

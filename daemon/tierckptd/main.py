@@ -28,9 +28,9 @@ def build_tiers(config: DaemonConfig, store, metrics, cluster=None) -> list:
 
         tiers.append(PeerTier(config, store, cluster, metrics))
     if config.persistent:
-        from .drain import PersistentTier  # noqa: PLC0415
+        from .persistent import PersistentTier  # noqa: PLC0415
 
-        tiers.append(PersistentTier(config, store, metrics))
+        tiers.append(PersistentTier(config, store, metrics, cluster=cluster))
     return tiers
 
 

@@ -9,6 +9,7 @@ Manifests also arrive from peers and the object store, so parsing validates ever
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ class ShardEntry:
     dtype: str = ""
     shape: tuple[int, ...] = ()
     file: str = ""  # data file name inside the rank directory (local/peer tiers)
+    codec: str = ""  # persistent tier: the codec the object is stored with ("" = identity; omitted in JSON)
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class Manifest:
         doc: dict[str, Any] = asdict(self)
         doc["format"] = FORMAT
         doc["checksum_algorithm"] = _checksum.ALGORITHM
-        doc["shards"] = [dict(asdict(s), shape=list(s.shape)) for s in self.shards]
+        doc["shards"] = [_shard_doc(s) for s in self.shards]
         return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
@@ -84,6 +86,7 @@ class Manifest:
                         dtype=str(s.get("dtype", "")),
                         shape=tuple(check_size(int(d), "manifest.shards.shape") for d in s.get("shape", ())),
                         file=_check_file(s.get("file", "")),
+                        codec=_check_codec(s.get("codec", "")),
                     )
                 )
             rank, world = check_rank(doc["rank"], doc["world_size"])
@@ -104,6 +107,19 @@ class Manifest:
             )
         except (ValueError, KeyError, TypeError, InvalidArgumentError) as e:
             raise DataLossError(f"malformed manifest: {e}") from e
+
+
+def _shard_doc(s: ShardEntry) -> dict[str, Any]:
+    doc = dict(asdict(s), shape=list(s.shape))
+    if not s.codec:  # the identity: manifests stay byte for byte those written before codecs
+        del doc["codec"]
+    return doc
+
+
+def _check_codec(value: Any) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[a-z0-9-]{0,64}", value):
+        raise ValueError(f"codec {value!r} is not a codec name")
+    return value
 
 
 def _check_hex(value: Any) -> str:

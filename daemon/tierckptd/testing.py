@@ -131,3 +131,4 @@ class Daemon:
         import tierckpt
 
         return tierckpt.Client(self.address, **kw)
+from .fakes import FaultyBackend, MemoryBackend  # noqa: E402,F401  (in-process test doubles)

@@ -13,7 +13,7 @@ import pytest
 
 import tierckpt
 from tierckptd.backends import open_backend
-from tierckptd.drain import (
+from tierckptd.persistent import (
     DrainQueue,
     data_key,
     manifest_key,
@@ -24,7 +24,7 @@ from tierckptd.drain import (
 )
 from tierckptd.manifest import Manifest, ShardEntry
 
-from .harness import free_port
+from ..harness import free_port
 
 MiB = 1 << 20
 

@@ -1,0 +1,220 @@
+"""In-memory stand-ins for tests of code that talks to a persistent-tier backend.
+
+- :class:`MemoryBackend`: a complete :class:`~tierckptd.backends.base.Backend` held in a dict,
+  with the contract of the real ones (key validation, atomic puts, ``get_file`` writing its path
+  only on success, :class:`~tierckpt.errors.NotFoundError` for a missing key, ``OSError`` for an
+  unreadable local file).
+- :class:`FaultyBackend`: wraps any backend and, on demand, fails the next N calls of a method
+  with a retryable or non-retryable :class:`~tierckptd.backends.base.BackendError`, holds calls
+  of a method until released, or corrupts the bytes that reads return.
+
+Both are thread-safe: the persistent tier calls them from many worker threads at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from tierckpt.errors import NotFoundError
+
+from .backends.base import Backend, BackendError, atomic_local_file, check_key, check_prefix
+
+__all__ = ["MemoryBackend", "FaultyBackend"]
+
+
+class MemoryBackend(Backend):
+    """A backend whose objects live in this process (see the module docstring).
+
+    Args:
+        url: the name it reports (messages only).
+        objects: the objects to serve (another instance's ``objects``: the same store opened
+            again, e.g. by a restarted daemon); default: a new, empty store.
+
+    Attributes:
+        objects: key -> bytes (tests may read or change it directly).
+    """
+
+    def __init__(self, url: str = "memory://test/", objects: dict[str, bytes] | None = None) -> None:
+        self.url = url
+        self.objects: dict[str, bytes] = {} if objects is None else objects
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def _open(self) -> None:
+        if self.closed:
+            raise BackendError(f"{self.url}: backend is closed", retryable=False)
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        check_key(key)
+        self._open()
+        data = Path(path).read_bytes()  # OSError for an unreadable file, as the contract says
+        with self._lock:
+            self.objects[key] = data
+
+    def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        check_key(key)
+        self._open()
+        with self._lock:
+            self.objects[key] = bytes(data)
+
+    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        data = self.get_bytes(key)
+        with atomic_local_file(path) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(data)
+
+    def get_bytes(self, key: str) -> bytes:
+        check_key(key)
+        self._open()
+        with self._lock:
+            data = self.objects.get(key)
+        if data is None:
+            raise NotFoundError(f"{self.url}{key} does not exist")
+        return data
+
+    def list(self, prefix: str = "") -> list[str]:
+        check_prefix(prefix)
+        self._open()
+        with self._lock:
+            return sorted(k for k in self.objects if k.startswith(prefix))
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            check_key(key)
+        self._open()
+        with self._lock:
+            for key in keys:
+                self.objects.pop(key, None)
+
+    def exists(self, key: str) -> bool:
+        check_key(key)
+        self._open()
+        with self._lock:
+            return key in self.objects
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FaultyBackend(Backend):
+    """Wraps ``inner`` and injects faults per method name (``"put_file"``, ``"get_bytes"``, ...).
+
+    Args:
+        inner: the backend that answers when no fault applies.
+
+    Attributes:
+        calls: method name -> calls made (faulty ones included).
+    """
+
+    METHODS = ("put_file", "put_bytes", "get_file", "get_bytes", "list", "delete", "exists")
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._faults: dict[str, list[BackendError]] = collections.defaultdict(list)
+        self._gates: dict[str, threading.Event] = {}
+        self._held: dict[str, threading.Semaphore] = collections.defaultdict(lambda: threading.Semaphore(0))
+        self._corrupt: set[str] = set()
+        self._lock = threading.Lock()
+
+    def fail(self, method: str, times: int = 1, *, retryable: bool = True, message: str = "") -> None:
+        """Make the next ``times`` calls of ``method`` raise BackendError(``retryable``)."""
+        self._check(method)
+        msg = message or ("503 SlowDown (injected)" if retryable else "403 AccessDenied (injected)")
+        with self._lock:
+            self._faults[method].extend(BackendError(msg, retryable=retryable) for _ in range(times))
+
+    def hang(self, method: str) -> None:
+        """Hold every call of ``method`` from now on until :meth:`release`."""
+        self._check(method)
+        with self._lock:
+            self._gates.setdefault(method, threading.Event())
+
+    def release(self, method: str) -> None:
+        """Let the held calls of ``method`` (and later ones) proceed."""
+        with self._lock:
+            gate = self._gates.pop(method, None)
+        if gate is not None:
+            gate.set()
+
+    def wait_held(self, method: str, timeout: float = 10.0) -> bool:
+        """Until one call of ``method`` is being held (counted once per held call)."""
+        return self._held[method].acquire(timeout=timeout)
+
+    def corrupt_reads(self, *methods: str) -> None:
+        """Flip one byte of every non-empty object that the read ``methods`` return from now on
+        (default: ``get_bytes`` and ``get_file``); ``corrupt_reads("none")`` stops it."""
+        if methods == ("none",):
+            self._corrupt = set()
+            return
+        for m in methods:
+            if m not in ("get_bytes", "get_file"):
+                raise ValueError(f"FaultyBackend: {m!r} is not a read")
+        self._corrupt = set(methods or ("get_bytes", "get_file"))
+
+    def _check(self, method: str) -> None:
+        if method not in self.METHODS:
+            raise ValueError(f"FaultyBackend: unknown method {method!r}")
+
+    def _enter(self, method: str) -> None:
+        with self._lock:
+            self.calls[method] += 1
+            fault = self._faults[method].pop(0) if self._faults[method] else None
+            gate = self._gates.get(method)
+        if fault is not None:
+            raise fault
+        if gate is not None:
+            self._held[method].release()
+            gate.wait()
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        self._enter("put_file")
+        self.inner.put_file(key, path)
+
+    def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        self._enter("put_bytes")
+        self.inner.put_bytes(key, data)
+
+    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        self._enter("get_file")
+        self.inner.get_file(key, path)
+        if "get_file" in self._corrupt and os.path.getsize(path):
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) // 2)
+                b = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([b[0] ^ 0xFF]))
+
+    def get_bytes(self, key: str) -> bytes:
+        self._enter("get_bytes")
+        data = self.inner.get_bytes(key)
+        if "get_bytes" in self._corrupt and data:
+            mid = len(data) // 2
+            data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:]
+        return data
+
+    def list(self, prefix: str = "") -> list[str]:
+        self._enter("list")
+        return self.inner.list(prefix)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        self._enter("delete")
+        self.inner.delete(keys)
+
+    def exists(self, key: str) -> bool:
+        self._enter("exists")
+        return self.inner.exists(key)
+
+    def close(self) -> None:
+        self.release_all()
+        self.inner.close()
+
+    def release_all(self) -> None:
+        """Release every held method."""
+        for method in list(self._gates):
+            self.release(method)

@@ -1,0 +1,146 @@
+"""Object-store calls off the event loop, with retries, on the persistent tier's own threads.
+
+Retries: every upload retries throttling, 5xx and connection errors with capped exponential
+backoff and full jitter for as long as they last (``KNOBS.drain_retry``: an outage delays
+drains, loses nothing); reads (restore downloads, manifests, listings) retry within
+``KNOBS.read_retry`` or a tighter policy. A non-retryable error is raised at once.
+
+Every call runs through :func:`~tierckptd.offload.run_blocking` on :class:`DaemonThreads`, the
+tier's pool: a fresh daemon thread per call (at most ``KNOBS.upload_threads`` uploads and
+``KNOBS.read_threads`` reads at once), so a slow object store cannot starve the default pool
+and a hung SDK call never blocks the daemon's exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tierckpt.errors import UnavailableError
+
+from ..backends import Backend, BackendError
+from ..knobs import KNOBS
+from ..offload import run_blocking
+from ..retry import RetryPolicy, call_with_retry
+
+__all__ = ["BackendCalls", "DaemonThreads", "Stopped"]
+
+T = TypeVar("T")
+
+
+class Stopped(Exception):
+    """Raised inside a worker thread's retry sleep when the tier stops or the entry is cancelled."""
+
+
+class DaemonThreads(cf.Executor):
+    """An executor that runs each call in a new daemon thread; ``active`` counts running calls.
+
+    Concurrency is bounded by the caller (:class:`BackendCalls`' semaphores), not here.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.active = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future:
+        fut: cf.Future = cf.Future()
+
+        def run() -> None:
+            outcome: tuple[bool, Any]
+            try:
+                outcome = (True, fn(*args, **kwargs))
+            except BaseException as err:  # thread boundary: the awaiting coroutine re-raises it
+                outcome = (False, err)
+            finally:
+                with self._lock:
+                    self.active -= 1
+            if not fut.set_running_or_notify_cancel():
+                return
+            if outcome[0]:
+                fut.set_result(outcome[1])
+            else:
+                fut.set_exception(outcome[1])
+
+        with self._lock:
+            self.active += 1
+        threading.Thread(target=run, name=self.name, daemon=True).start()
+        return fut
+
+
+class BackendCalls:
+    """The persistent tier's one handle on its object store.
+
+    Args:
+        metrics: optional :class:`~tierckptd.metrics.Metrics` (``drain_failures`` counts retries
+            of uploads).
+        backend: the opened backend, or None until :meth:`open` is called at start.
+    """
+
+    def __init__(self, metrics: Any = None, backend: Backend | None = None) -> None:
+        self.metrics = metrics
+        self.backend = backend
+        self.threads = DaemonThreads("tierckpt-persistent")
+        self.halt = threading.Event()
+        self._uploads = asyncio.Semaphore(KNOBS.upload_threads)
+        self._reads = asyncio.Semaphore(KNOBS.read_threads)
+
+    @property
+    def be(self) -> Backend:
+        """The backend (after start).
+
+        Raises:
+            UnavailableError: it is not open (the tier has not started).
+        """
+        if self.backend is None:
+            raise UnavailableError("persistent tier: the object store is not open yet")
+        return self.backend
+
+    async def write(self, fn: Callable[[], T], cancelled: Callable[[], bool] = lambda: False) -> T:
+        """``fn()`` in a worker thread, retrying retryable errors until the tier stops.
+
+        Raises:
+            Stopped: the tier stopped, or ``cancelled()`` became true, while waiting to retry.
+            BackendError: a non-retryable error.
+        """
+        def sleep(delay: float) -> None:
+            if self.halt.wait(delay) or cancelled():
+                raise Stopped()
+
+        call = functools.partial(call_with_retry, fn, KNOBS.drain_retry, on_retry=self._on_retry, sleep=sleep)
+        async with self._uploads:
+            return await run_blocking(call, pool=self.threads)
+
+    async def read(self, fn: Callable[[], T], policy: RetryPolicy | None = None) -> T:
+        """``fn()`` in a worker thread, retrying retryable errors within ``policy`` (default
+        ``KNOBS.read_retry``).
+
+        Raises:
+            UnavailableError: the tier is stopping.
+            BackendError: the last error once the policy gave up, or a non-retryable one.
+        """
+        def sleep(delay: float) -> None:
+            if self.halt.wait(delay):
+                raise Stopped()
+
+        call = functools.partial(call_with_retry, fn, policy or KNOBS.read_retry, sleep=sleep)
+        try:
+            async with self._reads:
+                return await run_blocking(call, pool=self.threads)
+        except Stopped:
+            raise UnavailableError("daemon is shutting down") from None
+
+    def _on_retry(self, attempt: int, err: BackendError, delay: float) -> None:
+        if self.metrics:
+            self.metrics.drain_failures.inc()
+
+    def stop(self) -> None:
+        """Wake every retry sleep (they raise :class:`Stopped`); close the backend unless a call
+        is still running in a thread (a hung call keeps it; the process exits anyway)."""
+        self.halt.set()
+        if self.backend is not None and self.threads.active == 0:
+            self.backend.close()

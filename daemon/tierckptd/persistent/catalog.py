@@ -1,0 +1,178 @@
+"""What the persistent tier holds: the per-job catalog cache and manifest reads.
+
+A job's catalog is one listing of its manifests (:mod:`.layout`), cached for
+``KNOBS.catalog_ttl`` seconds and dropped as soon as this process changed the job's objects (a
+drain, a deletion: the job's epoch moves). At most one listing per job is in flight; a caller
+waits for it up to ``KNOBS.catalog_wait`` seconds, then answers from the previous listing, so a
+slow or unreachable object store never holds ``latest()`` up for long while the local and peer
+tiers can answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
+
+from ..backends import BackendError
+from ..knobs import KNOBS
+from ..manifest import Manifest
+from ..retry import RetryPolicy
+from ..tiers import RankCopy
+from .calls import BackendCalls
+from .layout import data_key, job_manifests_prefix, manifest_rank_prefix, parse_manifest_key
+from .ledger import Bounded, Key
+
+__all__ = ["Catalog", "count_checksum_failure"]
+
+log = logging.getLogger(__name__)
+
+Steps = dict[int, dict[int, int]]
+"""step -> rank -> world size"""
+
+
+def count_checksum_failure(metrics: Any) -> None:
+    """Count a persistent copy that failed verification (or is corrupt or incomplete)."""
+    if metrics:
+        metrics.checksum_failures.labels(tier="persistent").inc()
+
+
+class Catalog:
+    """The job catalogs of the object store, and the manifests of its ranks.
+
+    Args:
+        calls: the tier's object-store handle.
+        url: the store's URL (messages).
+        metrics: optional metrics (corrupt manifests are counted as checksum failures).
+        spawn: starts a background task owned by the tier.
+    """
+
+    def __init__(self, calls: BackendCalls, url: str, metrics: Any,
+                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task]) -> None:
+        self.calls = calls
+        self.url = url
+        self.metrics = metrics
+        self._spawn = spawn
+        self.known: Bounded = Bounded(65536)  # key -> (nbytes, created) of manifests seen here
+        # job -> (listed at, epoch, step -> rank -> world or None, error); stale once the epoch moved
+        self._cache: dict[str, tuple[float, int, Steps | None, str]] = {}
+        self._epochs: dict[str, int] = collections.defaultdict(int)
+        self._listings: dict[str, tuple[int, asyncio.Task]] = {}  # job -> (epoch, listing in flight)
+
+    def invalidate(self, job: str) -> None:
+        """This process changed the job's objects: the next catalog lists again."""
+        self._epochs[job] += 1
+
+    def note(self, man: Manifest) -> None:
+        """Remember the size and age of a rank this process drained or restored."""
+        self.known[man.key] = (man.nbytes, man.created)
+
+    def forget_step(self, job: str, step: int) -> None:
+        """The step was deleted from the store."""
+        for k in [k for k in self.known if k[0] == job and k[1] == step]:
+            del self.known[k]
+
+    async def list_steps(self, job: str, policy: RetryPolicy | None = None) -> Steps:
+        """step -> rank -> world size from one listing of the job's manifests."""
+        keys = await self.calls.read(functools.partial(self.calls.be.list, job_manifests_prefix(job)), policy)
+        out: Steps = {}
+        for key in keys:
+            parsed = parse_manifest_key(job, key)
+            if parsed is None:
+                continue
+            step, rank, world = parsed
+            out.setdefault(step, {}).setdefault(rank, world)  # two worlds for a rank: a re-save mid-cleanup
+        return out
+
+    async def catalog(self, job: str) -> dict[int, dict[int, RankCopy]]:
+        """The ranks of ``job`` with a manifest in the store (see the module docstring).
+
+        Raises:
+            UnavailableError: no listing has succeeded yet (failed or still running).
+        """
+        epoch = self._epochs[job]
+        cached = self._cache.get(job)
+        if cached is None or cached[1] != epoch or time.monotonic() - cached[0] > KNOBS.catalog_ttl:
+            inflight = self._listings.get(job)
+            if inflight is None or inflight[0] != epoch:
+                inflight = self._listings[job] = (epoch, self._spawn(self._refresh(job, epoch)))
+            try:
+                await asyncio.wait_for(asyncio.shield(inflight[1]), KNOBS.catalog_wait)
+            except asyncio.TimeoutError:
+                log.warning("persistent catalog of %s: listing %s takes longer than %.0fs; answering without it",
+                            job, self.url, KNOBS.catalog_wait)
+            cached = self._cache.get(job)
+        if cached is None:
+            raise UnavailableError(f"persistent tier {self.url}: cannot list {job} yet")
+        _, _, steps, error = cached
+        if steps is None:
+            raise UnavailableError(f"persistent tier {self.url}: cannot list {job}: {error}")
+        out: dict[int, dict[int, RankCopy]] = {}
+        for step, ranks in steps.items():
+            for rank, world in ranks.items():
+                nbytes, created = self.known.get((job, step, rank), (0, 0.0))
+                out.setdefault(step, {})[rank] = RankCopy(world, (), nbytes, created)
+        return out
+
+    async def _refresh(self, job: str, epoch: int) -> None:
+        """List the job's manifests into the cache (a task: errors are recorded, not raised)."""
+        try:
+            entry = (time.monotonic(), epoch, await self.list_steps(job, KNOBS.catalog_retry), "")
+        except (BackendError, UnavailableError) as err:
+            previous = self._cache.get(job)
+            stale = previous[2] if previous else None
+            entry = (time.monotonic(), epoch, stale, str(err))
+            log.warning("persistent catalog of %s: listing %s failed: %s%s", job, self.url, err,
+                        "; using the previous listing" if stale is not None else "")
+        finally:
+            if self._listings.get(job, (None,))[0] == epoch:
+                del self._listings[job]
+        current = self._cache.get(job)
+        if current is None or current[1] <= epoch:  # a newer listing may have finished first
+            self._cache[job] = entry
+
+    async def read_manifest(self, job: str, step: int, rank: int) -> Manifest:
+        """The rank's manifest in the store (the newest, if a re-save is being cleaned up).
+
+        Raises:
+            NotFoundError: there is none.
+            DataLossError: it is malformed or names another rank (counted).
+            UnavailableError: the store cannot be read.
+        """
+        be = self.calls.be
+        try:
+            keys = await self.calls.read(functools.partial(be.list, manifest_rank_prefix(job, step, rank)))
+            found: list[Manifest] = []
+            for key in keys:
+                parsed = parse_manifest_key(job, key)
+                if parsed is None:
+                    continue
+                try:
+                    data = await self.calls.read(functools.partial(be.get_bytes, key))
+                except NotFoundError:
+                    continue  # deleted meanwhile
+                found.append(self._check_manifest(key, data, (job, step, rank), parsed[2]))
+        except BackendError as err:
+            raise UnavailableError(f"persistent tier {self.url}: {err}") from err
+        if not found:
+            raise NotFoundError(f"{job} step {step} rank {rank} is not in the persistent tier {self.url}")
+        return max(found, key=lambda m: m.created)
+
+    def _check_manifest(self, key: str, data: bytes, want: Key, world: int) -> Manifest:
+        try:
+            man = Manifest.from_json(data)
+            if man.key != want or man.world_size != world:
+                raise DataLossError(f"it describes {man.job} step {man.step} rank {man.rank}/{man.world_size}")
+            for s in man.shards:
+                data_key(*want, s)
+        except DataLossError as err:
+            count_checksum_failure(self.metrics)
+            log.error("persistent tier: manifest %s%s is corrupt: %s", self.url, key, err)
+            raise DataLossError(f"persistent manifest {key} is corrupt: {err}") from err
+        return man

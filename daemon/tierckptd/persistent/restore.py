@@ -1,0 +1,122 @@
+"""Restore (``fetch``): bring one rank from the object store into the local store, verified.
+
+The rank's manifest is read, the shards are downloaded in parallel (each large object in
+parallel ranges by its backend, each through the codec its manifest names) into staging files of
+the local store, and the local commit verifies every checksum; a copy that fails is discarded and
+counted, never returned. The node pins the step around a restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
+
+from ..backends import BackendError
+from ..manifest import Manifest, ShardEntry
+from ..offload import run_blocking
+from ..store import LocalStore
+from .calls import BackendCalls
+from .catalog import Catalog, count_checksum_failure
+from .codec import codec_named
+from .layout import data_key
+from .ledger import Key
+
+__all__ = ["Restorer"]
+
+log = logging.getLogger(__name__)
+
+
+class Restorer:
+    """Fetches ranks of the object store into the local store.
+
+    Args:
+        store: the local store.
+        calls: the tier's object-store handle.
+        catalog: reads the store's manifests and remembers what was restored.
+        metrics: optional metrics (``checksum_failures``).
+        announce: called with the local manifest of every rank committed by a fetch.
+    """
+
+    def __init__(self, store: LocalStore, calls: BackendCalls, catalog: Catalog, metrics: Any,
+                 announce: Callable[[Manifest], None]) -> None:
+        self.store = store
+        self.calls = calls
+        self.catalog = catalog
+        self.metrics = metrics
+        self.announce = announce
+        self._locks: weakref.WeakValueDictionary[Key, asyncio.Lock] = weakref.WeakValueDictionary()
+
+    async def fetch(self, job: str, step: int, rank: int) -> Manifest:
+        """Download one rank into the local store, verified, and return its local manifest.
+
+        Raises:
+            NotFoundError: the persistent tier has no manifest for the rank.
+            DataLossError: the copy failed verification or misses a shard (logged, counted).
+            UnavailableError: the store could not be read within the read retry policy.
+            CapacityError: the local tier cannot hold the rank.
+        """
+        key = (job, step, rank)
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        async with lock:
+            local = self.store.get(job, step, rank)
+            if local is not None:  # a concurrent restore of the same rank brought it
+                return local
+            remote = await self.catalog.read_manifest(job, step, rank)
+            try:
+                return await self._download(remote)
+            except NotFoundError as err:  # a data object vanished: re-saved or deleted meanwhile?
+                fresh = await self.catalog.read_manifest(job, step, rank)
+                if fresh.generation == remote.generation:
+                    raise self._missing_data(remote, err) from err
+            try:
+                return await self._download(fresh)
+            except NotFoundError as err:
+                raise self._missing_data(fresh, err) from err
+
+    def _missing_data(self, man: Manifest, err: Exception) -> DataLossError:
+        count_checksum_failure(self.metrics)
+        log.error("persistent copy of %s step %d rank %d is missing data: %s", man.job, man.step, man.rank, err)
+        return DataLossError(f"persistent copy of {man.job} step {man.step} rank {man.rank} is missing data: {err}")
+
+    async def _download(self, remote: Manifest) -> Manifest:
+        """Fetch one rank into the local store."""
+        job, step, rank = remote.key
+        specs = [(s.name, s.size, s.dtype, s.shape) for s in remote.shards]
+        st = await run_blocking(self.store.begin, job, step, rank, remote.world_size, specs, stream=False)
+        try:
+            await asyncio.gather(*(self._get_shard(st, remote, s, st.files[s.name].path) for s in remote.shards))
+            local, _ = await run_blocking(
+                self.store.commit, st.save_id, {s.name: s.checksum for s in remote.shards},
+                remote.metadata_json, persist=remote.persist, verify=True, node=remote.node,
+                generation=remote.generation, created=remote.created)
+        except DataLossError as err:  # the commit verified the bytes and aborted, or a codec failed
+            count_checksum_failure(self.metrics)
+            log.error("persistent copy of %s step %d rank %d failed verification, discarded: %s",
+                      job, step, rank, err)
+            await run_blocking(self.store.abort, st.save_id)
+            raise DataLossError(f"persistent copy in {self.catalog.url} failed verification: {err}") from err
+        except BaseException:
+            await run_blocking(self.store.abort, st.save_id)
+            raise
+        self.catalog.note(local)
+        log.info("restored %s step %d rank %d (%d bytes) from %s", job, step, rank, local.nbytes, self.catalog.url)
+        self.announce(local)
+        return local
+
+    async def _get_shard(self, st: Any, remote: Manifest, shard: ShardEntry, path: Path) -> None:
+        be, key, codec = self.calls.be, data_key(*remote.key, shard), codec_named(shard.codec)
+        try:
+            await self.calls.read(functools.partial(codec.download_into, functools.partial(be.get_file, key), path))
+        except BackendError as err:
+            raise UnavailableError(f"persistent tier {self.catalog.url}: {err}") from err
+        st.created = time.monotonic()  # progress: keep the staging reaper away from a long restore

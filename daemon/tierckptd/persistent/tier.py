@@ -1,0 +1,213 @@
+"""The persistent tier as the node sees it: the :class:`~tierckptd.tiers.RemoteTier` facade.
+
+:class:`PersistentTier` wires the parts of this package together and holds no rule of its own
+beyond ``wait``'s reading of them: selection (:mod:`.selection`), the durable queue
+(:mod:`.queue`), the drain loop (:mod:`.drainer`) and its uploads (:mod:`.uploader`),
+take-over (:mod:`.takeover`), retention (:mod:`.retention`), the catalog (:mod:`.catalog`),
+restore (:mod:`.restore`), all calling the object store through :mod:`.calls`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from tierckpt.errors import NotFoundError, TierError
+
+from ..backends import Backend, BackendError, MissingExtraError, open_backend
+from ..cluster import ClusterView
+from ..config import ConfigError, DaemonConfig
+from ..knobs import KNOBS
+from ..manifest import Manifest
+from ..offload import run_blocking
+from ..store import Eviction, LocalStore
+from ..tiers import RankCopy, RemoteTier
+from .calls import BackendCalls
+from .catalog import Catalog
+from .codec import IDENTITY, ShardCodec
+from .drainer import Drainer
+from .ledger import Ledger
+from .queue import QUEUE_DIR, DrainQueue, QueueWriter
+from .restore import Restorer
+from .retention import Retention
+from .selection import not_selected_reason, selected, step_selected
+from .takeover import TakeOver
+from .uploader import RankUploader
+
+__all__ = ["PersistentTier"]
+
+log = logging.getLogger(__name__)
+
+
+class PersistentTier(RemoteTier):
+    """Drains selected ranks to the object store at ``config.persistent`` and restores from it.
+
+    See :mod:`tierckptd.persistent` for selection, layout, queue, retries, take-over and
+    retention; the call order is :class:`~tierckptd.tiers.RemoteTier`'s.
+
+    Args:
+        config: the daemon configuration (``persistent``, ``persist_every``, ``keep_persistent``,
+            ``node_id``).
+        store: the opened local store.
+        metrics: optional :class:`~tierckptd.metrics.Metrics`.
+        cluster: the cluster as this node sees it (the peer tier's membership), or None when
+            there is no peer tier: then no copy is taken over.
+        backend: an already opened backend (tests, benchmarks); default: ``open_backend(url)`` at start.
+        codec: how new shards are stored (default: as they are).
+    """
+
+    name = "persistent"
+
+    def __init__(self, config: DaemonConfig, store: LocalStore, metrics: Any = None, *,
+                 cluster: ClusterView | None = None, backend: Backend | None = None,
+                 codec: ShardCodec = IDENTITY) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = metrics
+        self.url = config.persistent
+        self.cluster = cluster
+        self.queue = DrainQueue(store.root / QUEUE_DIR, fsync=store.fsync)
+        self._tasks: set[asyncio.Task] = set()
+        self.calls = BackendCalls(metrics, backend)
+        self.ledger = Ledger()
+        self.catalog_cache = Catalog(self.calls, self.url, metrics, self._spawn)
+        self.uploader = RankUploader(store, self.calls, self.catalog_cache, config.node_id, metrics, codec)
+        self.writer = QueueWriter(self.queue)
+        self.drainer = Drainer(config, store, self.ledger, self.writer, self.uploader, self.catalog_cache,
+                               Retention(self.calls, self.catalog_cache, config.keep_persistent), metrics,
+                               self._spawn)
+        self.takeover = TakeOver(config.node_id, config.persist_every, store, cluster, self.ledger,
+                                 self.catalog_cache, self.drainer)
+        self.restorer = Restorer(store, self.calls, self.catalog_cache, metrics, self._announce)
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def _announce(self, man: Manifest) -> None:
+        self.host.notify_ingested(man)
+
+    @property
+    def backend(self) -> Backend | None:
+        """The object store (None before start when none was given)."""
+        return self.calls.backend
+
+    async def start(self) -> None:
+        """Open the backend, resume the durable queue and start the drain loop.
+
+        Raises:
+            ConfigError: the URL is malformed, its SDK is missing or its client cannot be made.
+        """
+        if self.calls.backend is None:
+            try:
+                self.calls.backend = await run_blocking(open_backend, self.url)
+            except (MissingExtraError, BackendError) as e:
+                raise ConfigError(f"persistent: {e}") from e
+        self.drainer.resume(await run_blocking(self.queue.load))
+        self.takeover.note_store()  # copies held before a restart may still need a take-over
+        self._spawn(self.drainer.run())
+        self._spawn(self._ticker())
+        self._spawn(self.takeover.watch())
+
+    async def stop(self, timeout: float) -> None:
+        """Let in-flight uploads finish within ``timeout``; queued ranks stay in the durable queue."""
+        await self.drainer.stop(timeout)
+        self.calls.halt.set()
+        for t in self.drainer.running | self._tasks:
+            t.cancel()
+        try:
+            await asyncio.wait_for(self.writer.flush(), max(1.0, timeout))
+        except asyncio.TimeoutError:
+            log.warning("shutdown: the drain queue directory %s does not answer", self.queue.root)
+        log.info("persistent tier stopped: %d ranks left in the drain queue", len(self.ledger.pending))
+        self.calls.stop()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ----------------------------------------------------------------------------- hooks
+
+    def commit_pin(self, job: str, step: int, persist: bool) -> str | None:
+        """Pin a selected step at commit time, so retention cannot evict it before it is queued."""
+        return "drain" if step_selected(step, persist, self.config.persist_every) else None
+
+    def on_commit(self, manifest: Manifest, *, ingested: bool) -> None:
+        """Queue the rank if this node owns it and it is selected; remember a selected copy of
+        another owner's rank for a possible take-over."""
+        if manifest.node != self.config.node_id:
+            if ingested:
+                self.takeover.note_copy(manifest)
+            return
+        if ingested:
+            return
+        self.drainer.select(manifest)
+
+    def on_evict(self, eviction: Eviction) -> None:
+        """A queued rank evicted before its drain fails now (the store logged it loudly)."""
+        self.takeover.on_evict(eviction)
+        self.drainer.on_evict(eviction)
+
+    # ----------------------------------------------------------------------------- questions
+
+    async def catalog(self, job: str) -> dict[int, dict[int, RankCopy]]:
+        """The ranks of ``job`` with a manifest in the persistent tier (see :mod:`.catalog`)."""
+        return await self.catalog_cache.catalog(job)
+
+    async def fetch(self, job: str, step: int, rank: int) -> Manifest:
+        """Download one rank into the local store, verified (see :meth:`.restore.Restorer.fetch`)."""
+        return await self.restorer.fetch(job, step, rank)
+
+    async def wait(self, job: str, step: int, rank: int, timeout: float | None) -> list[str]:
+        """Until the rank's manifest is in the persistent tier; returns ``[url]``.
+
+        Raises:
+            TierError: the rank is not selected, not owned here, failed for good, or its last
+                attempt failed with a non-retryable error (the message names it).
+            NotFoundError: the rank is neither committed here nor in the persistent tier.
+        """
+        key = (job, step, rank)
+        while (e := self.ledger.pending.get(key)) is not None:
+            if e.error:
+                raise TierError(f"{job} step {step} rank {rank}: drain to {self.url} failed: {e.error} "
+                                f"(tried again every {KNOBS.failed_retry_seconds:.0f}s)")
+            await self.ledger.changed()
+        local = self.store.get(job, step, rank)
+        failed = self.ledger.failed.get(key)
+        if local is not None:
+            if self.ledger.recent.get(key) == local.generation:
+                return [self.url]
+            if failed and failed[0] == local.generation:
+                raise TierError(f"{job} step {step} rank {rank}: drain to {self.url} failed: {failed[1]}")
+            if not selected(local, self.config.persist_every):
+                raise TierError(not_selected_reason(local, self.config.persist_every))
+        elif failed:
+            raise TierError(f"{job} step {step} rank {rank}: drain to {self.url} failed: {failed[1]}")
+        return await self._wait_in_store(job, step, rank, local)
+
+    async def _wait_in_store(self, job: str, step: int, rank: int, local: Manifest | None) -> list[str]:
+        try:
+            remote = await self.catalog_cache.read_manifest(job, step, rank)
+        except NotFoundError:
+            if local is None:
+                raise NotFoundError(f"{job} step {step} rank {rank} is neither committed on node "
+                                    f"{self.config.node_id} nor in the persistent tier") from None
+            if local.node != self.config.node_id:
+                raise TierError(f"{job} step {step} rank {rank} is drained by its owner, node {local.node}, "
+                                f"and is not in the persistent tier yet") from None
+            raise TierError(f"{job} step {step} rank {rank} is not queued for the persistent tier on node "
+                            f"{self.config.node_id}") from None
+        if local is not None and remote.generation != local.generation:
+            raise TierError(f"{job} step {step} rank {rank}: the persistent tier holds another save of it")
+        return [self.url]
+
+    def status(self) -> dict:
+        """``backlog_bytes``, ``backlog_steps`` (pending ranks), ``oldest_age_seconds``, ``url``, ``failing``."""
+        return self.ledger.status(self.url)
+
+    async def _ticker(self) -> None:
+        while True:
+            self.drainer.update_gauges()
+            await asyncio.sleep(1.0)

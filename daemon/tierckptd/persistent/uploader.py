@@ -1,0 +1,167 @@
+"""Draining one rank: its shards first (through the codec), its manifest last, then cleanup.
+
+A rank's upload reads its shards from the local store while the rank stays committed there
+(the step is pinned while queued), puts each as ``<job>/data/<step>/rank-<rank>/<file>`` unless
+an earlier attempt already stored that object (object names are per generation), checks that
+the rank is still the same save, uploads the manifest, and deletes what older saves of the rank
+left (other manifests first, then data no manifest names).
+
+A copy of another owner's rank (a take-over, see :mod:`.takeover`) is uploaded in its owner's
+form: data objects named ``<shard>.<generation>`` (the owner's save id) and the owner's manifest
+unchanged, so a recovering owner and a taking-over holder write the same objects and manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+from tierckpt.common.names import check_shard
+from tierckpt.errors import DataLossError, InvalidArgumentError, NotFoundError, UnavailableError
+
+from ..backends import BackendError
+from ..knobs import KNOBS
+from ..manifest import Manifest
+from ..store import LocalStore
+from .calls import BackendCalls
+from .catalog import Catalog
+from .codec import IDENTITY, ShardCodec
+from .layout import data_key, manifest_key, manifest_rank_prefix, rank_data_prefix
+from .ledger import Entry
+
+__all__ = ["RankUploader"]
+
+log = logging.getLogger(__name__)
+
+
+class RankUploader:
+    """Uploads committed ranks of the local store.
+
+    Args:
+        store: the local store.
+        calls: the tier's object-store handle.
+        catalog: reads the store's manifests (take-overs compare with them).
+        node_id: this node (a rank owned elsewhere is uploaded in its owner's form).
+        metrics: optional metrics (``drained_bytes``).
+        codec: the codec new shards are stored with (default: the identity).
+    """
+
+    def __init__(self, store: LocalStore, calls: BackendCalls, catalog: Catalog, node_id: str,
+                 metrics: Any = None, codec: ShardCodec = IDENTITY) -> None:
+        self.store = store
+        self.calls = calls
+        self.catalog = catalog
+        self.node_id = node_id
+        self.metrics = metrics
+        self.codec = codec
+
+    async def upload(self, e: Entry, man: Manifest) -> bool:
+        """Upload a rank's shards, then its manifest. Returns False if a re-save superseded it.
+
+        Raises:
+            Stopped: the tier stopped or the entry was cancelled while retrying.
+            BackendError: a non-retryable store error.
+            OSError: a local file cannot be read, or the rank left the local tier.
+        """
+        job, step, rank = man.key
+        paths = [self.store.shard_path(man, s.name) for s in man.shards]
+        local, man = man, self.stored_form(man)
+        await asyncio.gather(*(self._put_shard(e, data_key(job, step, rank, s), p, s.size)
+                               for s, p in zip(man.shards, paths)))
+        # Every byte above was read while the rank was still committed here (eviction removes it
+        # from the catalog before touching its files), unless this check fails.
+        current = self.store.get(job, step, rank)
+        if current is None:
+            raise FileNotFoundError(f"{job} step {step} rank {rank} is no longer in the local tier")
+        if current.generation != man.generation:
+            return False
+        if self.owner_form(local) is not local and await self._newer_in_store(man):
+            log.info("take-over of %s step %d rank %d: a newer save of it is in %s; not replacing it",
+                     job, step, rank, self.catalog.url)
+            return True
+        await self.calls.write(functools.partial(self.calls.be.put_bytes,
+                                                 manifest_key(job, step, rank, man.world_size), man.to_json()),
+                               lambda: e.cancelled)
+        await self._remove_stale(e, man)
+        return True
+
+    def stored_form(self, man: Manifest) -> Manifest:
+        """The manifest as uploaded: the owner's form (:meth:`owner_form`), each shard naming the
+        codec when it is not the identity."""
+        man = self.owner_form(man)
+        if self.codec is IDENTITY:
+            return man
+        shards = tuple(dataclasses.replace(s, codec=self.codec.name) for s in man.shards)
+        return dataclasses.replace(man, shards=shards)
+
+    def owner_form(self, man: Manifest) -> Manifest:
+        """A copy of another owner's rank as its owner uploads it: data files named ``<shard>.<generation>``
+        (the owner's save id), so a take-over and the owner write the same objects and manifest."""
+        if man.node == self.node_id:
+            return man
+        try:
+            shards = tuple(dataclasses.replace(s, file=check_shard(f"{s.name}.{man.generation}"))
+                           for s in man.shards)
+        except InvalidArgumentError:  # an odd generation from a peer: keep this copy's own names
+            return man
+        return dataclasses.replace(man, shards=shards)
+
+    async def _newer_in_store(self, man: Manifest) -> bool:
+        """Whether the store holds another, newer save of the rank (a recovered owner's)."""
+        try:
+            remote = await self.catalog.read_manifest(*man.key)
+        except (NotFoundError, DataLossError, UnavailableError):
+            return False
+        return remote.generation != man.generation and remote.created > man.created
+
+    async def _put_shard(self, e: Entry, key: str, path: Path, size: int) -> None:
+        be, codec = self.calls.be, self.codec
+
+        def put() -> int:
+            if be.exists(key):  # uploaded before a restart: object names are per generation
+                return 0
+            with codec.encoded(path) as src:
+                be.put_file(key, src)
+            return size
+
+        sent = await self.calls.write(put, lambda: e.cancelled)
+        if sent and self.metrics:
+            self.metrics.drained_bytes.inc(sent)
+
+    async def _remove_stale(self, e: Entry, man: Manifest) -> None:
+        """Delete what older saves of this rank left: other manifests first, then unnamed data."""
+        job, step, rank = man.key
+        be, cancelled = self.calls.be, (lambda: e.cancelled)
+        keep_manifest = manifest_key(job, step, rank, man.world_size)
+        manifests = await self.calls.write(functools.partial(be.list, manifest_rank_prefix(job, step, rank)),
+                                           cancelled)
+        stale = [k for k in manifests if k != keep_manifest]
+        if stale:
+            await self.calls.write(functools.partial(be.delete, stale), cancelled)
+        keep = {data_key(job, step, rank, s) for s in man.shards}
+        data = await self.calls.write(functools.partial(be.list, rank_data_prefix(job, step, rank)), cancelled)
+        stale = [k for k in data if k not in keep]
+        if stale:
+            await self.calls.write(functools.partial(be.delete, stale), cancelled)
+
+    async def forget_orphans(self, man: Manifest) -> None:
+        """Best effort: delete data objects uploaded for a rank whose drain was abandoned.
+
+        Nothing is deleted if the rank's manifest in the store names this very save (it was
+        drained before a restart re-queued it), or if that cannot be checked.
+        """
+        keys = [data_key(man.job, man.step, man.rank, s) for s in man.shards]
+        try:
+            try:
+                if (await self.catalog.read_manifest(*man.key)).generation == man.generation:
+                    return
+            except NotFoundError:
+                pass
+            await self.calls.read(functools.partial(self.calls.be.delete, keys), KNOBS.catalog_retry)
+        except (BackendError, UnavailableError, DataLossError) as err:
+            log.warning("could not delete the partial upload of %s step %d rank %d: %s",
+                        man.job, man.step, man.rank, err)

@@ -1,0 +1,75 @@
+"""Failures, in process: an outage is ridden out, a refusal is reported and retried later, a
+corrupt download is never returned."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tierckpt.errors import DataLossError, TierError
+from tierckptd.knobs import KNOBS
+from tierckptd.retry import RetryPolicy
+
+from .rig import URL, Rig, until
+
+FAST = RetryPolicy(initial_delay=0.01, max_delay=0.02, deadline=None, jitter=False)
+
+
+def test_an_outage_delays_the_drain_and_loses_nothing(tmp_path: Path) -> None:
+    async def body() -> None:
+        rig = Rig(tmp_path)
+        rig.faulty.fail("put_file", times=5, retryable=True)
+        rig.faulty.fail("put_bytes", times=3, retryable=True)
+        with KNOBS.overridden(drain_retry=FAST):
+            await rig.tier.start()
+            rig.save("job", 1, 0, {"a": b"a" * 100})
+            assert await asyncio.wait_for(rig.tier.wait("job", 1, 0, None), 10) == [URL]
+        assert rig.faulty.calls["put_file"] == 6 and rig.faulty.calls["put_bytes"] == 4
+        assert rig.tier.status()["backlog_steps"] == 0
+        await rig.tier.stop(1.0)
+
+    asyncio.run(body())
+
+
+def test_a_refusal_is_reported_and_the_rank_is_tried_again_later(tmp_path: Path) -> None:
+    async def body() -> None:
+        rig = Rig(tmp_path)
+        rig.faulty.fail("put_file", times=1, retryable=False)
+        with KNOBS.overridden(failed_retry_seconds=0.05):
+            await rig.tier.start()
+            rig.save("job", 1, 0, {"a": b"a"})
+            await until(lambda: rig.tier.status()["failing"] == 1 or not rig.tier.ledger.pending, "the refusal")
+            if rig.tier.ledger.pending:  # not retried yet: wait reports the error
+                with pytest.raises(TierError, match="AccessDenied.*tried again every"):
+                    await rig.tier.wait("job", 1, 0, None)
+            await until(lambda: not rig.tier.ledger.pending, "the second attempt")
+            assert await rig.tier.wait("job", 1, 0, None) == [URL]
+        await rig.tier.stop(1.0)
+
+    asyncio.run(body())
+
+
+def test_a_corrupt_download_is_discarded_and_a_good_one_restored(tmp_path: Path) -> None:
+    async def body() -> None:
+        writer = Rig(tmp_path, node_id="a")
+        await writer.tier.start()
+        writer.save("job", 3, 0, {"model": bytes(range(256)) * 4, "optim": b"o" * 7})
+        await asyncio.wait_for(writer.tier.wait("job", 3, 0, None), 10)
+        await writer.tier.stop(1.0)
+
+        reader = Rig(tmp_path, node_id="b", memory=writer.memory)  # a brand-new node
+        await reader.tier.start()
+        reader.faulty.corrupt_reads("get_file")  # the data objects, not the manifest
+        with pytest.raises(DataLossError, match="failed verification"):
+            await reader.tier.fetch("job", 3, 0)
+        assert reader.store.get("job", 3, 0) is None and reader.store.open_saves() == 0
+        reader.faulty.corrupt_reads("none")
+        local = await reader.tier.fetch("job", 3, 0)
+        assert local.node == "a" and reader.host.ingested == [local]
+        assert reader.store.shard_path(local, "model").read_bytes() == bytes(range(256)) * 4
+        assert reader.tier.status()["backlog_steps"] == 0  # a downloaded copy is not drained again
+        await reader.tier.stop(1.0)
+
+    asyncio.run(body())
