@@ -22,7 +22,9 @@ def wait_until(pred, timeout: float = 20.0, what: str = "condition"):
 class Cluster:
     """n daemons that know each other (ports reserved before start)."""
 
-    def __init__(self, factory, n: int, replicas: int = 1, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, factory, n: int, replicas: int = 1, extra: tuple[str, ...] = (), wait: bool = True,
+                 metrics: bool = False) -> None:
+        self.metrics = metrics
         self.factory = factory
         self.ids = [f"n{i}" for i in range(n)]
         self.ports = {i: free_port() for i in self.ids}
@@ -31,11 +33,12 @@ class Cluster:
         self.d: dict[str, Daemon] = {}
         for i in self.ids:
             self.start(i)
-        for i in self.ids:
+        for i in self.ids if wait else ():
             self.wait_peers(i)
 
     def start(self, node: str) -> Daemon:
-        self.d[node] = self.factory(node, port=self.ports[node], args=self.args)
+        args = (*self.args, "--metrics-port", str(free_port())) if self.metrics else self.args
+        self.d[node] = self.factory(node, port=self.ports[node], args=args)
         return self.d[node]
 
     def wait_peers(self, node: str, up: set[str] | None = None) -> None:

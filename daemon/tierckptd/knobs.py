@@ -42,6 +42,11 @@ class Knobs:
     takeover_check_interval: float = 1.0
     """Seconds between two looks at the owners of the copies this node holds (drain take-over)."""
 
+    max_widen: int = 8
+    """Down neighbours a node walks past on each side of the ring looking for live ones (bounds
+    the neighbourhood when much of the cluster is down, e.g. while it starts)."""
+    down_retry_max: float = 30.0
+    """A down neighbour is asked again after a delay doubling from ``refresh_interval`` up to this."""
     fanout: int = 32
     """Peers asked at once by a cluster-wide question (``latest``/``list`` for operators, a fetch
     of a rank that no neighbour holds)."""

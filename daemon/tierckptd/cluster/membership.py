@@ -73,6 +73,8 @@ class PeerInfo:
     held: dict[Key, Held] = field(default_factory=dict)
     version: int = 0  # the peer's catalog version that ``held`` reflects (0: none)
     contacted: bool = False  # answered or failed at least once
+    failures: int = 0  # consecutive failed health checks
+    next_try: float = 0.0  # monotonic time before which a down peer is not asked again
 
     @property
     def address(self) -> str:
@@ -167,7 +169,7 @@ class Membership:
         if not p.up:
             log.info("peer %s (%s) is up", p.node_id, p.address)
             p.last_error = ""
-        p.up, p.last_seen, p.contacted = True, time.time(), True
+        p.up, p.last_seen, p.contacted, p.failures, p.next_try = True, time.time(), True, 0, 0.0
         self._down_since.pop(p.node_id, None)
         if self.metrics:
             self.metrics.peer_up.labels(peer=p.node_id).set(1)
@@ -177,6 +179,8 @@ class Membership:
         if p.up:
             log.warning("peer %s (%s) is down: %s", p.node_id, p.address, err)
         p.up, p.contacted = False, True
+        p.failures += 1
+        p.next_try = time.monotonic() + min(KNOBS.down_retry_max, KNOBS.refresh_interval * 2 ** min(p.failures, 16))
         self._down_since.setdefault(p.node_id, time.monotonic())
         if self.metrics:
             self.metrics.peer_up.labels(peer=p.node_id).set(0)
@@ -215,25 +219,30 @@ class Membership:
         for n, p in self.peers.items():
             if n not in watched and p.held:
                 p.held, p.version = {}, 0  # left the neighbourhood: forget its catalog
-        results = await asyncio.gather(*(self.refresh_peer(self.peers[n]) for n in sorted(watched)))
+        now = time.monotonic()
+        due = [self.peers[n] for n in sorted(watched) if self.peers[n].up or self.peers[n].next_try <= now]
+        results = await asyncio.gather(*(self.refresh_peer(p) for p in due))
         return any(results), self._rebuild_index()
 
     def watched(self) -> set[str]:
         """The neighbourhood this node keeps in touch with: walking the ring both ways from this
         node, peers until R + 1 that are not known to be down are found on each side (a down
-        neighbour widens the walk by one). Independent of the cluster's size."""
+        neighbour widens the walk by one, up to ``KNOBS.max_widen`` per side). Independent of
+        the cluster's size."""
         succ = ring.after(self.node_id, self.ids())
         want = max(1, self.config.replicas) + 1
         out: set[str] = set()
         for side in (succ, succ[::-1]):
-            alive = 0
+            alive = down = 0
             for n in side:
-                if alive >= want:
+                if alive >= want or down > KNOBS.max_widen:
                     break
                 out.add(n)
                 p = self.peers[n]
                 if p.up or not p.contacted:
                     alive += 1
+                else:
+                    down += 1
         return out
 
     async def job_catalogs(self, job: str, nodes: set[str] | None = None
@@ -390,5 +399,8 @@ class Membership:
         self._own.setdefault(job, set()).add(rank)
 
     def status(self) -> list[dict]:
+        """The watched neighbourhood's health (the other peers are not contacted in the background)."""
+        watched = self.watched()
         return [{"node_id": p.node_id, "address": p.address, "up": p.up, "last_seen_unix": p.last_seen,
-                 "last_error": p.last_error} for p in sorted(self.peers.values(), key=lambda p: p.node_id)]
+                 "last_error": p.last_error} for p in sorted(self.peers.values(), key=lambda p: p.node_id)
+                if p.node_id in watched]
