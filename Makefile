@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo proto bench clean
+.PHONY: venv test test-long lint typecheck demo proto bench clean
 
 venv: $(VENV)/.installed
 
@@ -17,6 +17,13 @@ $(VENV)/.installed: pyproject.toml requirements-test.txt
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Static checks, run by .ci/run before the tests.
+lint: venv
+	$(VENV)/bin/ruff check client daemon tests bench examples
+
+typecheck: venv
+	$(VENV)/bin/mypy
 
 demo: venv
 	$(PY) examples/demo.py

@@ -38,8 +38,10 @@ def _issue(subject: str, issuer_key, issuer_name: x509.Name | None, *, ca: bool)
          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
          .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
     if not ca:
+        # One certificate for both test nodes: it names n0 and n1, so either may claim its id.
         b = b.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            [x509.DNSName("localhost"), x509.DNSName("n0"), x509.DNSName("n1"),
+             x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
     cert = b.sign(issuer_key or key, hashes.SHA256())
     return key, cert
 

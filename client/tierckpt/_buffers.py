@@ -49,13 +49,14 @@ def as_buffer(name: str, obj: Any) -> ShardBuffer:
         shape = tuple(t.shape)
         dtype = _TORCH_PREFIX + str(t.dtype).removeprefix("torch.")
         raw = t.reshape(-1).view(sys.modules["torch"].uint8)
-        return ShardBuffer(name, memoryview(raw.numpy()).cast("B") if raw.numel() else memoryview(b""), dtype, shape)
+        return ShardBuffer(name, memoryview(raw.numpy()).cast("B") if raw.numel() else memoryview(b""),  # type: ignore[arg-type]
+                           dtype, shape)
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
             raise InvalidArgumentError(f"shards[{name}]: numpy object arrays cannot be saved (dtype {obj.dtype})")
         arr = obj if obj.flags.c_contiguous else obj.copy(order="C")  # ascontiguousarray makes 0-d 1-d
-        return ShardBuffer(name, memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b""),
-                           arr.dtype.str, tuple(arr.shape))
+        flat: Any = arr.reshape(-1).view(np.uint8)
+        return ShardBuffer(name, memoryview(flat) if arr.size else memoryview(b""), arr.dtype.str, tuple(arr.shape))
     if isinstance(obj, (bytes, bytearray, memoryview)):
         mv = memoryview(obj)
         if not mv.c_contiguous:

@@ -12,9 +12,7 @@ identical results.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import errno
 import json
-import mmap
 import os
 import threading
 import time
@@ -25,12 +23,11 @@ import grpc
 import numpy as np
 
 from .common import checksum as _checksum
-from .common.fileio import digest_file, pwrite_all
+from ._transfer import StagingMaps, copy_into, hash_staged, map_verified, read_stream
 from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
 from .common.names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
 from .common.status import error_from_rpc
 from .errors import (
-    CapacityError,
     DataLossError,
     InvalidArgumentError,
     NotFoundError,
@@ -42,7 +39,6 @@ from .v1 import tierckpt_pb2_grpc as pb_grpc
 __all__ = ["Client", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "DEFAULT_ADDRESS"]
 
 DEFAULT_ADDRESS = "unix:///run/tierckpt/tierckptd.sock"
-_COPY_PIECE = 64 << 20
 _STREAM_CHUNK = 4 << 20
 _TIER_NAMES = {pb.TIER_LOCAL: "local", pb.TIER_PEER: "peer", pb.TIER_PERSISTENT: "persistent"}
 _TIER_ENUM = {v: k for k, v in _TIER_NAMES.items()}
@@ -139,7 +135,8 @@ class SaveFuture(cf.Future):
         except cf.TimeoutError:
             from .errors import DeadlineExceededError
 
-            raise DeadlineExceededError(f"{self.job} step {self.step} not committed locally within {timeout}s") from None
+            raise DeadlineExceededError(
+                f"{self.job} step {self.step} not committed locally within {timeout}s") from None
         if tier == "local":
             return [self._client._node_id or "local"]
         remaining = None if timeout is None else max(0.001, timeout - (time.monotonic() - t0))
@@ -179,7 +176,7 @@ class Client:
         self._committer = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._shared_fs: dict[tuple[str, str], bool] = {}
         self._plans: dict[tuple, list[pb.ShardSpec]] = {}
-        self._maps = _StagingMaps()
+        self._maps = StagingMaps()
         self._node_id: str | None = None
         self._fs_hidden = False
         self._closed = False
@@ -259,7 +256,7 @@ class Client:
                 digests = self._stream_write(begun.save_id, buffers)
             else:
                 staged = {s.name: s for s in begun.shards}
-                maps = self._copy_into(buffers, staged)
+                maps = copy_into(self._io, self._maps, buffers, staged)
                 digests = None
         except BaseException:
             self._abort(begun.save_id)
@@ -286,53 +283,6 @@ class Client:
             self._shared_fs[key] = seen
         return seen
 
-    def _copy_into(self, buffers: list[ShardBuffer], staged: dict[str, pb.StagedShard]) -> dict[str, Any]:
-        """Copy each buffer into its staging file; returns the writable maps used (for hashing).
-
-        A recycled staging file (pages already faulted in) is mapped and the copy is a plain
-        memcpy; the map is kept for the next saves, so a steady save loop reuses it without
-        page-table work. A fresh file is filled with pwrite, which allocates pages faster than
-        first-touch faults through a map.
-        """
-        self._maps.new_save()
-        fds: dict[str, int] = {}
-        maps: dict[str, Any] = {}
-        try:
-            pieces: list[tuple] = []
-            for b in buffers:
-                s = staged[b.name]
-                mm = self._maps.get(s.path, b.nbytes) if s.recycled and b.nbytes else None
-                if mm is not None:
-                    maps[b.name] = mm
-                    dst = np.frombuffer(mm, dtype=np.uint8)
-                    src = np.frombuffer(b.view, dtype=np.uint8)
-                    for off in range(0, b.nbytes, _COPY_PIECE):
-                        pieces.append((np.copyto, dst[off : off + _COPY_PIECE], src[off : off + _COPY_PIECE]))
-                    continue
-                fds[b.name] = os.open(s.path, os.O_WRONLY)
-                for off in range(0, b.nbytes, _COPY_PIECE):
-                    pieces.append((pwrite_all, fds[b.name], b.view[off : off + _COPY_PIECE], off))
-            futs = [self._io.submit(*p) for p in pieces]
-            try:
-                for f in futs:
-                    f.result()
-            finally:
-                # No piece may outlive this call: the fds are closed below and their numbers
-                # reused by the next open, which a late pwrite would then write into.
-                for f in futs:
-                    f.cancel()
-                cf.wait(futs)
-        except FileNotFoundError as e:
-            raise TierckptError(f"staging file vanished (the save was aborted or expired): {e.filename}") from None
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise CapacityError(f"local_dir is full while staging: {e}") from None
-            raise TierckptError(f"copying into the staging file failed: {e}") from None
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return maps
-
     def _stream_write(self, save_id: str, buffers: list[ShardBuffer]) -> dict[str, str]:
         digests: dict[str, str] = {}
 
@@ -355,7 +305,7 @@ class Client:
             return
         try:
             if digests is None:
-                hashes = list(self._io.map(lambda p: _hash_staged(p[1], p[2]), paths_sizes))
+                hashes = list(self._io.map(lambda p: hash_staged(p[1], p[2]), paths_sizes))
                 digests = {name: h for (name, _, _), h in zip(paths_sizes, hashes)}
             req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist,
                                        digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
@@ -483,10 +433,10 @@ class Client:
         shared = self.transfer != "stream" and self._sees(resp.local_dir, resp.fs_token)
         if shared:
             verify = self.verify == "always" or (self.verify is True and resp.tier == pb.TIER_LOCAL)
-            bufs = list(self._io.map(lambda s: self._map_verified(job, resp.step, rank, s, advance, verify),
+            bufs = list(self._io.map(lambda s: map_verified(job, resp.step, rank, s, advance, verify),
                                      resp.shards))
         else:
-            bufs = [self._read_stream(job, resp.step, rank, s, advance) for s in resp.shards]
+            bufs = [read_stream(self._stub, self.address, job, resp.step, rank, s, advance) for s in resp.shards]
         arrays, buffers, dtypes, shapes = {}, {}, {}, {}
         for s, buf in zip(resp.shards, bufs):
             shape = tuple(s.shape)
@@ -497,100 +447,6 @@ class Client:
                           tier=_TIER_NAMES.get(resp.tier, "local"), source_node=resp.source_node,
                           metadata=json.loads(resp.metadata_json or "{}"), shards=arrays,
                           dtypes=dtypes, shapes=shapes, _buffers=buffers)
-
-    def _map_verified(self, job: str, step: int, rank: int, s: pb.RestoredShard, advance, verify: bool) -> Any:
-        if s.size == 0:
-            buf: Any = b""
-        else:
-            try:
-                fd = os.open(s.path, os.O_RDONLY)
-            except FileNotFoundError:  # evicted or re-saved since the daemon answered (not corrupt)
-                raise NotFoundError(f"{job} step {step} rank {rank} shard {s.name!r}: the local copy was removed "
-                                    "while restoring") from None
-            try:
-                # Private (copy-on-write) map: reads share the page cache with the stored file;
-                # a caller that writes into a tensor made from it gets private pages instead of a
-                # crash, and the stored copy never changes. (No MAP_POPULATE: on a private
-                # writable map it would copy every page.)
-                buf = mmap.mmap(fd, s.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            except ValueError:  # the file is shorter than the manifest says
-                raise DataLossError(f"{job} step {step} rank {rank} shard {s.name!r}: the local copy is shorter "
-                                    f"than {s.size} bytes") from None
-            finally:
-                os.close(fd)
-        if verify:
-            actual = _checksum.digest(buf)
-            if actual != s.checksum:
-                raise DataLossError(f"{job} step {step} rank {rank} shard {s.name!r}: checksum mismatch "
-                                    f"(expected {s.checksum}, got {actual})")
-        advance(s.size)
-        return buf
-
-    def _read_stream(self, job: str, step: int, rank: int, s: pb.RestoredShard, advance) -> bytearray:
-        buf = bytearray(s.size)
-        h = _checksum.new()
-        req = pb.ReadShardRequest(job=job, step=step, rank=rank, shard=s.name)
-        try:
-            got = 0
-            for chunk in self._stub.ReadShard(req, timeout=None):
-                n = len(chunk.data)
-                if chunk.offset != got or got + n > s.size:
-                    raise DataLossError(f"shard {s.name!r}: out-of-order or oversized stream at {chunk.offset}")
-                buf[got : got + n] = chunk.data
-                h.update(chunk.data)
-                got += n
-                advance(n)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e, f"ReadShard at {self.address}") from None
-        if got != s.size or h.hexdigest() != s.checksum:
-            raise DataLossError(f"{job} step {step} rank {rank} shard {s.name!r}: checksum mismatch after streaming")
-        return buf
-
-
-class _StagingMaps:
-    """Writable maps of recycled staging files, by inode, kept for the files of recent saves.
-
-    The daemon recycles the files of evicted steps for saves of the same sizes, so a steady save
-    loop cycles through a fixed set of inodes; keeping their maps makes each save a memcpy into
-    mapped, faulted-in pages. A map not used for ``keep`` saves is dropped (a dropped file's
-    pages are freed only once its map is gone, which bounds what the cache can pin).
-    """
-
-    def __init__(self, keep: int = 4) -> None:
-        self.keep = keep
-        self._save = 0
-        self._maps: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
-        self._lock = threading.Lock()
-
-    def new_save(self) -> None:
-        with self._lock:
-            self._save += 1
-            for key in [k for k, (_, used) in self._maps.items() if self._save - used > self.keep]:
-                del self._maps[key]  # closed when the last in-flight user drops it
-
-    def get(self, path: str, size: int) -> mmap.mmap:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            st = os.fstat(fd)
-            key = (st.st_dev, st.st_ino)
-            with self._lock:
-                hit = self._maps.get(key)
-                if hit is not None and len(hit[0]) == size:
-                    self._maps[key] = (hit[0], self._save)
-                    return hit[0]
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            with self._lock:
-                self._maps[key] = (mm, self._save)
-            return mm
-        finally:
-            os.close(fd)
-
-
-def _hash_staged(target: str | mmap.mmap, size: int) -> str:
-    """Checksum of a staged shard: through the kept map when there is one, else from the file."""
-    return _checksum.digest(target) if isinstance(target, mmap.mmap) else digest_file(target, size)
-
 
 def _encode_metadata(metadata: Mapping[str, Any] | None) -> str:
     if metadata is None:

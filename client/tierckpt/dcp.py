@@ -171,9 +171,10 @@ class Writer(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info: _PlanData = plan.storage_data
-        items, taken, tensors = plan.items, set(), []
+        items, tensors = plan.items, []
+        taken: set[str] = set()
         for item in items:
-            data = planner.resolve_data(item)
+            data: Any = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 blob = data.getvalue()
                 t = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
@@ -268,9 +269,9 @@ class Reader(StorageReader):
             raise NotFoundError(f"{self.job} step {self.step}: not a tierckpt.dcp checkpoint")
         self.tier = ck.tier
         metadata: Metadata = pickle.loads(ck.shards[METADATA_SHARD].tobytes())
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = uuid.uuid4().hex
+        meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+        meta.load_id = uuid.uuid4().hex
+        metadata.storage_meta = meta
         return metadata
 
     def _resolve_step(self) -> int:

@@ -177,7 +177,7 @@ def _state_of(obj: Any) -> Any:
 
 def _new_mapping(like: Mapping) -> dict:
     try:
-        out = type(like)()
+        out: Any = type(like)()
     except TypeError:
         out = {}
     if hasattr(like, "_metadata"):  # nn.Module state dicts carry per-module versions here
@@ -242,10 +242,10 @@ def _fill(cur: Any, saved: Any, devices: Callable[[torch.Tensor], torch.device])
         return out
     if isinstance(saved, Mapping):
         curm = cur if isinstance(cur, Mapping) else {}
-        out = _new_mapping(saved)
+        mapping = _new_mapping(saved)
         for k, v in saved.items():
-            out[k] = _fill(curm.get(k), v, devices)
-        return out
+            mapping[k] = _fill(curm.get(k), v, devices)
+        return mapping
     if isinstance(saved, (list, tuple)):
         curs = cur if isinstance(cur, (list, tuple)) and len(cur) == len(saved) else [None] * len(saved)
         return _rebuild_seq(saved, [_fill(c, v, devices) for c, v in zip(curs, saved)])

@@ -14,7 +14,7 @@ import re
 import tomllib
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 from tierckpt.common.names import check_node
 from tierckpt.errors import InvalidArgumentError
@@ -335,11 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
                 "peers": "ID=HOST:PORT,...", "peers_dns": "NAME:PORT", "persistent": "URL", "metrics_port": "PORT",
                 "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem",
                 "log_level": "LEVEL", "log_format": "plain|json", "shutdown_timeout": "SECONDS",
-                "knobs": "NAME=VALUE,..."}  # knobs: on main, not yet on this branch
+                "knobs": "NAME=VALUE,..."}
     for name, f in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
         if name == "peers":
-            default = ",".join(f"{x.node_id}={x.address}" for x in f.default) or "none"
+            default = ",".join(f"{x.node_id}={x.address}" for x in cast(tuple, f.default)) or "none"
         elif name == "socket_mode":
             default = f"0{f.default:o}"  # permission bits read in octal, as chmod takes them
         else:

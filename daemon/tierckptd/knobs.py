@@ -45,7 +45,7 @@ class Knobs:
     max_widen: int = 8
     """Down neighbours a node walks past on each side of the ring looking for live ones (bounds
     the neighbourhood when much of the cluster is down, e.g. while it starts)."""
-    down_retry_max: float = 30.0
+    down_retry_max: float = 5.0
     """A down neighbour is asked again after a delay doubling from ``refresh_interval`` up to this."""
     fanout: int = 32
     """Peers asked at once by a cluster-wide question (``latest``/``list`` for operators, a fetch

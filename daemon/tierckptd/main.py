@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from .config import ConfigError, DaemonConfig, parse_args
 
@@ -49,17 +49,48 @@ def build_membership(config: DaemonConfig, metrics):
 
 
 async def serve(config: DaemonConfig, *, ready_out=None) -> int:
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
     from .metrics import Metrics
-    from .node import Node
     from .sdnotify import Notifier, watchdog_loop
-    from .server import create_server
-    from .offload import run_blocking
-    from .store import LocalStore
 
     notifier = Notifier.from_env(os.environ)
     metrics = Metrics()
+    node = await _open_node(config, metrics)
+    grpc_side = await _GrpcSide.start(config, node)
+    metrics_port = metrics.start_http_server(config.metrics_host, config.metrics_port) if config.metrics_port else None
+    info = {"node_id": config.node_id, "tcp_port": grpc_side.listening.tcp_port,
+            "socket": grpc_side.listening.socket_path, "metrics_port": metrics_port, "pid": os.getpid(),
+            "local_dir": node.local_dir}
+    log.info("tierckptd %s ready: %s", config.node_id, json.dumps(info))
+    out = ready_out or sys.stdout
+    out.write("READY " + json.dumps(info) + "\n")
+    out.flush()
+    notifier.ready()
+
+    def status_text() -> str:
+        u = node.store.usage()
+        return f"{u.used}/{u.capacity} bytes used, {node.store.open_saves()} saves open"
+
+    wd = asyncio.create_task(watchdog_loop(notifier, status_text))
+    await _signalled()
+    log.info("shutdown: stop accepting saves")
+    notifier.stopping()
+    await grpc_side.set_serving(False)
+    await node.stop(config.shutdown_timeout)
+    log.info("shutdown: in-flight work finished; stopping gRPC server")
+    await grpc_side.stop(min(5.0, config.shutdown_timeout))
+    wd.cancel()
+    metrics.stop()
+    log.info("shutdown complete")
+    return 0
+
+
+async def _open_node(config: DaemonConfig, metrics):
+    """Open the local store, build the cluster membership and tiers, start the node."""
+    from .node import Node
+    from .offload import run_blocking
+    from .store import LocalStore
+
     node: Node | None = None
 
     def evicted(ev) -> None:  # the node is built below; evictions only start once it serves
@@ -74,62 +105,63 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
     tiers = build_tiers(config, store, metrics, cluster)
     node = Node(store, tiers, node_id=config.node_id, staging_timeout=config.staging_timeout, metrics=metrics)
     await node.start()
+    return node
 
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
 
-    def add_health(server):
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+class _GrpcSide:
+    """The gRPC servers (Unix socket, TCP) and the health service."""
 
-    def add_tier_services(server):
-        for t in tiers:
-            t.add_to_server(server)
+    SERVICES = ("", "tierckpt.v1.Tierckpt")
 
-    creds = None
-    if config.tls_enabled:
-        from .tls import server_credentials
+    def __init__(self, listening, health_servicer) -> None:
+        self.listening, self.health = listening, health_servicer
 
-        creds = server_credentials(config)
-    listening = await create_server(config, node, add_health, creds, add_tier_services)
-    metrics_port = None
-    if config.metrics_port:
-        metrics_port = metrics.start_http_server(config.metrics_host, config.metrics_port)
-    for svc in ("", "tierckpt.v1.Tierckpt"):
-        await _maybe_await(health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING))
-    info = {"node_id": config.node_id, "tcp_port": listening.tcp_port, "socket": listening.socket_path,
-            "metrics_port": metrics_port, "pid": os.getpid(), "local_dir": str(store.root)}
-    log.info("tierckptd %s ready: %s", config.node_id, json.dumps(info))
-    out = ready_out or sys.stdout
-    out.write("READY " + json.dumps(info) + "\n")
-    out.flush()
-    notifier.ready()
+    @classmethod
+    async def start(cls, config: DaemonConfig, node) -> _GrpcSide:
+        from grpc_health.v1 import health, health_pb2_grpc
 
-    def status_text() -> str:
-        u = store.usage()
-        return f"{u.used}/{u.capacity} bytes used, {store.open_saves()} saves open"
+        from .server import create_server
 
-    wd = asyncio.create_task(watchdog_loop(notifier, status_text))
+        health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+
+        def add_health(server) -> None:
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+
+        def add_tier_services(server) -> None:
+            for t in node.tiers:
+                t.add_to_server(server)
+
+        creds = None
+        if config.tls_enabled:
+            from .tls import server_credentials
+
+            creds = server_credentials(config)
+        side = cls(await create_server(config, node, add_health, creds, add_tier_services), health_servicer)
+        await side.set_serving(True)
+        return side
+
+    async def set_serving(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for svc in self.SERVICES:
+            await _maybe_await(self.health.set(svc, status))
+
+    async def stop(self, grace: float) -> None:
+        await self.listening.stop(grace)
+        if self.listening.socket_path:
+            try:
+                os.unlink(self.listening.socket_path)
+            except OSError:
+                pass
+
+
+async def _signalled() -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-
-    log.info("shutdown: stop accepting saves")
-    notifier.stopping()
-    for svc in ("", "tierckpt.v1.Tierckpt"):
-        await _maybe_await(health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING))
-    await node.stop(config.shutdown_timeout)
-    log.info("shutdown: in-flight work finished; stopping gRPC server")
-    await listening.stop(min(5.0, config.shutdown_timeout))
-    wd.cancel()
-    metrics.stop()
-    if listening.socket_path:
-        try:
-            os.unlink(listening.socket_path)
-        except OSError:
-            pass
-    log.info("shutdown complete")
-    return 0
 
 
 async def _maybe_await(x):
@@ -158,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import uvloop
 
-        runner = uvloop.run
+        runner: Any = uvloop.run
     except ImportError:  # uvloop is a [daemon] extra; asyncio's loop works, slower
         runner = asyncio.run
     try:

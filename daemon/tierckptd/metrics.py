@@ -51,7 +51,15 @@ class Metrics:
         r = self.registry
         self.build_info = Info("tierckpt_build", "Daemon version.", registry=r)
         self.build_info.info({"version": __version__})
+        self._saves_and_restores(r)
+        self._latencies(r)
+        self._background_tiers(r)
+        self._local_tier(r)
+        self._zero_series()
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
 
+    def _saves_and_restores(self, r: CollectorRegistry) -> None:
         self.saved_bytes = Counter(
             "tierckpt_saved_bytes_total",
             "Shard bytes committed into a tier by this daemon: local = trainer saves committed here, "
@@ -67,6 +75,7 @@ class Metrics:
         self.restores = Counter(
             "tierckpt_restores_total", "Rank restores by source tier and result.", ["tier", "result"], registry=r)
 
+    def _latencies(self, r: CollectorRegistry) -> None:
         self.commit_latency = Histogram(
             "tierckpt_commit_latency_seconds",
             "Local commit RPC time: verify staged shards, flush, publish the manifest.",
@@ -78,6 +87,8 @@ class Metrics:
         self.restore_latency = Histogram(
             "tierckpt_restore_latency_seconds", "Rank restore time by the tier it was served from.",
             ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+
+    def _background_tiers(self, r: CollectorRegistry) -> None:
         self.replication_latency = Histogram(
             "tierckpt_replication_latency_seconds",
             "Time from a local commit until the requested number of peer replicas is acknowledged.",
@@ -102,7 +113,13 @@ class Metrics:
         self.drained_bytes = Counter(
             "tierckpt_drained_bytes_total", "Bytes uploaded to the persistent tier, counted as they are sent.",
             registry=r)
+        self.peer_up = Gauge(
+            "tierckpt_peer_up", "1 if the last health check of a peer succeeded, else 0.", ["peer"], registry=r)
+        self.peer_calls = Counter(
+            "tierckpt_peer_calls_total", "Control RPCs this daemon made to a peer (health, catalog deltas, "
+            "replication, fetch), by peer: at scale only the ring neighbourhood should grow.", ["peer"], registry=r)
 
+    def _local_tier(self, r: CollectorRegistry) -> None:
         self.local_capacity_bytes = Gauge(
             "tierckpt_local_capacity_bytes", "Bytes the local tier may hold (local_capacity).", registry=r)
         self.local_used_bytes = Gauge(
@@ -120,15 +137,12 @@ class Metrics:
             "Steps removed from the local tier: retention = beyond keep_local, capacity = to make room, "
             "capacity_undrained = to make room, step held only by peers (never selected for the persistent tier).",
             ["reason"], registry=r)
-        self.peer_up = Gauge(
-            "tierckpt_peer_up", "1 if the last health check of a peer succeeded, else 0.", ["peer"], registry=r)
-        self.peer_calls = Counter(
-            "tierckpt_peer_calls_total", "Control RPCs this daemon made to a peer (health, catalog deltas, "
-            "replication, fetch), by peer: at scale only the ring neighbourhood should grow.", ["peer"], registry=r)
         self.staging_reclaimed = Counter(
             "tierckpt_staging_reclaimed_total",
             "Uncommitted saves whose staging files were reclaimed after staging_timeout.", registry=r)
 
+    def _zero_series(self) -> None:
+        """Create every labelled series whose labels are known up front at zero (rate() sees the first event)."""
         for tier in TIERS:
             for metric in (self.saved_bytes, self.restored_bytes, self.checksum_failures):
                 metric.labels(tier)
@@ -138,8 +152,11 @@ class Metrics:
         for reason in EVICTION_REASONS:
             self.evictions.labels(reason)
 
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+    def known_peers(self, peers: list[str]) -> None:
+        """Create the per-peer series of known peers at zero."""
+        for p in peers:
+            self.replication_failures.labels(peer=p)
+            self.peer_calls.labels(peer=p)
 
     def set_local_usage(self, capacity: int, used: int) -> None:
         """Update the three local-tier gauges together."""

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from tierckpt.common.names import check_job, check_step
@@ -30,37 +30,13 @@ from .knobs import KNOBS
 from .manifest import Manifest
 from .offload import run_blocking
 from .store import Eviction, LocalStore, Staging
-from .tiers import RankCopy, RemoteTier
+from .tiers import RemoteTier
+from .views import CatalogViews
 
-__all__ = ["Node", "StepView", "RestoreResult"]
+__all__ = ["Node", "RestoreResult"]
 
 log = logging.getLogger(__name__)
 
-TIERS = ("local", "peer", "persistent")
-
-
-@dataclass
-class RankView:
-    rank: int
-    tiers: set[str] = field(default_factory=set)
-    nodes: set[str] = field(default_factory=set)
-    nbytes: int = 0
-
-
-@dataclass
-class StepView:
-    step: int
-    world_size: int
-    ranks: dict[int, RankView] = field(default_factory=dict)
-    created: float = 0.0
-
-    @property
-    def complete(self) -> bool:
-        return len(self.ranks) == self.world_size
-
-    def complete_in(self) -> list[str]:
-        return [t for t in TIERS if self.ranks and len(self.ranks) == self.world_size
-                and all(t in r.tiers for r in self.ranks.values())]
 
 
 @dataclass(frozen=True)
@@ -95,6 +71,7 @@ class Node:
         self._loop: asyncio.AbstractEventLoop | None = None
         for t in self.tiers:
             t.bind(self)
+        self.views = CatalogViews(store, self.tiers, node_id)
 
     @property
     def fs_token(self) -> str:
@@ -262,69 +239,6 @@ class Node:
 
     # ------------------------------------------------------------------------- catalog
 
-    async def views(self, job: str) -> dict[int, StepView]:
-        """Every step of ``job`` known to any tier, with where each rank is held."""
-        return (await self.views_with_gaps(job))[0]
-
-    async def views_with_gaps(self, job: str) -> tuple[dict[int, StepView], list[str]]:
-        """:meth:`views` plus the sources (peers, tiers) that did not answer within the deadline."""
-        check_job(job)
-        views: dict[int, StepView] = {}
-        for step, ranks in self.store.steps(job).items():
-            for rank, man in ranks.items():
-                _add(views, job, step, rank, "local", RankCopy(man.world_size, (self.node_id,), man.nbytes,
-                                                               man.created))
-        gaps: list[str] = []
-        results = await asyncio.gather(*(self._tier_catalog(t, job) for t in self.tiers), return_exceptions=True)
-        for t, res in zip(self.tiers, results):
-            if isinstance(res, BaseException):
-                log.warning("catalog of the %s tier unavailable for %s: %s", t.name, job, res)
-                gaps.append(f"{t.name} tier ({res})")
-                continue
-            copies, missed = res
-            gaps.extend(f"peer {n}" for n in missed)
-            for step, ranks in copies.items():
-                for rank, copy in ranks.items():
-                    _add(views, job, step, rank, t.name, copy)
-        return views, gaps
-
-    async def _tier_catalog(self, t: RemoteTier, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
-        try:
-            return await asyncio.wait_for(t.catalog_with_gaps(job), KNOBS.fanout_deadline + KNOBS.rpc_timeout)
-        except asyncio.TimeoutError:
-            raise DeadlineExceededError(f"no answer within {KNOBS.fanout_deadline + KNOBS.rpc_timeout:.0f}s") from None
-
-    async def latest(self, job: str) -> int | None:
-        return (await self.latest_with_gaps(job))[0]
-
-    async def latest_with_gaps(self, job: str) -> tuple[int | None, list[str]]:
-        """Newest step complete over all tiers and nodes that answered, and those that did not."""
-        views, gaps = await self.views_with_gaps(job)
-        complete = [s for s, v in views.items() if v.complete]
-        return (max(complete) if complete else None), gaps
-
-    async def availability(self, job: str, rank: int) -> tuple[list[StepView], list[str]]:
-        """Steps that ``rank`` can restore: from the local tier, each remote tier's cheapest
-        answer for one rank (the peer tier: the ring neighbourhood), nearest tier first."""
-        check_job(job)
-        views: dict[int, StepView] = {}
-        for step, ranks in self.store.steps(job).items():
-            man = ranks.get(rank)
-            if man is not None:
-                _add(views, job, step, rank, "local", RankCopy(man.world_size, (self.node_id,), man.nbytes, man.created))
-        gaps: list[str] = []
-        results = await asyncio.gather(*(asyncio.wait_for(t.rank_catalog(job, rank), KNOBS.fanout_deadline
-                                                          + KNOBS.rpc_timeout) for t in self.tiers),
-                                       return_exceptions=True)
-        for t, res in zip(self.tiers, results):
-            if isinstance(res, BaseException):
-                log.warning("availability of %s rank %d: the %s tier did not answer: %r", job, rank, t.name, res)
-                gaps.append(f"{t.name} tier")
-                continue
-            for step, copy in res.items():
-                _add(views, job, step, rank, t.name, copy)
-        return [views[s] for s in sorted(views)], gaps
-
     # ------------------------------------------------------------------------- restore
 
     async def restore(self, job: str, rank: int, step: int | None, *, local_corrupt: bool = False,
@@ -332,7 +246,7 @@ class Node:
         check_job(job)
         t0 = time.perf_counter()
         if step is None:
-            step = await self.latest(job)
+            step = await self.views.latest(job)
             if step is None:
                 raise NotFoundError(f"job {job!r} has no complete checkpoint in any tier")
         check_step(step)
@@ -434,16 +348,3 @@ def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
 
-
-def _add(views: dict[int, StepView], job: str, step: int, rank: int, tier: str, copy: RankCopy) -> None:
-    v = views.get(step)
-    if v is None:
-        v = views[step] = StepView(step, copy.world_size, created=copy.created)
-    if copy.world_size != v.world_size:
-        log.warning("%s step %d: rank %d has world_size %d, others %d", job, step, rank, copy.world_size, v.world_size)
-        return
-    r = v.ranks.setdefault(rank, RankView(rank))
-    r.tiers.add(tier)
-    r.nodes.update(copy.nodes)
-    r.nbytes = max(r.nbytes, copy.nbytes)
-    v.created = min(v.created, copy.created) if v.created else copy.created

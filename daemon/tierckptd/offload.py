@@ -1,14 +1,7 @@
 """The one way the daemon runs blocking work off the event loop.
 
-Concurrency model (the whole daemon): one asyncio event loop (uvloop when installed) runs the
-gRPC servers, the tiers' background tasks and all bookkeeping. Anything that may block — file
-I/O in the local dir (open, write, fsync, rename, rmtree, hashing), object-store SDK calls, bulk
-socket transfers — runs in a worker thread through :func:`run_blocking`, never on the loop.
-The local store guards its catalog with its own lock, so its methods are safe from any thread;
-tiers keep their in-memory state on the loop and hand worker threads only immutable inputs.
-Worker pools: the default pool (file and store work), plus dedicated pools owned by the peer
-tier (long-lived bulk connections) and the persistent tier (uploads and downloads), passed as
-``pool=`` so that a slow object store cannot starve local saves of threads.
+See the concurrency model in the :mod:`tierckptd` package docstring: everything that may block
+goes through :func:`run_blocking`, on the loop's default pool or a tier's own pool.
 """
 
 from __future__ import annotations

@@ -107,12 +107,12 @@ class TierckptServicer(pb_grpc.TierckptServicer):
 
     @rpc
     async def Latest(self, request: pb.LatestRequest, context) -> pb.LatestResponse:
-        step, gaps = await self.node.latest_with_gaps(request.job)
+        step, gaps = await self.node.views.latest_with_gaps(request.job)
         return pb.LatestResponse(found=step is not None, step=step or 0, unreachable=gaps)
 
     @rpc
     async def Availability(self, request: pb.AvailabilityRequest, context) -> pb.AvailabilityResponse:
-        steps, gaps = await self.node.availability(request.job, request.rank)
+        steps, gaps = await self.node.views.availability(request.job, request.rank)
         return pb.AvailabilityResponse(unreachable=gaps, steps=[
             pb.StepAvailability(step=v.step, world_size=v.world_size, nodes=sorted(v.ranks[request.rank].nodes),
                                 tiers=[TIER_ENUM[t] for t in ("local", "peer", "persistent")
@@ -121,7 +121,7 @@ class TierckptServicer(pb_grpc.TierckptServicer):
 
     @rpc
     async def List(self, request: pb.ListRequest, context) -> pb.ListResponse:
-        views = await self.node.views(request.job)
+        views = await self.node.views.steps(request.job)
         out = []
         for step in sorted(views):
             v = views[step]

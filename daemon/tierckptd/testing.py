@@ -79,6 +79,7 @@ class Daemon:
         line: list[bytes] = []
 
         def read() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
             line.append(self.proc.stdout.readline())
 
         t = threading.Thread(target=read, daemon=True)

@@ -346,8 +346,10 @@ def ssl_peer_identity(sslsock: ssl.SSLSocket | ssl.SSLObject) -> set[str]:
     cert = sslsock.getpeercert()
     if not cert:
         return set()
-    names = {value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"}
-    names |= {value for kind, value in cert.get("subjectAltName", ()) if kind == "DNS"}
+    subject: Any = cert.get("subject", ())
+    sans: Any = cert.get("subjectAltName", ())
+    names = {str(value) for rdn in subject for key, value in rdn if key == "commonName"}
+    names |= {str(value) for kind, value in sans if kind == "DNS"}
     return names
 
 

@@ -16,14 +16,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import grpc
 
-from tierckpt.common.names import check_node
 from tierckpt.common.status import error_from_rpc
 from tierckpt.errors import DeadlineExceededError, FailedPreconditionError, TierckptError
 from tierckpt.v1 import peer_pb2 as ppb
@@ -32,6 +30,7 @@ from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 from ..config import DaemonConfig
 from ..knobs import KNOBS
 from . import Key, ring
+from .discovery import DnsDiscovery
 
 __all__ = ["Held", "PeerInfo", "Membership"]
 
@@ -108,11 +107,7 @@ class Membership:
         self._creds = tls_source.channel_credentials() if tls_source is not None else None
         self.peers: dict[str, PeerInfo] = {p.node_id: PeerInfo(p.node_id, p.host, p.port)
                                            for p in config.other_peers()}
-        self._dns: tuple[str, int] | None = None
-        if config.peers_dns:
-            name, _, port = config.peers_dns.rpartition(":")
-            self._dns = (name, int(port))
-        self._self_addrs: set[str] = set()
+        self._dns = DnsDiscovery(self, config.peers_dns) if config.peers_dns else None
         self._index: dict[tuple[str, int], frozenset[int]] = {}
         self._owned: dict[str, set[int]] = {}
         self._own: dict[str, set[int]] = {}
@@ -123,11 +118,12 @@ class Membership:
 
     def connect_all(self) -> None:
         for p in self.peers.values():
-            self._connect(p)
+            self.connect(p)
 
-    def _connect(self, p: PeerInfo) -> None:
-        opts = list(_CHANNEL_OPTIONS) + [("grpc.max_receive_message_length", self.config.max_message_bytes),
-                                         ("grpc.max_send_message_length", self.config.max_message_bytes)]
+    def connect(self, p: PeerInfo) -> None:
+        opts: list[tuple[str, Any]] = [*_CHANNEL_OPTIONS,
+                                       ("grpc.max_receive_message_length", self.config.max_message_bytes),
+                                       ("grpc.max_send_message_length", self.config.max_message_bytes)]
         if self._creds is not None:
             if p.tls_name:
                 opts.append(("grpc.ssl_target_name_override", p.tls_name))
@@ -145,7 +141,7 @@ class Membership:
         log.info("peer channels rebuilt with the reloaded certificates (generation %d)", self._tls_generation)
         for p in self.peers.values():
             old = p.channel
-            self._connect(p)
+            self.connect(p)
             if old is not None:
                 await old.close()
 
@@ -214,8 +210,10 @@ class Membership:
         restarted, cluster completeness changed)."""
         await self._rotate()
         if self._dns:
-            await self._discover()
+            await self._dns.discover()
         watched = self.watched()
+        if self.metrics:
+            self.metrics.known_peers(sorted(watched))  # series at zero, so rate() sees the first failure
         for n, p in self.peers.items():
             if n not in watched and p.held:
                 p.held, p.version = {}, 0  # left the neighbourhood: forget its catalog
@@ -284,44 +282,6 @@ class Membership:
                      KNOBS.fanout_deadline, ",".join(missed[:10]) + (" ..." if len(missed) > 10 else ""))
         return out, missed
 
-    # ------------------------------------------------------------------------------ discovery
-
-    async def _discover(self) -> None:
-        """Resolve --peers-dns and learn the node id behind each new address."""
-        assert self._dns is not None
-        name, port = self._dns
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
-        except OSError as e:
-            log.warning("peers_dns: cannot resolve %s: %s", name, e)
-            return
-        known = {p.host for p in self.peers.values()} | self._self_addrs
-        for addr in sorted({i[4][0] for i in infos} - known):
-            await self._probe(addr, port, name)
-
-    async def _probe(self, addr: str, port: int, name: str) -> None:
-        probe = PeerInfo("?", addr, port, tls_name=name if self._creds else None)
-        self._connect(probe)
-        try:
-            hello = await self.call(probe, "Hello", ppb.HelloRequest(node_id=self.node_id))
-            check_node(hello.node_id)
-        except TierckptError as e:
-            log.debug("peers_dns: %s did not answer: %s", addr, e)
-            await probe.channel.close()
-            return
-        if hello.node_id == self.node_id:
-            self._self_addrs.add(addr)
-            await probe.channel.close()
-            return
-        old = self.peers.get(hello.node_id)
-        if old is not None and old.channel is not None:
-            await old.channel.close()
-            log.info("peers_dns: node %s moved from %s to %s", hello.node_id, old.host, addr)
-        else:
-            log.info("peers_dns: discovered node %s at %s", hello.node_id, addr)
-        probe.node_id = hello.node_id
-        self.peers[hello.node_id] = probe
-
     # ------------------------------------------------------------------------------ views
 
     def ids(self) -> set[str]:
@@ -331,6 +291,26 @@ class Membership:
     def up_ids(self, *, include_self: bool = False) -> set[str]:
         up = {n for n, p in self.peers.items() if p.up}
         return up | {self.node_id} if include_self else up
+
+    def heard_from(self, node_id: str) -> None:
+        """A peer called this node: if it was down, ask it again at the next refresh (no backoff)."""
+        p = self.peers.get(node_id)
+        if p is not None and not p.up:
+            p.next_try = 0.0
+
+    async def adopt(self, p: PeerInfo) -> None:
+        """Add (or move) a discovered peer whose channel is already connected."""
+        old = self.peers.get(p.node_id)
+        if old is not None and old.channel is not None:
+            await old.channel.close()
+            log.info("peers_dns: node %s moved from %s to %s", p.node_id, old.host, p.host)
+        else:
+            log.info("peers_dns: discovered node %s at %s", p.node_id, p.host)
+        self.peers[p.node_id] = p
+
+    @property
+    def tls(self) -> bool:
+        return self._creds is not None
 
     def get(self, node_id: str) -> PeerInfo | None:
         return self.peers.get(node_id)

@@ -70,6 +70,9 @@ BUF_BYTES = 4 << 20
 CHUNK = BUF_BYTES
 """Run length of a split shard's pieces (one receive buffer, hashed while still in cache)."""
 IO_TIMEOUT = 60.0
+MIN_CHUNK = 1 << 20
+"""Smallest run a piece may ask for (unless the shard's rest is smaller): degenerate pieces
+(chunk = stride = 1) would cost a system call per byte."""
 """Seconds a blocked send or receive waits before the transfer is abandoned."""
 _LEN = struct.Struct(">I")
 
@@ -140,6 +143,8 @@ def check_piece(offset: int, chunk: int, stride: int, size: int) -> None:
         raise InvalidArgumentError("offset/chunk/stride: must be integers")
     if size and not (0 <= offset < size and 1 <= chunk <= stride):
         raise InvalidArgumentError(f"offset/chunk/stride: {offset}/{chunk}/{stride} do not fit a {size}-byte shard")
+    if size and chunk < min(MIN_CHUNK, size - offset):  # tiny runs cost a message each: refuse them
+        raise InvalidArgumentError(f"chunk: {chunk} bytes is below the minimum run of {MIN_CHUNK} bytes")
 
 
 class OrderedHasher:
@@ -314,7 +319,7 @@ class BulkServer:
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                conn, addr = self._sock.accept()
+                conn, addr = self._sock.accept()  # type: ignore[union-attr]  # set by start()
             except TimeoutError:
                 continue
             except OSError as e:

@@ -240,7 +240,7 @@ class Receiver:
         if self.check_identity is not None and node_id:
             self.check_identity(sock, node_id)
 
-    def _put(self, sock: socket.socket, ticket: str, shard: str, piece: tuple, buf: bytearray) -> None:
+    def _put(self, sock: socket.socket, ticket: str, shard: str, piece: tuple[Any, Any, Any], buf: bytearray) -> None:
         with self._lock:
             inb = self._inbound.get(ticket)
         if inb is None:
@@ -267,7 +267,7 @@ class Receiver:
             os.close(fd)
         bulk.send_msg(sock, {"ok": True})
 
-    def _get(self, sock: socket.socket, ticket: str, shard: str, piece: tuple, buf: bytearray) -> None:
+    def _get(self, sock: socket.socket, ticket: str, shard: str, piece: tuple[Any, Any, Any], buf: bytearray) -> None:
         now = time.monotonic()
         with self._lock:
             rd = self._readers.get(ticket)

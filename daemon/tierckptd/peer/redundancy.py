@@ -74,7 +74,7 @@ class Redundancy:
 
     def _window(self) -> list[Manifest]:
         """Every rank held here in its job's retention window."""
-        out = []
+        out: list[Manifest] = []
         for job in self.store.jobs():
             floor = retention_floor(self.store.complete_steps(job), self.store.keep_local)
             for step, ranks in self.store.steps(job).items():

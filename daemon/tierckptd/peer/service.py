@@ -33,6 +33,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
     async def Catalog(self, request: ppb.CatalogRequest, context: Any) -> ppb.CatalogResponse:
         if request.node_id:
             self.guard.check_claim(self.guard.identity(context), request.node_id, "node_id")
+            self.tier.cluster.heard_from(request.node_id)
         if request.job:
             check_job(request.job)
         return self.tier.local_catalog(request.job, request.since_version, request.since_instance)

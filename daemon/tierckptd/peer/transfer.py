@@ -113,12 +113,12 @@ class _Stream:
         what = f"peer {self.peer_id} bulk {self.op} {shard}"
         bulk.send_msg(sock, {"v": bulk.VERSION, "op": self.op, "ticket": self.ticket, "shard": shard,
                              "offset": off, "chunk": chunk, "stride": stride})
-        reply = bulk.raise_for(bulk.recv_msg(sock), what)
+        reply = bulk.raise_for(bulk.recv_msg(sock) or {}, what)
         if self.op == "put":
             with open(path, "rb") as fh:
                 for start, length in bulk.runs(off, chunk, stride, size):
                     bulk.send_range(sock, fh, start, length, buf)
-            bulk.raise_for(bulk.recv_msg(sock), what)
+            bulk.raise_for(bulk.recv_msg(sock) or {}, what)
             return
         expect = sum(n for _, n in bulk.runs(off, chunk, stride, size))
         if reply.get("length") != expect:

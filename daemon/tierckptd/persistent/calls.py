@@ -18,7 +18,7 @@ import concurrent.futures as cf
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tierckpt.errors import UnavailableError
 
@@ -64,7 +64,7 @@ class DaemonThreads(cf.Executor):
             if outcome[0]:
                 fut.set_result(outcome[1])
             else:
-                fut.set_exception(outcome[1])
+                fut.set_exception(cast(BaseException, outcome[1]))
 
         with self._lock:
             self.active += 1

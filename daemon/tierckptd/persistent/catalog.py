@@ -122,6 +122,7 @@ class Catalog:
 
     async def _refresh(self, job: str, epoch: int) -> None:
         """List the job's manifests into the cache (a task: errors are recorded, not raised)."""
+        entry: tuple[float, int, dict[int, dict[int, int]] | None, str]
         try:
             entry = (time.monotonic(), epoch, await self.list_steps(job, KNOBS.catalog_retry), "")
         except (BackendError, UnavailableError) as err:

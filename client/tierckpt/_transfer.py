@@ -1,0 +1,179 @@
+"""The same-node data path of the client: copying into staging files, mapping restored shards.
+
+Saves copy each buffer straight into the daemon's staging files (a memcpy into kept maps of
+recycled files, else pwrite); restores map the committed files copy-on-write, or read them over
+gRPC when the client does not share the daemon's filesystem.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import errno
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from ._buffers import ShardBuffer
+from .common import checksum as _checksum
+from .common.fileio import digest_file, pwrite_all
+from .common.status import error_from_rpc
+from .errors import CapacityError, DataLossError, NotFoundError, TierckptError
+from .v1 import tierckpt_pb2 as pb
+
+__all__ = ["StagingMaps", "copy_into", "map_verified", "read_stream", "hash_staged"]
+
+_COPY_PIECE = 64 << 20
+"""Bytes per copy task: large shards are split so that several I/O threads copy them."""
+
+
+class StagingMaps:
+    """Writable maps of recycled staging files, by inode, kept for the files of recent saves.
+
+    The daemon recycles the files of evicted steps for saves of the same sizes, so a steady save
+    loop cycles through a fixed set of inodes; keeping their maps makes each save a memcpy into
+    mapped, faulted-in pages. A map not used for ``keep`` saves is dropped (a dropped file's
+    pages are freed only once its map is gone, which bounds what the cache can pin).
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._save = 0
+        self._maps: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
+        self._lock = threading.Lock()
+
+    def new_save(self) -> None:
+        with self._lock:
+            self._save += 1
+            for key in [k for k, (_, used) in self._maps.items() if self._save - used > self.keep]:
+                del self._maps[key]  # closed when the last in-flight user drops it
+
+    def get(self, path: str, size: int) -> mmap.mmap:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            with self._lock:
+                hit = self._maps.get(key)
+                if hit is not None and len(hit[0]) == size:
+                    self._maps[key] = (hit[0], self._save)
+                    return hit[0]
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with self._lock:
+                self._maps[key] = (mm, self._save)
+            return mm
+        finally:
+            os.close(fd)
+
+
+def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer],
+              staged: dict[str, pb.StagedShard]) -> dict[str, Any]:
+    """Copy each buffer into its staging file; returns the writable maps used (for hashing).
+
+    A recycled staging file (pages already faulted in) is mapped and the copy is a plain
+    memcpy; the map is kept for the next saves, so a steady save loop reuses it without
+    page-table work. A fresh file is filled with pwrite, which allocates pages faster than
+    first-touch faults through a map.
+    """
+    kept.new_save()
+    fds: dict[str, int] = {}
+    maps: dict[str, Any] = {}
+    try:
+        pieces: list[tuple] = []
+        for b in buffers:
+            s = staged[b.name]
+            mm = kept.get(s.path, b.nbytes) if s.recycled and b.nbytes else None
+            if mm is not None:
+                maps[b.name] = mm
+                dst = np.frombuffer(mm, dtype=np.uint8)
+                src = np.frombuffer(b.view, dtype=np.uint8)
+                for off in range(0, b.nbytes, _COPY_PIECE):
+                    pieces.append((np.copyto, dst[off : off + _COPY_PIECE], src[off : off + _COPY_PIECE]))
+                continue
+            fds[b.name] = os.open(s.path, os.O_WRONLY)
+            for off in range(0, b.nbytes, _COPY_PIECE):
+                pieces.append((pwrite_all, fds[b.name], b.view[off : off + _COPY_PIECE], off))
+        futs = [io.submit(*p) for p in pieces]
+        try:
+            for f in futs:
+                f.result()
+        finally:
+            # No piece may outlive this call: the fds are closed below and their numbers
+            # reused by the next open, which a late pwrite would then write into.
+            for f in futs:
+                f.cancel()
+            cf.wait(futs)
+    except FileNotFoundError as e:
+        raise TierckptError(f"staging file vanished (the save was aborted or expired): {e.filename}") from None
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise CapacityError(f"local_dir is full while staging: {e}") from None
+        raise TierckptError(f"copying into the staging file failed: {e}") from None
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return maps
+
+
+def map_verified(job: str, step: int, rank: int, s: pb.RestoredShard, advance: Callable[[int], None],
+                 verify: bool) -> Any:
+    """Map a restored shard of the shared local dir copy-on-write, verifying it when asked."""
+    if s.size == 0:
+        buf: Any = b""
+    else:
+        try:
+            fd = os.open(s.path, os.O_RDONLY)
+        except FileNotFoundError:  # evicted or re-saved since the daemon answered (not corrupt)
+            raise NotFoundError(f"{job} step {step} rank {rank} shard {s.name!r}: the local copy was removed "
+                                "while restoring") from None
+        try:
+            # Private (copy-on-write) map: reads share the page cache with the stored file;
+            # a caller that writes into a tensor made from it gets private pages instead of a
+            # crash, and the stored copy never changes. (No MAP_POPULATE: on a private
+            # writable map it would copy every page.)
+            buf = mmap.mmap(fd, s.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except ValueError:  # the file is shorter than the manifest says
+            raise DataLossError(f"{job} step {step} rank {rank} shard {s.name!r}: the local copy is shorter "
+                                f"than {s.size} bytes") from None
+        finally:
+            os.close(fd)
+    if verify:
+        actual = _checksum.digest(buf)
+        if actual != s.checksum:
+            raise DataLossError(f"{job} step {step} rank {rank} shard {s.name!r}: checksum mismatch "
+                                f"(expected {s.checksum}, got {actual})")
+    advance(s.size)
+    return buf
+
+
+def read_stream(stub: Any, address: str, job: str, step: int, rank: int, s: pb.RestoredShard,
+                advance: Callable[[int], None]) -> bytearray:
+    """Read a restored shard over gRPC (no shared dir), verifying it."""
+    buf = bytearray(s.size)
+    h = _checksum.new()
+    req = pb.ReadShardRequest(job=job, step=step, rank=rank, shard=s.name)
+    try:
+        got = 0
+        for chunk in stub.ReadShard(req, timeout=None):
+            n = len(chunk.data)
+            if chunk.offset != got or got + n > s.size:
+                raise DataLossError(f"shard {s.name!r}: out-of-order or oversized stream at {chunk.offset}")
+            buf[got : got + n] = chunk.data
+            h.update(chunk.data)
+            got += n
+            advance(n)
+    except grpc.RpcError as e:
+        raise error_from_rpc(e, f"ReadShard at {address}") from None
+    if got != s.size or h.hexdigest() != s.checksum:
+        raise DataLossError(f"{job} step {step} rank {rank} shard {s.name!r}: checksum mismatch after streaming")
+    return buf
+
+
+def hash_staged(target: str | mmap.mmap, size: int) -> str:
+    """Checksum of a staged shard: through the kept map when there is one, else from the file."""
+    return _checksum.digest(target) if isinstance(target, mmap.mmap) else digest_file(target, size)
