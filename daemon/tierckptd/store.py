@@ -14,14 +14,12 @@ manifest (a re-save of the same step replaces it atomically; the old data files 
 after the rename). At start-up the catalog is rebuilt from the manifests; staging leftovers and
 rank directories without a manifest are reclaimed.
 
-Recycling: first-touch page faults make writing a fresh tmpfs file 3-5x slower than overwriting
-one whose pages exist. Data files of evicted steps go to ``recycle/`` and a later save with a
-shard of exactly the same size reuses one. Files ever handed to a reader (restore maps them) are
-never recycled, since a reader's mapping would see the new bytes; after a restart every file
-counts as lent.
+Pieces: :mod:`.catalog` (in-memory state), :mod:`.retention` (which steps go),
+:mod:`.recycle` (reuse of evicted files), :mod:`.staging` (open saves), :mod:`.localfs`.
 
-Thread safety: every public method may be called from any thread (the server calls them through
-``asyncio.to_thread``). One lock guards the in-memory state; long file I/O happens outside it.
+Thread safety: every public method may be called from any thread (the daemon calls them through
+:func:`tierckptd.offload.run_blocking`). One lock guards the in-memory state; long file I/O
+happens outside it.
 """
 
 from __future__ import annotations
@@ -34,65 +32,31 @@ import secrets
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from tierckpt.common.fileio import atomic_write, digest_file, fsync_path, pwrite_all, write_temp
-from tierckpt.common.names import (
-    MAX_METADATA_BYTES,
-    MAX_SHARDS_PER_RANK,
-    check_job,
-    check_rank,
-    check_shard,
-    check_size,
-    check_step,
-)
-from tierckpt.errors import (
-    CapacityError,
-    DataLossError,
-    InvalidArgumentError,
-)
+from tierckpt.common.names import MAX_METADATA_BYTES, check_job, check_rank, check_step
+from tierckpt.errors import CapacityError, DataLossError, InvalidArgumentError
 
+from .catalog import Catalog, CompletenessFn
+from .localfs import fs_is_tmpfs, rmdir_if_empty, rmdir_quiet
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
+from .recycle import RecyclePool
+from .retention import Eviction
+from .staging import ShardSpec, StagedFile, Staging, check_specs
 
-__all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "fs_is_tmpfs"]
+__all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs"]
 
 log = logging.getLogger(__name__)
 
 _STEP_W = 20
 _RANK_PREFIX = "rank-"
 
-
-@dataclass
-class StagedFile:
-    name: str
-    size: int
-    path: Path
-    dtype: str = ""
-    shape: tuple[int, ...] = ()
-    recycled: bool = False
-    written: int = 0  # bytes received through write_chunk (stream transfers)
-
-
-@dataclass
-class Staging:
-    """One open save: reserved capacity and staging files for one rank of one step."""
-
-    save_id: str
-    job: str
-    step: int
-    rank: int
-    world_size: int
-    files: dict[str, StagedFile]
-    dir: Path
-    stream: bool
-    created: float = field(default_factory=time.monotonic)
-    begun_wall: float = field(default_factory=time.time)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(f.size for f in self.files.values())
+# Kept importable under their old private names for modules and tests that used them.
+_rmdir_quiet = rmdir_quiet
+_rmdir_if_empty = rmdir_if_empty
 
 
 @dataclass(frozen=True)
@@ -111,36 +75,16 @@ class Usage:
         return max(0, self.capacity - self.used)
 
 
-@dataclass(frozen=True)
-class Eviction:
-    job: str
-    step: int
-    ranks: tuple[int, ...]
-    reason: str  # "retention" | "capacity" | "capacity_undrained" | "replaced"
-
-
-CompletenessFn = Callable[[str, int, int, set[int]], bool]
-
-
-def _local_complete(job: str, step: int, world_size: int, ranks: set[int]) -> bool:
-    return len(ranks) == world_size
-
-
-def fs_is_tmpfs(path: str | os.PathLike) -> bool:
-    """True if ``path`` lives on tmpfs/ramfs (where fsync buys nothing)."""
-    target = os.path.realpath(path)
-    best, fstype = "", ""
-    try:
-        with open("/proc/self/mountinfo") as fh:
-            for line in fh:
-                parts = line.split()
-                mount = parts[4]
-                fs = parts[parts.index("-") + 1]
-                if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
-                    best, fstype = mount, fs
-    except (OSError, ValueError, IndexError):
-        return False
-    return fstype in ("tmpfs", "ramfs")
+def _check_digests(save_id: str, files: Iterable[str], digests: dict[str, str], metadata_json: str) -> None:
+    if len(metadata_json.encode()) > MAX_METADATA_BYTES:
+        raise InvalidArgumentError(f"metadata: larger than {MAX_METADATA_BYTES} bytes")
+    missing = set(files) - set(digests)
+    extra = set(digests) - set(files)
+    if missing or extra:
+        raise InvalidArgumentError(f"digests: missing {sorted(missing)} / unknown {sorted(extra)} for save {save_id}")
+    for name, d in digests.items():
+        if not isinstance(d, str) or len(d) != 16 or any(c not in "0123456789abcdef" for c in d):
+            raise InvalidArgumentError(f"digests[{name}].checksum: {d!r} is not 16 lowercase hex digits")
 
 
 class LocalStore:
@@ -180,21 +124,23 @@ class LocalStore:
         self.max_shard_bytes = max_shard_bytes
         self.fs_token = ""
         self._lock = threading.RLock()
-        # (job) -> step -> rank -> Manifest
-        self._catalog: dict[str, dict[int, dict[int, Manifest]]] = {}
+        self._catalog = Catalog(is_complete)
         self._open: dict[str, Staging] = {}
         self._open_by_key: dict[tuple[str, int, int], str] = {}
-        self._recycle: dict[int, list[Path]] = {}
+        self._recycle = RecyclePool(self.root / "recycle")
         self._last_begin = time.monotonic()
         self._lock_fd: int | None = None
-        self._recycle_bytes = 0
-        self._recyclable: set[Path] = set()
-        self._committed_bytes = 0
         self._committing_bytes = 0  # saves between leaving _open and entering the catalog
-        self._pins: dict[tuple[str, int], set[str]] = {}
-        self._is_complete: CompletenessFn = is_complete or _local_complete
         self._on_evict = on_evict
         self.counters: dict[str, int] = {"staging_reclaimed": 0, "evictions_capacity_undrained": 0}
+
+    @property
+    def _is_complete(self) -> CompletenessFn:
+        return self._catalog.is_complete
+
+    @_is_complete.setter
+    def _is_complete(self, fn: CompletenessFn) -> None:  # peer.py still assigns it (interim)
+        self._catalog.is_complete = fn
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -220,8 +166,7 @@ class LocalStore:
         for entry in (self.root / "staging").iterdir():
             shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
             reclaimed += 1
-        for entry in (self.root / "recycle").iterdir():
-            entry.unlink(missing_ok=True)
+        self._recycle.clear_directory()
         if reclaimed:
             log.info("reclaimed %d staging leftovers of a previous run", reclaimed)
             self.counters["staging_reclaimed"] += reclaimed
@@ -258,11 +203,10 @@ class LocalStore:
                         shutil.rmtree(rank_dir, ignore_errors=True)
                         dropped += 1
                         continue
-                    self._catalog.setdefault(man.job, {}).setdefault(man.step, {})[man.rank] = man
-                    self._committed_bytes += man.nbytes
+                    self._catalog.add(man, man.nbytes)
                     loaded += 1
-                _rmdir_if_empty(step_dir)
-            _rmdir_if_empty(job_dir)
+                rmdir_if_empty(step_dir)
+            rmdir_if_empty(job_dir)
         log.info("catalog rebuilt: %d committed ranks, %d uncommitted leftovers removed", loaded, dropped)
 
     def _load_rank_dir(self, rank_dir: Path) -> Manifest | None:
@@ -300,16 +244,8 @@ class LocalStore:
 
     # ----------------------------------------------------------------------------- saving
 
-    def begin(
-        self,
-        job: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        specs: Sequence[tuple[str, int, str, Sequence[int]]],
-        *,
-        stream: bool = False,
-    ) -> Staging:
+    def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
+              stream: bool = False) -> Staging:
         """Reserve capacity and create sized staging files for one rank's shards.
 
         Args:
@@ -323,51 +259,17 @@ class LocalStore:
         check_job(job)
         check_step(step)
         check_rank(rank, world_size)
-        if not specs:
-            raise InvalidArgumentError("shards: at least one shard is required")
-        if len(specs) > MAX_SHARDS_PER_RANK:
-            raise InvalidArgumentError(f"shards: at most {MAX_SHARDS_PER_RANK} shards per rank")
-        names: set[str] = set()
-        for name, size, _dtype, _shape in specs:
-            check_shard(name, "shards.name")
-            check_size(size, f"shards[{name}].size", self.max_shard_bytes)
-            if name in names:
-                raise InvalidArgumentError(f"shards.name: {name!r} appears twice")
-            names.add(name)
-        total = sum(s[1] for s in specs)
+        check_specs(specs, self.max_shard_bytes)
         save_id = secrets.token_hex(8)
         sdir = self.root / "staging" / save_id
+        staging = Staging(save_id=save_id, job=job, step=step, rank=rank, world_size=world_size,
+                          files={}, dir=sdir, stream=stream)
+        for name, size, dtype, shape in specs:
+            staging.files[name] = StagedFile(name, size, sdir / name, dtype, tuple(int(d) for d in shape))
         with self._lock:
-            self._last_begin = time.monotonic()
-            older = self._open_by_key.get((job, step, rank))
-            if older is not None:
-                log.info("save %s of %s/%d/%d superseded by a new save; aborting it", older, job, step, rank)
-                self._abort_locked(older)
-            self._make_room_locked(total)
-            reused: dict[str, Path] = {}
-            for name, size, _d, _s in specs:
-                pool = self._recycle.get(size)
-                if pool and size > 0:
-                    reused[name] = pool.pop()
-                    self._recycle_bytes -= size
-            staging = Staging(
-                save_id=save_id, job=job, step=step, rank=rank, world_size=world_size,
-                files={}, dir=sdir, stream=stream,
-            )
-            for name, size, dtype, shape in specs:
-                staging.files[name] = StagedFile(
-                    name, size, sdir / name, dtype, tuple(int(d) for d in shape), recycled=name in reused
-                )
-            self._open[save_id] = staging
-            self._open_by_key[(job, step, rank)] = save_id
+            reused = self._reserve_locked(staging)
         try:
-            sdir.mkdir()
-            for f in staging.files.values():
-                if f.recycled:
-                    os.rename(reused[f.name], f.path)
-                else:
-                    with open(f.path, "xb") as fh:
-                        os.ftruncate(fh.fileno(), f.size)
+            self._create_staging_files(staging, reused)
         except OSError as e:
             self.abort(save_id)
             for path in reused.values():  # taken from the pool (and its bytes) but not moved yet
@@ -376,6 +278,36 @@ class LocalStore:
                 raise CapacityError(f"local_dir {self.root} is full: {e.strerror}") from e
             raise
         return staging
+
+    def _reserve_locked(self, staging: Staging) -> dict[str, Path]:
+        """Supersede an older open save of the rank, make room, take recycled files, register."""
+        self._last_begin = time.monotonic()
+        key = (staging.job, staging.step, staging.rank)
+        older = self._open_by_key.get(key)
+        if older is not None:
+            log.info("save %s of %s/%d/%d superseded by a new save; aborting it", older, *key)
+            self._abort_locked(older)
+        self._make_room_locked(staging.nbytes)
+        reused: dict[str, Path] = {}
+        for f in staging.files.values():
+            path = self._recycle.take(f.size)
+            if path is not None:
+                reused[f.name] = path
+                f.recycled = True
+        self._open[staging.save_id] = staging
+        self._open_by_key[key] = staging.save_id
+        return reused
+
+    @staticmethod
+    def _create_staging_files(staging: Staging, reused: dict[str, Path]) -> None:
+        staging.dir.mkdir()
+        for f in staging.files.values():
+            if f.recycled:
+                os.rename(reused[f.name], f.path)
+                del reused[f.name]  # moved: aborting the save removes it now
+            else:
+                with open(f.path, "xb") as fh:
+                    os.ftruncate(fh.fileno(), f.size)
 
     def get_staging(self, save_id: str) -> Staging:
         with self._lock:
@@ -398,19 +330,9 @@ class LocalStore:
         pwrite_all(fd, memoryview(data), offset)
         f.written += len(data)
 
-    def commit(
-        self,
-        save_id: str,
-        digests: dict[str, str],
-        metadata_json: str = "{}",
-        *,
-        persist: bool = False,
-        verify: bool = False,
-        node: str | None = None,
-        generation: str | None = None,
-        created: float | None = None,
-        pin: str | None = None,
-    ) -> tuple[Manifest, list[Eviction]]:
+    def commit(self, save_id: str, digests: dict[str, str], metadata_json: str = "{}", *, persist: bool = False,
+               verify: bool = False, node: str | None = None, generation: str | None = None,
+               created: float | None = None, pin: str | None = None) -> tuple[Manifest, list[Eviction]]:
         """Publish an open save: move its files into place and write the manifest last.
 
         Args:
@@ -425,98 +347,93 @@ class LocalStore:
             The manifest and the evictions that retention made afterwards.
         """
         st = self.get_staging(save_id)
-        if len(metadata_json.encode()) > MAX_METADATA_BYTES:
-            raise InvalidArgumentError(f"metadata: larger than {MAX_METADATA_BYTES} bytes")
-        missing = set(st.files) - set(digests)
-        extra = set(digests) - set(st.files)
-        if missing or extra:
-            raise InvalidArgumentError(
-                f"digests: missing {sorted(missing)} / unknown {sorted(extra)} for save {save_id}"
-            )
-        for name, d in digests.items():
-            if not isinstance(d, str) or len(d) != 16 or any(c not in "0123456789abcdef" for c in d):
-                raise InvalidArgumentError(f"digests[{name}].checksum: {d!r} is not 16 lowercase hex digits")
+        _check_digests(save_id, st.files, digests, metadata_json)
+        self._check_staged(st, digests, verify=verify or st.stream)
+        self._take_for_commit(st)
+        man = Manifest(
+            job=st.job, step=st.step, rank=st.rank, world_size=st.world_size,
+            node=node or self.node_id, generation=generation or save_id,
+            shards=tuple(ShardEntry(f.name, f.size, digests[f.name], f.dtype, f.shape, f"{f.name}.{save_id}")
+                         for f in st.files.values()),
+            metadata_json=metadata_json, created=created if created is not None else time.time(), persist=persist,
+        )
+        rdir = self._rank_dir(st.job, st.step, st.rank)
+        tmp = self._place_files(st, rdir, man)
+        with self._lock:
+            self._committing_bytes -= st.nbytes
+            evictions = self._publish_locked(st, man, rdir, tmp, pin)
+        if self.fsync:
+            fsync_path(rdir)
+        self._notify(evictions)
+        return man, evictions
+
+    def _check_staged(self, st: Staging, digests: dict[str, str], *, verify: bool) -> None:
+        """Stream transfers must be whole; with ``verify``, the staged bytes must hash to the digests."""
         if st.stream:
             short = [f.name for f in st.files.values() if f.written < f.size]
             if short:
-                self.abort(save_id)
+                self.abort(st.save_id)
                 raise InvalidArgumentError(f"shard: {short} received fewer bytes than their declared size")
-        if verify or st.stream:
-            for f in st.files.values():
-                actual = digest_file(f.path, f.size)
-                if actual != digests[f.name]:
-                    self.abort(save_id)
-                    raise DataLossError(
-                        f"checksum mismatch for {st.job}/{st.step}/rank {st.rank}/{f.name}: "
-                        f"expected {digests[f.name]}, got {actual}"
-                    )
+        if not verify:
+            return
+        for f in st.files.values():
+            actual = digest_file(f.path, f.size)
+            if actual != digests[f.name]:
+                self.abort(st.save_id)
+                raise DataLossError(f"checksum mismatch for {st.job}/{st.step}/rank {st.rank}/{f.name}: "
+                                    f"expected {digests[f.name]}, got {actual}")
+
+    def _take_for_commit(self, st: Staging) -> None:
+        """Move the save from the open ones to the committing ones (its bytes stay counted)."""
         with self._lock:
-            if self._open.get(save_id) is not st:
-                raise InvalidArgumentError(f"save_id: {save_id!r} was aborted or superseded")
-            del self._open[save_id]
-            if self._open_by_key.get((st.job, st.step, st.rank)) == save_id:
+            if self._open.get(st.save_id) is not st:
+                raise InvalidArgumentError(f"save_id: {st.save_id!r} was aborted or superseded")
+            del self._open[st.save_id]
+            if self._open_by_key.get((st.job, st.step, st.rank)) == st.save_id:
                 del self._open_by_key[(st.job, st.step, st.rank)]
             self._committing_bytes += st.nbytes
-        gen = generation or save_id
-        man = Manifest(
-            job=st.job, step=st.step, rank=st.rank, world_size=st.world_size,
-            node=node or self.node_id, generation=gen,
-            shards=tuple(
-                ShardEntry(f.name, f.size, digests[f.name], f.dtype, f.shape, f"{f.name}.{save_id}")
-                for f in st.files.values()
-            ),
-            metadata_json=metadata_json, created=created if created is not None else time.time(),
-            persist=persist,
-        )
-        rdir = self._rank_dir(st.job, st.step, st.rank)
+
+    def _place_files(self, st: Staging, rdir: Path, man: Manifest) -> Path:
+        """Rename the staged files into the rank directory and write the manifest under a temporary name."""
         try:
             rdir.mkdir(parents=True, exist_ok=True)
             for f in st.files.values():
-                target = rdir / f"{f.name}.{save_id}"
                 if self.fsync:
                     fsync_path(f.path)
-                os.rename(f.path, target)
+                os.rename(f.path, rdir / f"{f.name}.{st.save_id}")
             if self.fsync:
                 fsync_path(rdir)
-            tmp = write_temp(rdir / MANIFEST_NAME, man.to_json(), fsync=self.fsync)
+            return write_temp(rdir / MANIFEST_NAME, man.to_json(), fsync=self.fsync)
         except BaseException as e:
             with self._lock:
                 self._committing_bytes -= st.nbytes
             if isinstance(e, OSError):
                 shutil.rmtree(st.dir, ignore_errors=True)
                 for f in st.files.values():
-                    (rdir / f"{f.name}.{save_id}").unlink(missing_ok=True)
+                    (rdir / f"{f.name}.{st.save_id}").unlink(missing_ok=True)
             raise
         finally:
             _rmdir_quiet(st.dir)
-        evictions: list[Eviction] = []
-        with self._lock:
-            self._committing_bytes -= st.nbytes
-            # The manifest goes into place in the critical section that updates the catalog, so
-            # overlapping commits of one rank (and evictions) change disk and catalog in one order.
-            try:
-                os.rename(tmp, rdir / MANIFEST_NAME)
-            except OSError:
-                tmp.unlink(missing_ok=True)
-                for f in st.files.values():
-                    (rdir / f"{f.name}.{save_id}").unlink(missing_ok=True)
-                raise
-            by_rank = self._catalog.setdefault(st.job, {}).setdefault(st.step, {})
-            old = by_rank.get(st.rank)
-            by_rank[st.rank] = man
-            self._committed_bytes += man.nbytes
+
+    def _publish_locked(self, st: Staging, man: Manifest, rdir: Path, tmp: Path, pin: str | None) -> list[Eviction]:
+        # The manifest goes into place in the critical section that updates the catalog, so
+        # overlapping commits of one rank (and evictions) change disk and catalog in one order.
+        try:
+            os.rename(tmp, rdir / MANIFEST_NAME)
+        except OSError:
+            tmp.unlink(missing_ok=True)
             for f in st.files.values():
-                self._recyclable.add(rdir / f"{f.name}.{save_id}")
-            if old is not None:
-                self._committed_bytes -= old.nbytes
-                self._release_files_locked(rdir, old)
-            if pin:
-                self._pins.setdefault((st.job, st.step), set()).add(pin)
-            evictions = self._retain_locked(st.job)
-        if self.fsync:
-            fsync_path(rdir)
-        self._notify(evictions)
-        return man, evictions
+                (rdir / f"{f.name}.{st.save_id}").unlink(missing_ok=True)
+            raise
+        old = self._catalog.add(man, man.nbytes)
+        for f in st.files.values():
+            self._recycle.mark_recyclable(rdir / f"{f.name}.{st.save_id}")
+        if old is not None:
+            self._catalog.uncharge(old.nbytes)
+            self._release_files_locked(rdir, old)
+        if pin:
+            self._catalog.pin(st.job, st.step, pin)
+        return self._retain_locked(st.job)
 
     def abort(self, save_id: str) -> None:
         """Drop an open save and its staging files. Idempotent."""
@@ -542,10 +459,10 @@ class LocalStore:
                             sid, st.job, st.step, st.rank, now - st.created)
                 self._abort_locked(sid)
             self.counters["staging_reclaimed"] += len(expired)
-            if self._recycle_bytes and now - self._last_begin > timeout:
+            if self._recycle.bytes and now - self._last_begin > timeout:
                 # No save for that long (the job ended or moved): give the pool's pages back.
-                log.info("no save for %.0fs: releasing %d recycled bytes", now - self._last_begin, self._recycle_bytes)
-                self._drop_recycle_locked(self._recycle_bytes)
+                log.info("no save for %.0fs: releasing %d recycled bytes", now - self._last_begin, self._recycle.bytes)
+                self._recycle.drop(self._recycle.bytes)
             return len(expired)
 
     def open_saves(self) -> int:
@@ -556,56 +473,50 @@ class LocalStore:
 
     def get(self, job: str, step: int, rank: int) -> Manifest | None:
         with self._lock:
-            return self._catalog.get(job, {}).get(step, {}).get(rank)
+            return self._catalog.get(job, step, rank)
 
     def lend(self, man: Manifest) -> list[Path]:
         """Paths of a rank's data files for a reader to map; they are never recycled afterwards."""
         rdir = self._rank_dir(man.job, man.step, man.rank)
         paths = [rdir / s.file for s in man.shards]
         with self._lock:
-            self._recyclable.difference_update(paths)
+            self._recycle.lent(paths)
         return paths
 
     def jobs(self) -> list[str]:
         with self._lock:
-            return sorted(self._catalog)
+            return self._catalog.jobs()
 
     def steps(self, job: str) -> dict[int, dict[int, Manifest]]:
         """Snapshot: step -> rank -> manifest."""
         with self._lock:
-            return {s: dict(r) for s, r in self._catalog.get(job, {}).items()}
+            return self._catalog.steps(job)
 
     def complete_steps(self, job: str) -> list[int]:
         with self._lock:
-            return self._complete_locked(job)
-
-    def _complete_locked(self, job: str) -> list[int]:
-        out = []
-        for step, ranks in self._catalog.get(job, {}).items():
-            world = next(iter(ranks.values())).world_size
-            if self._is_complete(job, step, world, set(ranks)):
-                out.append(step)
-        return sorted(out)
+            return self._catalog.complete(job)
 
     def usage(self) -> Usage:
         with self._lock:
-            staging = sum(st.nbytes for st in self._open.values()) + self._committing_bytes
-            return Usage(self.capacity, self._committed_bytes, staging, self._recycle_bytes)
+            return Usage(self.capacity, self._catalog.committed_bytes, self._staging_bytes_locked(),
+                         self._recycle.bytes)
+
+    def _staging_bytes_locked(self) -> int:
+        return sum(st.nbytes for st in self._open.values()) + self._committing_bytes
+
+    def _used_locked(self) -> int:
+        return self._catalog.committed_bytes + self._staging_bytes_locked() + self._recycle.bytes
 
     # ----------------------------------------------------------------------------- retention
 
     def pin(self, job: str, step: int, reason: str) -> None:
         """Protect a step from retention (e.g. "drain" while waiting for the persistent tier)."""
         with self._lock:
-            self._pins.setdefault((job, step), set()).add(reason)
+            self._catalog.pin(job, step, reason)
 
     def unpin(self, job: str, step: int, reason: str) -> None:
         with self._lock:
-            reasons = self._pins.get((job, step))
-            if reasons is not None:
-                reasons.discard(reason)
-                if not reasons:
-                    del self._pins[(job, step)]
+            self._catalog.unpin(job, step, reason)
             evictions = self._retain_locked(job)
         self._notify(evictions)
 
@@ -616,43 +527,23 @@ class LocalStore:
         return evictions
 
     def _retain_locked(self, job: str) -> list[Eviction]:
-        complete = self._complete_locked(job)
-        # Steps older than the keep_local-th newest complete one go, complete or not: with
-        # cluster-wide completeness, other nodes' retention may already have made them partial.
-        if len(complete) < self.keep_local:
-            return []
-        oldest_kept = complete[-self.keep_local]
-        out = []
-        for step in sorted(self._catalog.get(job, {})):
-            if step >= oldest_kept:
-                break
-            if (job, step) in self._pins:
-                continue
-            out.append(self._evict_locked(job, step, "retention"))
-        return out
+        return [self._evict_locked(job, step, "retention")
+                for step in self._catalog.retention_victims(job, self.keep_local)]
 
     def _make_room_locked(self, need: int) -> None:
-        usage = Usage(self.capacity, self._committed_bytes,
-                      sum(st.nbytes for st in self._open.values()) + self._committing_bytes, self._recycle_bytes)
         if need > self.capacity:
             raise CapacityError(f"shards: {need} bytes exceed local_capacity {self.capacity}")
-        if usage.used + need <= self.capacity:
+        if self._used_locked() + need <= self.capacity:
             return
         # 1) recycled files, 2) old steps already safe, 3) old steps still waiting to be drained.
-        self._drop_recycle_locked(usage.used + need - self.capacity)
+        self._recycle.drop(self._used_locked() + need - self.capacity)
         evictions: list[Eviction] = []
         for allow_pinned in (False, True):
-            for job, step in self._evictable_locked(allow_pinned):
+            for job, step in self._catalog.capacity_order(allow_pinned=allow_pinned):
                 if self._used_locked() + need <= self.capacity:
                     break
-                pinned = (job, step) in self._pins
-                if pinned:
-                    log.error("local tier full: evicting %s step %d before it was drained (%s)",
-                              job, step, ",".join(sorted(self._pins[(job, step)])))
-                    self.counters["evictions_capacity_undrained"] += 1
-                    self._pins.pop((job, step), None)
-                evictions.append(self._evict_locked(job, step, "capacity_undrained" if pinned else "capacity"))
-                self._drop_recycle_locked(self._used_locked() + need - self.capacity)
+                evictions.append(self._evict_for_capacity_locked(job, step))
+                self._recycle.drop(self._used_locked() + need - self.capacity)
         if evictions:
             threading.Thread(target=self._notify, args=(evictions,), daemon=True).start()
         if self._used_locked() + need > self.capacity:
@@ -661,40 +552,22 @@ class LocalStore:
                 f"({self._used_locked()} used by the newest complete and in-progress steps)"
             )
 
-    def _used_locked(self) -> int:
-        return (self._committed_bytes + sum(st.nbytes for st in self._open.values()) + self._committing_bytes
-                + self._recycle_bytes)
-
-    def _evictable_locked(self, allow_pinned: bool) -> list[tuple[str, int]]:
-        """Steps that capacity may evict, oldest first: never a job's newest complete step nor
-        a step newer than it (possibly still being saved)."""
-        cands: list[tuple[float, str, int]] = []
-        for job, steps in self._catalog.items():
-            complete = self._complete_locked(job)
-            if not complete:
-                continue
-            newest = complete[-1]
-            for step, ranks in steps.items():
-                if step >= newest:
-                    continue
-                if not allow_pinned and (job, step) in self._pins:
-                    continue
-                created = min(m.created for m in ranks.values())
-                cands.append((created, job, step))
-        return [(j, s) for _, j, s in sorted(cands)]
+    def _evict_for_capacity_locked(self, job: str, step: int) -> Eviction:
+        pins = self._catalog.pins(job, step)
+        if pins:
+            log.error("local tier full: evicting %s step %d before it was drained (%s)", job, step,
+                      ",".join(sorted(pins)))
+            self.counters["evictions_capacity_undrained"] += 1
+            self._catalog.drop_pins(job, step)
+        return self._evict_locked(job, step, "capacity_undrained" if pins else "capacity")
 
     def _evict_locked(self, job: str, step: int, reason: str) -> Eviction:
-        ranks = self._catalog.get(job, {}).pop(step, {})
+        ranks = self._catalog.pop_step(job, step)
         for rank, man in ranks.items():
-            self._committed_bytes -= man.nbytes
-            rdir = self._rank_dir(job, step, rank)
-            (rdir / MANIFEST_NAME).unlink(missing_ok=True)  # uncommit first
-            self._release_files_locked(rdir, man)
-            _rmdir_quiet(rdir)
-        step_dir = self.root / "jobs" / job / f"{step:0{_STEP_W}d}"
-        _rmdir_quiet(step_dir)
-        if not self._catalog.get(job):
-            self._catalog.pop(job, None)
+            self._catalog.uncharge(man.nbytes)
+            self._remove_rank_files_locked(man)
+        _rmdir_quiet(self.root / "jobs" / job / f"{step:0{_STEP_W}d}")
+        if not self._catalog.has_job(job):
             _rmdir_quiet(self.root / "jobs" / job)
         log.info("evicted %s step %d (%d ranks, %s)", job, step, len(ranks), reason)
         return Eviction(job, step, tuple(sorted(ranks)), reason)
@@ -703,61 +576,28 @@ class LocalStore:
         """Remove one committed rank (e.g. a replica whose owner evicted the step); with
         ``generation``, only if the committed copy is still that save."""
         with self._lock:
-            ranks = self._catalog.get(job, {}).get(step)
-            if not ranks or rank not in ranks:
+            man = self._catalog.get(job, step, rank)
+            if man is None or (generation is not None and man.generation != generation):
                 return False
-            if generation is not None and ranks[rank].generation != generation:
-                return False
-            man = ranks.pop(rank)
-            self._committed_bytes -= man.nbytes
-            rdir = self._rank_dir(job, step, rank)
-            (rdir / MANIFEST_NAME).unlink(missing_ok=True)
-            self._release_files_locked(rdir, man)
-            _rmdir_quiet(rdir)
-            if not ranks:
-                del self._catalog[job][step]
-                _rmdir_quiet(rdir.parent)
+            self._catalog.pop_rank(job, step, rank)
+            self._catalog.uncharge(man.nbytes)
+            self._remove_rank_files_locked(man)
+            if not self._catalog.steps(job).get(step):
+                _rmdir_quiet(self._rank_dir(job, step, rank).parent)
             log.info("removed %s step %d rank %d (%s)", job, step, rank, reason)
             return True
 
+    def _remove_rank_files_locked(self, man: Manifest) -> None:
+        rdir = self._rank_dir(man.job, man.step, man.rank)
+        (rdir / MANIFEST_NAME).unlink(missing_ok=True)  # uncommit first
+        self._release_files_locked(rdir, man)
+        _rmdir_quiet(rdir)
+
     def _release_files_locked(self, rdir: Path, man: Manifest) -> None:
         for s in man.shards:
-            p = rdir / s.file
-            if p in self._recyclable and s.size > 0:
-                self._recyclable.discard(p)
-                target = self.root / "recycle" / f"{s.size}.{secrets.token_hex(6)}"
-                try:
-                    os.rename(p, target)
-                except OSError:
-                    p.unlink(missing_ok=True)
-                    continue
-                self._recycle.setdefault(s.size, []).append(target)
-                self._recycle_bytes += s.size
-            else:
-                p.unlink(missing_ok=True)
-
-    def _drop_recycle_locked(self, need: int) -> None:
-        for size in sorted(self._recycle, reverse=True):
-            pool = self._recycle[size]
-            while pool and need > 0:
-                pool.pop().unlink(missing_ok=True)
-                self._recycle_bytes -= size
-                need -= size
-        self._recycle = {k: v for k, v in self._recycle.items() if v}
+            self._recycle.release(rdir / s.file, s.size)
 
     def _notify(self, evictions: Iterable[Eviction]) -> None:
         if self._on_evict is not None:
             for ev in evictions:
                 self._on_evict(ev)
-
-
-def _rmdir_quiet(path: Path) -> None:
-    try:
-        path.rmdir()
-    except OSError:
-        pass
-
-
-def _rmdir_if_empty(path: Path) -> None:
-    if path.is_dir():
-        _rmdir_quiet(path)
