@@ -6,31 +6,44 @@ a shard of exactly the same size reuses one. Files ever handed to a reader (rest
 are never recycled, since a reader's mapping would see the new bytes; after a restart every
 file counts as lent (the pool starts empty and nothing is recyclable).
 
+A pooled file is handed out again only after a check on the open file: a regular file with one
+link and exactly the expected size (someone with write access to the local dir may have swapped
+it for a symlink or a hard link meanwhile); anything else is discarded.
+
 Not thread-safe by itself: the local store calls it under its lock.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
-__all__ = ["RecyclePool"]
+from .localfs import LocalDir, UnsafeFileError
+
+__all__ = ["RecyclePool", "RECYCLE_DIR"]
+
+log = logging.getLogger(__name__)
+
+RECYCLE_DIR = ("recycle",)
 
 
 class RecyclePool:
     """Evicted files by size, and the set of committed files that may join the pool.
 
     Args:
-        directory: the pool's directory (``<local_dir>/recycle``).
+        fs: the local dir (the pool lives in ``recycle/``).
+        charge: bytes charged against capacity for a file of a given size.
     """
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._by_size: dict[int, list[Path]] = {}
+    def __init__(self, fs: LocalDir, charge: Callable[[int], int] = lambda n: n) -> None:
+        self.fs = fs
+        self._charge = charge
+        self._by_size: dict[int, list[str]] = {}
         self._recyclable: set[Path] = set()
-        self.bytes = 0
+        self.bytes = 0  # charged bytes of the pooled files
 
     # -- which committed files may be recycled
 
@@ -44,42 +57,78 @@ class RecyclePool:
 
     # -- the pool
 
-    def release(self, path: Path, size: int) -> None:
-        """A committed file is no longer needed: move it into the pool if it may be reused, else remove it."""
+    def release(self, dir_fd: int, name: str, path: Path, size: int) -> None:
+        """A committed file (entry ``name`` of ``dir_fd``, known as ``path``) is no longer needed:
+        move it into the pool if it may be reused, else remove it."""
         if path in self._recyclable and size > 0:
             self._recyclable.discard(path)
-            target = self.directory / f"{size}.{secrets.token_hex(6)}"
+            target = f"{size}.{secrets.token_hex(6)}"
             try:
-                os.rename(path, target)
+                with self.fs.dir(RECYCLE_DIR) as rfd:
+                    os.rename(name, target, src_dir_fd=dir_fd, dst_dir_fd=rfd)
             except OSError:
-                path.unlink(missing_ok=True)
+                self.fs.unlink(dir_fd, name)
                 return
             self._by_size.setdefault(size, []).append(target)
-            self.bytes += size
+            self.bytes += self._charge(size)
         else:
             self._recyclable.discard(path)
-            path.unlink(missing_ok=True)
+            self.fs.unlink(dir_fd, name)
 
-    def take(self, size: int) -> Path | None:
-        """A pooled file of exactly ``size`` bytes (now the caller's), or None."""
+    def take(self, size: int) -> str | None:
+        """Name (in ``recycle/``) of a pooled file of exactly ``size`` bytes, now the caller's; or None."""
         pool = self._by_size.get(size)
         if not pool or size <= 0:
             return None
-        path = pool.pop()
-        self.bytes -= size
-        return path
+        name = pool.pop()
+        self.bytes -= self._charge(size)
+        return name
+
+    def move_out(self, name: str, size: int, dst_fd: int, dst_name: str) -> bool:
+        """Move taken file ``name`` to ``dst_name`` in ``dst_fd`` if it is still a regular file with
+        one link and ``size`` bytes. Otherwise it is discarded and False is returned."""
+        with self.fs.dir(RECYCLE_DIR) as rfd:
+            try:
+                fd = self.fs.open_regular(rfd, name, os.O_RDONLY, f"recycled file {name}", size=size,
+                                          single_link=True)
+            except FileNotFoundError:
+                return False
+            except UnsafeFileError as e:
+                log.error("discarding recycled file: %s", e)
+                self.fs.remove_tree(rfd, name)
+                return False
+            try:
+                st = os.fstat(fd)
+                os.rename(name, dst_name, src_dir_fd=rfd, dst_dir_fd=dst_fd)
+            finally:
+                os.close(fd)
+        if not self.fs.same_file(dst_fd, dst_name, st):  # swapped between the check and the rename
+            log.error("discarding recycled file %s: replaced while being reused", name)
+            self.fs.remove_tree(dst_fd, dst_name)
+            return False
+        return True
+
+    def discard(self, names: Iterable[str]) -> None:
+        """Remove taken files that were not moved out."""
+        with self.fs.dir(RECYCLE_DIR) as rfd:
+            for name in names:
+                self.fs.remove_tree(rfd, name)
 
     def drop(self, need: int) -> None:
-        """Remove pooled files, largest first, until ``need`` bytes are freed (or the pool is empty)."""
-        for size in sorted(self._by_size, reverse=True):
-            pool = self._by_size[size]
-            while pool and need > 0:
-                pool.pop().unlink(missing_ok=True)
-                self.bytes -= size
-                need -= size
+        """Remove pooled files, largest first, until ``need`` charged bytes are freed (or the pool is empty)."""
+        if need <= 0 or not self._by_size:
+            return
+        with self.fs.dir(RECYCLE_DIR) as rfd:
+            for size in sorted(self._by_size, reverse=True):
+                pool = self._by_size[size]
+                while pool and need > 0:
+                    self.fs.remove_tree(rfd, pool.pop())
+                    self.bytes -= self._charge(size)
+                    need -= self._charge(size)
         self._by_size = {k: v for k, v in self._by_size.items() if v}
 
     def clear_directory(self) -> None:
-        """Start-up: files left in the pool by a previous run are removed."""
-        for entry in self.directory.iterdir():
-            entry.unlink(missing_ok=True)
+        """Start-up: files left in the pool by a previous run are removed (links as links)."""
+        with self.fs.dir(RECYCLE_DIR, create=True) as rfd:
+            for name, _kind in self.fs.entries(rfd):
+                self.fs.remove_tree(rfd, name)

@@ -14,6 +14,9 @@ Rules (DESIGN.md, Policies):
   complete step: first steps that are not pinned, then (forced, logged and counted) pinned ones.
   It never evicts a job's newest complete step nor anything newer, and a job without a complete
   step loses nothing.
+- Capacity is decided before anything is evicted: a reservation that cannot fit even after
+  every evictable step and the recycle pool are gone evicts nothing (:func:`plan_room`).
+- Every file and manifest is charged at least :data:`MIN_CHARGE` bytes (:func:`charge_rank`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping, Sequence
 
-__all__ = ["Eviction", "retention_floor", "retention_victims", "capacity_order"]
+__all__ = ["Eviction", "retention_floor", "retention_victims", "capacity_order", "RoomPlan", "plan_room",
+           "MIN_CHARGE", "charge_file", "charge_rank"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +75,54 @@ def capacity_order(jobs: Mapping[str, Mapping[int, float]], newest_complete: Map
                 continue
             cands.append((created, job, step))
     return [(j, s) for _, j, s in sorted(cands)]
+
+
+MIN_CHARGE = 4096
+"""Every file and every manifest is charged at least this many bytes against the capacity, so
+that zero-byte shards cannot fill the local dir with inodes for free."""
+
+
+def charge_file(size: int) -> int:
+    """Bytes one data file of ``size`` bytes is charged."""
+    return max(size, MIN_CHARGE)
+
+
+def charge_rank(sizes: Iterable[int]) -> int:
+    """Bytes one rank (its data files and its manifest) is charged."""
+    return sum(charge_file(s) for s in sizes) + MIN_CHARGE
+@dataclass(frozen=True)
+class RoomPlan:
+    """What :func:`plan_room` decided: ``fits`` and, if so, the steps to evict in order."""
+
+    fits: bool
+    evict: tuple[tuple[str, int], ...] = ()
+    reclaimable: int = 0  # bytes that evicting everything evictable (and the pool) would free
+
+
+def plan_room(need: int, capacity: int, used: int, recycle: int,
+              candidates: Sequence[tuple[tuple[str, int], int]]) -> RoomPlan:
+    """Decide, before touching anything, whether ``need`` bytes fit and which steps must go.
+
+    The recycle pool is dropped first; then ``candidates`` ((job, step), bytes) are taken in
+    order until the reservation fits. Each evicted step frees its bytes (its files may pass
+    through the recycle pool, which is dropped as needed).
+
+    Returns:
+        ``RoomPlan(fits=False)`` when even evicting every candidate and the whole pool leaves too
+        little room (then nothing may be evicted), else the prefix of candidates to evict.
+    """
+    if need > capacity:
+        return RoomPlan(False)
+    over = used + need - capacity
+    if over <= 0:
+        return RoomPlan(True)
+    freed = recycle
+    chosen: list[tuple[str, int]] = []
+    for key, nbytes in candidates:
+        if freed >= over:
+            break
+        chosen.append(key)
+        freed += nbytes
+    if freed < over:
+        return RoomPlan(False, reclaimable=freed)
+    return RoomPlan(True, tuple(chosen), freed)

@@ -12,10 +12,20 @@ Commit protocol: staging files are renamed into the rank directory, flushed when
 durable, then ``manifest.json`` is written under a temporary name and renamed over any older
 manifest (a re-save of the same step replaces it atomically; the old data files are removed
 after the rename). At start-up the catalog is rebuilt from the manifests; staging leftovers and
-rank directories without a manifest are reclaimed.
+rank directories without a manifest are reclaimed; ranks whose manifest fails a rule are moved
+to ``quarantine/`` (never deleted), see :mod:`.startup`.
+
+The local dir is writable by trainers in the socket group, so every file operation goes through
+:class:`.localfs.LocalDir`: no symlink below the root is ever followed, commit accepts only
+regular files of exactly the declared size, and the daemon reads committed shards through
+:meth:`LocalStore.open_shard`. Files are created 0640 and directories 0750.
+
+Resource bounds: every file and manifest is charged at least ``retention.MIN_CHARGE`` bytes;
+capacity is decided before anything is evicted; at most ``max_open_saves`` saves are open.
 
 Pieces: :mod:`.catalog` (in-memory state), :mod:`.retention` (which steps go),
-:mod:`.recycle` (reuse of evicted files), :mod:`.staging` (open saves), :mod:`.localfs`.
+:mod:`.recycle` (reuse of evicted files), :mod:`.staging` (open saves and spec rules),
+:mod:`.localfs` (symlink-safe file operations), :mod:`.startup` (lock, recovery, quarantine).
 
 Thread safety: every public method may be called from any thread (the daemon calls them through
 :func:`tierckptd.offload.run_blocking`). One lock guards the in-memory state; long file I/O
@@ -25,42 +35,39 @@ happens outside it.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import secrets
-import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from tierckpt.common.fileio import atomic_write, digest_file, fsync_path, pwrite_all, write_temp
+from tierckpt.common.fileio import pwrite_all
 from tierckpt.common.names import MAX_METADATA_BYTES, check_job, check_rank, check_step
-from tierckpt.errors import CapacityError, DataLossError, InvalidArgumentError
+from tierckpt.errors import CapacityError, FailedPreconditionError, InvalidArgumentError
 
 from .catalog import Catalog, CompletenessFn
-from .localfs import fs_is_tmpfs, rmdir_if_empty, rmdir_quiet
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry
+from .layout import StoreLayout
+from .localfs import LocalDir, UnsafeFileError, fs_is_tmpfs
+from .manifest import Manifest, ShardEntry
 from .recycle import RecyclePool
-from .retention import Eviction
+from .retention import Eviction, charge_file, charge_rank, plan_room
 from .staging import ShardSpec, StagedFile, Staging, check_specs
+from .startup import QUARANTINE_DIR, reclaim_staging, scan_jobs, take_dir_lock
 
-__all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs"]
+__all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
 
 log = logging.getLogger(__name__)
 
-_STEP_W = 20
-_RANK_PREFIX = "rank-"
-
-# Kept importable under their old private names for modules and tests that used them.
-_rmdir_quiet = rmdir_quiet
-_rmdir_if_empty = rmdir_if_empty
+DEFAULT_MAX_OPEN_SAVES = 1024
 
 
 @dataclass(frozen=True)
 class Usage:
+    """Bytes charged against the capacity (every file and manifest at least ``MIN_CHARGE``)."""
+
     capacity: int
     committed: int
     staging: int
@@ -87,8 +94,14 @@ def _check_digests(save_id: str, files: Iterable[str], digests: dict[str, str], 
             raise InvalidArgumentError(f"digests[{name}].checksum: {d!r} is not 16 lowercase hex digits")
 
 
+def _charge(st: Staging | Manifest) -> int:
+    if isinstance(st, Manifest):
+        return charge_rank(s.size for s in st.shards)
+    return charge_rank(f.size for f in st.files.values())
+
+
 class LocalStore:
-    """The node's local tier. See the module docstring for layout and protocol.
+    """The node's local tier. See the module docstring for layout, protocol and bounds.
 
     Args:
         root: the local directory.
@@ -100,20 +113,14 @@ class LocalStore:
         is_complete: completeness rule used by retention (default: every rank held here);
             the peer tier's membership supplies a cluster-aware one.
         on_evict: called (from the evicting thread) with every eviction.
+        max_open_saves: saves begun and not yet committed or aborted, in total; one more is
+            refused with CapacityError (RESOURCE_EXHAUSTED).
     """
 
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        node_id: str,
-        *,
-        capacity: int = 0,
-        keep_local: int = 2,
-        fsync: str = "auto",
-        max_shard_bytes: int = 1 << 40,
-        is_complete: CompletenessFn | None = None,
-        on_evict: Callable[[Eviction], None] | None = None,
-    ) -> None:
+    def __init__(self, root: str | os.PathLike, node_id: str, *, capacity: int = 0, keep_local: int = 2,
+                 fsync: str = "auto", max_shard_bytes: int = 1 << 40, is_complete: CompletenessFn | None = None,
+                 on_evict: Callable[[Eviction], None] | None = None,
+                 max_open_saves: int = DEFAULT_MAX_OPEN_SAVES) -> None:
         self.root = Path(root).absolute()
         self.node_id = node_id
         self._capacity_arg = capacity
@@ -122,17 +129,21 @@ class LocalStore:
         self._fsync_mode = fsync
         self.fsync = fsync == "always"
         self.max_shard_bytes = max_shard_bytes
+        self.max_open_saves = max_open_saves
         self.fs_token = ""
         self._lock = threading.RLock()
+        self._fs = LocalDir(self.root)
         self._catalog = Catalog(is_complete)
+        self._recycle = RecyclePool(self._fs, charge_file)
+        self._layout = StoreLayout(self._fs, self._recycle)
         self._open: dict[str, Staging] = {}
         self._open_by_key: dict[tuple[str, int, int], str] = {}
-        self._recycle = RecyclePool(self.root / "recycle")
         self._last_begin = time.monotonic()
         self._lock_fd: int | None = None
         self._committing_bytes = 0  # saves between leaving _open and entering the catalog
         self._on_evict = on_evict
-        self.counters: dict[str, int] = {"staging_reclaimed": 0, "evictions_capacity_undrained": 0}
+        self.counters: dict[str, int] = {"staging_reclaimed": 0, "evictions_capacity_undrained": 0,
+                                         "quarantined": 0}
 
     @property
     def _is_complete(self) -> CompletenessFn:
@@ -149,98 +160,66 @@ class LocalStore:
 
         Raises:
             ConfigError: another live daemon holds this local_dir (its start-up would have
-                reclaimed that daemon's staging files).
+                reclaimed that daemon's staging files), or the local dir, its ``.lock`` or its
+                ``jobs`` directory is a symlink.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._take_dir_lock()
-        for sub in ("staging", "recycle", "jobs"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        from .config import ConfigError
+
+        try:
+            self._fs.open()
+            self._lock_fd = take_dir_lock(self._fs)  # held (and the lock with it) until the process exits
+            for sub in ("staging", "recycle", "jobs", QUARANTINE_DIR):
+                with self._fs.dir((sub,), create=True):
+                    pass
+        except UnsafeFileError as e:
+            raise ConfigError(f"local_dir: {self.root}: {e.strerror}; refusing to follow a symlink") from None
         if self._fsync_mode == "auto":
             self.fsync = not fs_is_tmpfs(self.root)
         if not self._capacity_arg:
-            st = os.statvfs(self.root)
+            st = os.statvfs(self._fs.fd)
             self.capacity = int(st.f_blocks * st.f_frsize * 0.9)
         self.fs_token = secrets.token_hex(16)
-        atomic_write(self.root / ".fs-token", self.fs_token.encode(), fsync=False)
-        reclaimed = 0
-        for entry in (self.root / "staging").iterdir():
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
-            reclaimed += 1
+        self._fs.atomic_write(self._fs.fd, ".fs-token", self.fs_token.encode(), fsync=False)
+        reclaimed = reclaim_staging(self._fs)
         self._recycle.clear_directory()
         if reclaimed:
             log.info("reclaimed %d staging leftovers of a previous run", reclaimed)
             self.counters["staging_reclaimed"] += reclaimed
-        self._scan()
-
-    def _take_dir_lock(self) -> None:
-        from .config import ConfigError
-
-        fd = os.open(self.root / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise ConfigError(f"local_dir: {self.root} is in use by another tierckptd (pid {holder})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd  # held (and the lock with it) until the process exits
+        res = scan_jobs(self._fs, StoreLayout.rank_rel)
+        for man in res.manifests:
+            self._catalog.add(man, _charge(man))
+        self.counters["quarantined"] += res.quarantined
+        log.info("catalog rebuilt: %d committed ranks, %d uncommitted leftovers removed, %d quarantined",
+                 len(res.manifests), res.dropped, res.quarantined)
 
     def close(self) -> None:
         """Release the local_dir lock (a process exit releases it too)."""
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-
-    def _scan(self) -> None:
-        jobs_dir = self.root / "jobs"
-        loaded = dropped = 0
-        for job_dir in jobs_dir.iterdir():
-            for step_dir in job_dir.iterdir() if job_dir.is_dir() else ():
-                for rank_dir in step_dir.iterdir() if step_dir.is_dir() else ():
-                    man = self._load_rank_dir(rank_dir)
-                    if man is None:
-                        shutil.rmtree(rank_dir, ignore_errors=True)
-                        dropped += 1
-                        continue
-                    self._catalog.add(man, man.nbytes)
-                    loaded += 1
-                rmdir_if_empty(step_dir)
-            rmdir_if_empty(job_dir)
-        log.info("catalog rebuilt: %d committed ranks, %d uncommitted leftovers removed", loaded, dropped)
-
-    def _load_rank_dir(self, rank_dir: Path) -> Manifest | None:
-        mpath = rank_dir / MANIFEST_NAME
-        try:
-            man = Manifest.from_json(mpath.read_bytes())
-        except (OSError, DataLossError) as e:
-            log.warning("ignoring %s: %s", rank_dir, e)
-            return None
-        if self._rank_dir(man.job, man.step, man.rank) != rank_dir:
-            log.warning("ignoring %s: manifest names another location", rank_dir)
-            return None
-        keep = {s.file for s in man.shards} | {MANIFEST_NAME}
-        for f in rank_dir.iterdir():
-            if f.name not in keep:  # data of an interrupted re-save, or a temp manifest
-                f.unlink(missing_ok=True)
-        for s in man.shards:
-            p = rank_dir / s.file
-            try:
-                if p.stat().st_size != s.size:
-                    log.warning("ignoring %s: %s has the wrong size", rank_dir, s.file)
-                    return None
-            except FileNotFoundError:
-                log.warning("ignoring %s: %s is missing", rank_dir, s.file)
-                return None
-        return man
+        self._fs.close()
 
     # ----------------------------------------------------------------------------- paths
 
     def _rank_dir(self, job: str, step: int, rank: int) -> Path:
-        return self.root / "jobs" / job / f"{step:0{_STEP_W}d}" / f"{_RANK_PREFIX}{rank:07d}"
+        return self._layout.rank_path(job, step, rank)
 
     def shard_path(self, man: Manifest, shard: str) -> Path:
-        return self._rank_dir(man.job, man.step, man.rank) / man.shard(shard).file
+        """Where a committed shard lives, for logs and for a client on this node to map. The
+        daemon itself opens shards with :meth:`open_shard`, never by this path."""
+        return self._layout.shard_path(man, shard)
+
+    def open_shard(self, man: Manifest, shard: str) -> int:
+        """A read-only descriptor of a committed shard (O_NOFOLLOW; a regular file of its size).
+
+        The caller closes it. ReadShard, the peer bulk sender and uploads should read through it.
+
+        Raises:
+            KeyError: ``shard`` is not part of ``man``.
+            NotFoundError: the file is gone (evicted or re-saved since ``man`` was read).
+            DataLossError: the file is not a regular file of the recorded size (it was tampered with).
+        """
+        return self._layout.open_shard(man, shard)
 
     # ----------------------------------------------------------------------------- saving
 
@@ -254,14 +233,14 @@ class LocalStore:
 
         Raises:
             InvalidArgumentError: a field is invalid (the message names it).
-            CapacityError: the shards do not fit even after eviction.
+            CapacityError: the shards do not fit even after eviction, or too many saves are open.
         """
         check_job(job)
         check_step(step)
         check_rank(rank, world_size)
         check_specs(specs, self.max_shard_bytes)
         save_id = secrets.token_hex(8)
-        sdir = self.root / "staging" / save_id
+        sdir = self._fs.path(StoreLayout.staging_rel(save_id))
         staging = Staging(save_id=save_id, job=job, step=step, rank=rank, world_size=world_size,
                           files={}, dir=sdir, stream=stream)
         for name, size, dtype, shape in specs:
@@ -269,45 +248,36 @@ class LocalStore:
         with self._lock:
             reused = self._reserve_locked(staging)
         try:
-            self._create_staging_files(staging, reused)
+            self._layout.create_staging(staging, reused)
         except OSError as e:
             self.abort(save_id)
-            for path in reused.values():  # taken from the pool (and its bytes) but not moved yet
-                path.unlink(missing_ok=True)
+            self._recycle.discard(reused.values())  # taken from the pool (and its bytes) but not moved yet
             if e.errno == errno.ENOSPC:
                 raise CapacityError(f"local_dir {self.root} is full: {e.strerror}") from e
             raise
         return staging
 
-    def _reserve_locked(self, staging: Staging) -> dict[str, Path]:
-        """Supersede an older open save of the rank, make room, take recycled files, register."""
+    def _reserve_locked(self, staging: Staging) -> dict[str, str]:
+        """Supersede an older open save of the rank, bound open saves, make room, take recycled files."""
         self._last_begin = time.monotonic()
         key = (staging.job, staging.step, staging.rank)
         older = self._open_by_key.get(key)
         if older is not None:
             log.info("save %s of %s/%d/%d superseded by a new save; aborting it", older, *key)
             self._abort_locked(older)
-        self._make_room_locked(staging.nbytes)
-        reused: dict[str, Path] = {}
+        if len(self._open) >= self.max_open_saves:
+            raise CapacityError(f"saves: {len(self._open)} saves are open on this node (limit {self.max_open_saves});"
+                                " commit or abort some first")
+        self._make_room_locked(_charge(staging))
+        reused: dict[str, str] = {}
         for f in staging.files.values():
-            path = self._recycle.take(f.size)
-            if path is not None:
-                reused[f.name] = path
+            name = self._recycle.take(f.size)
+            if name is not None:
+                reused[f.name] = name
                 f.recycled = True
         self._open[staging.save_id] = staging
         self._open_by_key[key] = staging.save_id
         return reused
-
-    @staticmethod
-    def _create_staging_files(staging: Staging, reused: dict[str, Path]) -> None:
-        staging.dir.mkdir()
-        for f in staging.files.values():
-            if f.recycled:
-                os.rename(reused[f.name], f.path)
-                del reused[f.name]  # moved: aborting the save removes it now
-            else:
-                with open(f.path, "xb") as fh:
-                    os.ftruncate(fh.fileno(), f.size)
 
     def get_staging(self, save_id: str) -> Staging:
         with self._lock:
@@ -315,6 +285,20 @@ class LocalStore:
         if st is None:
             raise InvalidArgumentError(f"save_id: {save_id!r} is not an open save (never begun, committed or expired)")
         return st
+
+    def open_staged(self, save_id: str, shard: str, flags: int = os.O_WRONLY) -> int:
+        """A descriptor of an open save's staging file (O_NOFOLLOW; a regular file of its size), for
+        a daemon-side writer (streamed chunks, peer bulk receive). The caller closes it.
+
+        Raises:
+            InvalidArgumentError: not an open save, or not one of its shards.
+            FailedPreconditionError: the staging file was replaced.
+        """
+        st = self.get_staging(save_id)
+        f = st.files.get(shard)
+        if f is None:
+            raise InvalidArgumentError(f"shard: {shard!r} is not part of save {save_id}")
+        return self._layout.open_staged(st, f, flags)
 
     def write_chunk(self, save_id: str, shard: str, offset: int, data: bytes | memoryview, fd_cache: dict) -> None:
         """Write streamed bytes into a staging file (stream transfers). ``fd_cache`` maps paths to fds."""
@@ -326,7 +310,7 @@ class LocalStore:
             raise InvalidArgumentError(f"offset: {offset}+{len(data)} exceeds shard {shard!r} size {f.size}")
         fd = fd_cache.get(f.path)
         if fd is None:
-            fd = fd_cache[f.path] = os.open(f.path, os.O_WRONLY)
+            fd = fd_cache[f.path] = self._layout.open_staged(st, f, os.O_WRONLY)
         pwrite_all(fd, memoryview(data), offset)
         f.written += len(data)
 
@@ -334,6 +318,9 @@ class LocalStore:
                verify: bool = False, node: str | None = None, generation: str | None = None,
                created: float | None = None, pin: str | None = None) -> tuple[Manifest, list[Eviction]]:
         """Publish an open save: move its files into place and write the manifest last.
+
+        Only regular files of exactly the declared size, with one link, are accepted (checked on a
+        no-follow open, and again after the rename into place).
 
         Args:
             digests: checksum per shard, as computed by the writer.
@@ -345,10 +332,13 @@ class LocalStore:
 
         Returns:
             The manifest and the evictions that retention made afterwards.
+
+        Raises:
+            FailedPreconditionError: a staging file was replaced (symlink, other file, resized).
         """
         st = self.get_staging(save_id)
         _check_digests(save_id, st.files, digests, metadata_json)
-        self._check_staged(st, digests, verify=verify or st.stream)
+        stats = self._check_staged(st, digests, verify=verify or st.stream)
         self._take_for_commit(st)
         man = Manifest(
             job=st.job, step=st.step, rank=st.rank, world_size=st.world_size,
@@ -357,31 +347,27 @@ class LocalStore:
                          for f in st.files.values()),
             metadata_json=metadata_json, created=created if created is not None else time.time(), persist=persist,
         )
-        rdir = self._rank_dir(st.job, st.step, st.rank)
-        tmp = self._place_files(st, rdir, man)
+        tmp = self._place_files(st, man, stats)
         with self._lock:
-            self._committing_bytes -= st.nbytes
-            evictions = self._publish_locked(st, man, rdir, tmp, pin)
+            self._committing_bytes -= _charge(st)
+            evictions = self._publish_locked(st, man, tmp, pin)
         if self.fsync:
-            fsync_path(rdir)
+            self._layout.fsync_rank(st.job, st.step, st.rank)
         self._notify(evictions)
         return man, evictions
 
-    def _check_staged(self, st: Staging, digests: dict[str, str], *, verify: bool) -> None:
-        """Stream transfers must be whole; with ``verify``, the staged bytes must hash to the digests."""
+    def _check_staged(self, st: Staging, digests: dict[str, str], *, verify: bool) -> dict[str, os.stat_result]:
+        """Stream transfers must be whole; every file regular and of its size; with ``verify``, hashed."""
         if st.stream:
             short = [f.name for f in st.files.values() if f.written < f.size]
             if short:
                 self.abort(st.save_id)
                 raise InvalidArgumentError(f"shard: {short} received fewer bytes than their declared size")
-        if not verify:
-            return
-        for f in st.files.values():
-            actual = digest_file(f.path, f.size)
-            if actual != digests[f.name]:
-                self.abort(st.save_id)
-                raise DataLossError(f"checksum mismatch for {st.job}/{st.step}/rank {st.rank}/{f.name}: "
-                                    f"expected {digests[f.name]}, got {actual}")
+        try:
+            return self._layout.check_staged(st, digests if verify else None, fsync=self.fsync)
+        except BaseException:
+            self.abort(st.save_id)
+            raise
 
     def _take_for_commit(self, st: Staging) -> None:
         """Move the save from the open ones to the committing ones (its bytes stay counted)."""
@@ -391,46 +377,38 @@ class LocalStore:
             del self._open[st.save_id]
             if self._open_by_key.get((st.job, st.step, st.rank)) == st.save_id:
                 del self._open_by_key[(st.job, st.step, st.rank)]
-            self._committing_bytes += st.nbytes
+            self._committing_bytes += _charge(st)
 
-    def _place_files(self, st: Staging, rdir: Path, man: Manifest) -> Path:
+    def _place_files(self, st: Staging, man: Manifest, stats: dict[str, os.stat_result]) -> str:
         """Rename the staged files into the rank directory and write the manifest under a temporary name."""
         try:
-            rdir.mkdir(parents=True, exist_ok=True)
-            for f in st.files.values():
-                if self.fsync:
-                    fsync_path(f.path)
-                os.rename(f.path, rdir / f"{f.name}.{st.save_id}")
-            if self.fsync:
-                fsync_path(rdir)
-            return write_temp(rdir / MANIFEST_NAME, man.to_json(), fsync=self.fsync)
+            return self._layout.place(st, man, stats, fsync=self.fsync)
         except BaseException as e:
             with self._lock:
-                self._committing_bytes -= st.nbytes
+                self._committing_bytes -= _charge(st)
             if isinstance(e, OSError):
-                shutil.rmtree(st.dir, ignore_errors=True)
-                for f in st.files.values():
-                    (rdir / f"{f.name}.{st.save_id}").unlink(missing_ok=True)
+                self._layout.remove_staging(st.save_id)
+                self._layout.unplace(st)
+            if isinstance(e, UnsafeFileError):
+                raise FailedPreconditionError(f"shards: {e.strerror}; the save is refused") from None
             raise
         finally:
-            _rmdir_quiet(st.dir)
+            self._layout.remove_staging(st.save_id, only_if_empty=True)
 
-    def _publish_locked(self, st: Staging, man: Manifest, rdir: Path, tmp: Path, pin: str | None) -> list[Eviction]:
+    def _publish_locked(self, st: Staging, man: Manifest, tmp: str, pin: str | None) -> list[Eviction]:
         # The manifest goes into place in the critical section that updates the catalog, so
         # overlapping commits of one rank (and evictions) change disk and catalog in one order.
         try:
-            os.rename(tmp, rdir / MANIFEST_NAME)
+            self._layout.publish(st, tmp)
         except OSError:
-            tmp.unlink(missing_ok=True)
-            for f in st.files.values():
-                (rdir / f"{f.name}.{st.save_id}").unlink(missing_ok=True)
+            self._layout.unplace(st, tmp)
             raise
-        old = self._catalog.add(man, man.nbytes)
-        for f in st.files.values():
-            self._recycle.mark_recyclable(rdir / f"{f.name}.{st.save_id}")
+        old = self._catalog.add(man, _charge(man))
+        for s in man.shards:
+            self._recycle.mark_recyclable(self.shard_path(man, s.name))
         if old is not None:
-            self._catalog.uncharge(old.nbytes)
-            self._release_files_locked(rdir, old)
+            self._catalog.uncharge(_charge(old))
+            self._layout.remove_rank_files(old, keep_manifest=True)
         if pin:
             self._catalog.pin(st.job, st.step, pin)
         return self._retain_locked(st.job)
@@ -446,7 +424,7 @@ class LocalStore:
             return
         if self._open_by_key.get((st.job, st.step, st.rank)) == save_id:
             del self._open_by_key[(st.job, st.step, st.rank)]
-        shutil.rmtree(st.dir, ignore_errors=True)
+        self._layout.remove_staging(save_id)
 
     def reclaim_expired(self, timeout: float) -> int:
         """Abort saves open longer than ``timeout`` seconds (a client that died mid-save)."""
@@ -477,8 +455,7 @@ class LocalStore:
 
     def lend(self, man: Manifest) -> list[Path]:
         """Paths of a rank's data files for a reader to map; they are never recycled afterwards."""
-        rdir = self._rank_dir(man.job, man.step, man.rank)
-        paths = [rdir / s.file for s in man.shards]
+        paths = [self.shard_path(man, s.name) for s in man.shards]
         with self._lock:
             self._recycle.lent(paths)
         return paths
@@ -502,7 +479,7 @@ class LocalStore:
                          self._recycle.bytes)
 
     def _staging_bytes_locked(self) -> int:
-        return sum(st.nbytes for st in self._open.values()) + self._committing_bytes
+        return sum(_charge(st) for st in self._open.values()) + self._committing_bytes
 
     def _used_locked(self) -> int:
         return self._catalog.committed_bytes + self._staging_bytes_locked() + self._recycle.bytes
@@ -531,26 +508,27 @@ class LocalStore:
                 for step in self._catalog.retention_victims(job, self.keep_local)]
 
     def _make_room_locked(self, need: int) -> None:
+        """Evict (recycled files, then old safe steps, then old undrained steps) until ``need`` fits;
+        decided up front, so a reservation that cannot fit evicts nothing."""
         if need > self.capacity:
             raise CapacityError(f"shards: {need} bytes exceed local_capacity {self.capacity}")
-        if self._used_locked() + need <= self.capacity:
-            return
-        # 1) recycled files, 2) old steps already safe, 3) old steps still waiting to be drained.
-        self._recycle.drop(self._used_locked() + need - self.capacity)
-        evictions: list[Eviction] = []
-        for allow_pinned in (False, True):
-            for job, step in self._catalog.capacity_order(allow_pinned=allow_pinned):
-                if self._used_locked() + need <= self.capacity:
-                    break
-                evictions.append(self._evict_for_capacity_locked(job, step))
-                self._recycle.drop(self._used_locked() + need - self.capacity)
-        if evictions:
-            threading.Thread(target=self._notify, args=(evictions,), daemon=True).start()
-        if self._used_locked() + need > self.capacity:
+        order = self._catalog.capacity_order(allow_pinned=False)
+        order += [k for k in self._catalog.capacity_order(allow_pinned=True) if k not in set(order)]
+        steps = {j: self._catalog.steps(j) for j in {j for j, _ in order}}
+        cands = [(k, sum(_charge(m) for m in steps[k[0]][k[1]].values())) for k in order]
+        plan = plan_room(need, self.capacity, self._used_locked(), self._recycle.bytes, cands)
+        if not plan.fits:
             raise CapacityError(
                 f"shards: {need} bytes do not fit in local_capacity {self.capacity} "
-                f"({self._used_locked()} used by the newest complete and in-progress steps)"
+                f"({self._used_locked() - plan.reclaimable} used by the newest complete and in-progress steps)"
             )
+        self._recycle.drop(self._used_locked() + need - self.capacity)
+        evictions = []
+        for job, step in plan.evict:
+            evictions.append(self._evict_for_capacity_locked(job, step))
+            self._recycle.drop(self._used_locked() + need - self.capacity)
+        if evictions:
+            threading.Thread(target=self._notify, args=(evictions,), daemon=True).start()
 
     def _evict_for_capacity_locked(self, job: str, step: int) -> Eviction:
         pins = self._catalog.pins(job, step)
@@ -563,12 +541,10 @@ class LocalStore:
 
     def _evict_locked(self, job: str, step: int, reason: str) -> Eviction:
         ranks = self._catalog.pop_step(job, step)
-        for rank, man in ranks.items():
-            self._catalog.uncharge(man.nbytes)
-            self._remove_rank_files_locked(man)
-        _rmdir_quiet(self.root / "jobs" / job / f"{step:0{_STEP_W}d}")
-        if not self._catalog.has_job(job):
-            _rmdir_quiet(self.root / "jobs" / job)
+        for man in ranks.values():
+            self._catalog.uncharge(_charge(man))
+            self._layout.remove_rank_files(man)
+        self._layout.prune(job, step, job_too=not self._catalog.has_job(job))
         log.info("evicted %s step %d (%d ranks, %s)", job, step, len(ranks), reason)
         return Eviction(job, step, tuple(sorted(ranks)), reason)
 
@@ -580,22 +556,12 @@ class LocalStore:
             if man is None or (generation is not None and man.generation != generation):
                 return False
             self._catalog.pop_rank(job, step, rank)
-            self._catalog.uncharge(man.nbytes)
-            self._remove_rank_files_locked(man)
+            self._catalog.uncharge(_charge(man))
+            self._layout.remove_rank_files(man)
             if not self._catalog.steps(job).get(step):
-                _rmdir_quiet(self._rank_dir(job, step, rank).parent)
+                self._layout.prune(job, step, job_too=False)
             log.info("removed %s step %d rank %d (%s)", job, step, rank, reason)
             return True
-
-    def _remove_rank_files_locked(self, man: Manifest) -> None:
-        rdir = self._rank_dir(man.job, man.step, man.rank)
-        (rdir / MANIFEST_NAME).unlink(missing_ok=True)  # uncommit first
-        self._release_files_locked(rdir, man)
-        _rmdir_quiet(rdir)
-
-    def _release_files_locked(self, rdir: Path, man: Manifest) -> None:
-        for s in man.shards:
-            self._recycle.release(rdir / s.file, s.size)
 
     def _notify(self, evictions: Iterable[Eviction]) -> None:
         if self._on_evict is not None:
