@@ -25,7 +25,8 @@ capacity is decided before anything is evicted; at most ``max_open_saves`` saves
 
 Pieces: :mod:`.catalog` (in-memory state), :mod:`.retention` (which steps go),
 :mod:`.recycle` (reuse of evicted files), :mod:`.staging` (open saves and spec rules),
-:mod:`.localfs` (symlink-safe file operations), :mod:`.startup` (lock, recovery, quarantine).
+:mod:`.localfs` (symlink-safe file operations), :mod:`.layout` (the file steps), :mod:`.startup`
+(lock, recovery, quarantine), :mod:`.eviction` (carrying out retention and capacity evictions).
 
 Thread safety: every public method may be called from any thread (the daemon calls them through
 :func:`tierckptd.offload.run_blocking`). One lock guards the in-memory state; long file I/O
@@ -53,7 +54,8 @@ from .layout import StoreLayout
 from .localfs import LocalDir, UnsafeFileError, fs_is_tmpfs
 from .manifest import Manifest, ShardEntry
 from .recycle import RecyclePool
-from .retention import Eviction, charge_file, charge_rank, plan_room
+from .eviction import Evictor, charge
+from .retention import Eviction, charge_file
 from .staging import ShardSpec, StagedFile, Staging, check_specs
 from .startup import QUARANTINE_DIR, reclaim_staging, scan_jobs, take_dir_lock
 
@@ -94,10 +96,7 @@ def _check_digests(save_id: str, files: Iterable[str], digests: dict[str, str], 
             raise InvalidArgumentError(f"digests[{name}].checksum: {d!r} is not 16 lowercase hex digits")
 
 
-def _charge(st: Staging | Manifest) -> int:
-    if isinstance(st, Manifest):
-        return charge_rank(s.size for s in st.shards)
-    return charge_rank(f.size for f in st.files.values())
+_charge = charge
 
 
 class LocalStore:
@@ -136,14 +135,15 @@ class LocalStore:
         self._catalog = Catalog(is_complete)
         self._recycle = RecyclePool(self._fs, charge_file)
         self._layout = StoreLayout(self._fs, self._recycle)
+        self.counters: dict[str, int] = {"staging_reclaimed": 0, "evictions_capacity_undrained": 0,
+                                         "quarantined": 0}
+        self._evictor = Evictor(self._catalog, self._layout, self._recycle, self.counters)
         self._open: dict[str, Staging] = {}
         self._open_by_key: dict[tuple[str, int, int], str] = {}
         self._last_begin = time.monotonic()
         self._lock_fd: int | None = None
         self._committing_bytes = 0  # saves between leaving _open and entering the catalog
         self._on_evict = on_evict
-        self.counters: dict[str, int] = {"staging_reclaimed": 0, "evictions_capacity_undrained": 0,
-                                         "quarantined": 0}
 
     @property
     def _is_complete(self) -> CompletenessFn:
@@ -504,64 +504,18 @@ class LocalStore:
         return evictions
 
     def _retain_locked(self, job: str) -> list[Eviction]:
-        return [self._evict_locked(job, step, "retention")
-                for step in self._catalog.retention_victims(job, self.keep_local)]
+        return self._evictor.retain(job, self.keep_local)
 
     def _make_room_locked(self, need: int) -> None:
-        """Evict (recycled files, then old safe steps, then old undrained steps) until ``need`` fits;
-        decided up front, so a reservation that cannot fit evicts nothing."""
-        if need > self.capacity:
-            raise CapacityError(f"shards: {need} bytes exceed local_capacity {self.capacity}")
-        order = self._catalog.capacity_order(allow_pinned=False)
-        order += [k for k in self._catalog.capacity_order(allow_pinned=True) if k not in set(order)]
-        steps = {j: self._catalog.steps(j) for j in {j for j, _ in order}}
-        cands = [(k, sum(_charge(m) for m in steps[k[0]][k[1]].values())) for k in order]
-        plan = plan_room(need, self.capacity, self._used_locked(), self._recycle.bytes, cands)
-        if not plan.fits:
-            raise CapacityError(
-                f"shards: {need} bytes do not fit in local_capacity {self.capacity} "
-                f"({self._used_locked() - plan.reclaimable} used by the newest complete and in-progress steps)"
-            )
-        self._recycle.drop(self._used_locked() + need - self.capacity)
-        evictions = []
-        for job, step in plan.evict:
-            evictions.append(self._evict_for_capacity_locked(job, step))
-            self._recycle.drop(self._used_locked() + need - self.capacity)
+        evictions = self._evictor.make_room(need, self.capacity, self._used_locked())
         if evictions:
             threading.Thread(target=self._notify, args=(evictions,), daemon=True).start()
-
-    def _evict_for_capacity_locked(self, job: str, step: int) -> Eviction:
-        pins = self._catalog.pins(job, step)
-        if pins:
-            log.error("local tier full: evicting %s step %d before it was drained (%s)", job, step,
-                      ",".join(sorted(pins)))
-            self.counters["evictions_capacity_undrained"] += 1
-            self._catalog.drop_pins(job, step)
-        return self._evict_locked(job, step, "capacity_undrained" if pins else "capacity")
-
-    def _evict_locked(self, job: str, step: int, reason: str) -> Eviction:
-        ranks = self._catalog.pop_step(job, step)
-        for man in ranks.values():
-            self._catalog.uncharge(_charge(man))
-            self._layout.remove_rank_files(man)
-        self._layout.prune(job, step, job_too=not self._catalog.has_job(job))
-        log.info("evicted %s step %d (%d ranks, %s)", job, step, len(ranks), reason)
-        return Eviction(job, step, tuple(sorted(ranks)), reason)
 
     def remove_rank(self, job: str, step: int, rank: int, reason: str, *, generation: str | None = None) -> bool:
         """Remove one committed rank (e.g. a replica whose owner evicted the step); with
         ``generation``, only if the committed copy is still that save."""
         with self._lock:
-            man = self._catalog.get(job, step, rank)
-            if man is None or (generation is not None and man.generation != generation):
-                return False
-            self._catalog.pop_rank(job, step, rank)
-            self._catalog.uncharge(_charge(man))
-            self._layout.remove_rank_files(man)
-            if not self._catalog.steps(job).get(step):
-                self._layout.prune(job, step, job_too=False)
-            log.info("removed %s step %d rank %d (%s)", job, step, rank, reason)
-            return True
+            return self._evictor.remove_rank(job, step, rank, reason, generation=generation)
 
     def _notify(self, evictions: Iterable[Eviction]) -> None:
         if self._on_evict is not None:
