@@ -28,7 +28,8 @@ class Catalog:
         self._jobs: dict[str, dict[int, dict[int, Manifest]]] = {}
         self._pins: dict[tuple[str, int], set[str]] = {}
         self.is_complete: CompletenessFn = is_complete or local_complete
-        self.committed_bytes = 0
+        self.committed_bytes = 0  # charged against the capacity
+        self.data_bytes = 0  # bytes of shard data
 
     # -- entries
 
@@ -38,10 +39,12 @@ class Catalog:
         old = by_rank.get(man.rank)
         by_rank[man.rank] = man
         self.committed_bytes += charge
+        self.data_bytes += man.nbytes
         return old
 
-    def uncharge(self, nbytes: int) -> None:
-        self.committed_bytes -= nbytes
+    def uncharge(self, man: Manifest, charge: int) -> None:
+        self.committed_bytes -= charge
+        self.data_bytes -= man.nbytes
 
     def get(self, job: str, step: int, rank: int) -> Manifest | None:
         return self._jobs.get(job, {}).get(step, {}).get(rank)

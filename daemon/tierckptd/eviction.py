@@ -85,7 +85,7 @@ class Evictor:
         """Remove a whole step (manifests first, data files to the recycle pool)."""
         ranks = self._catalog.pop_step(job, step)
         for man in ranks.values():
-            self._catalog.uncharge(charge(man))
+            self._catalog.uncharge(man, charge(man))
             self._layout.remove_rank_files(man)
         self._layout.prune(job, step, job_too=not self._catalog.has_job(job))
         log.info("evicted %s step %d (%d ranks, %s)", job, step, len(ranks), reason)
@@ -97,7 +97,7 @@ class Evictor:
         if man is None or (generation is not None and man.generation != generation):
             return False
         self._catalog.pop_rank(job, step, rank)
-        self._catalog.uncharge(charge(man))
+        self._catalog.uncharge(man, charge(man))
         self._layout.remove_rank_files(man)
         if not self._catalog.steps(job).get(step):
             self._layout.prune(job, step, job_too=False)

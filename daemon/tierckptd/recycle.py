@@ -44,6 +44,7 @@ class RecyclePool:
         self._by_size: dict[int, list[str]] = {}
         self._recyclable: set[Path] = set()
         self.bytes = 0  # charged bytes of the pooled files
+        self.data_bytes = 0
 
     # -- which committed files may be recycled
 
@@ -71,6 +72,7 @@ class RecyclePool:
                 return
             self._by_size.setdefault(size, []).append(target)
             self.bytes += self._charge(size)
+            self.data_bytes += size
         else:
             self._recyclable.discard(path)
             self.fs.unlink(dir_fd, name)
@@ -82,6 +84,7 @@ class RecyclePool:
             return None
         name = pool.pop()
         self.bytes -= self._charge(size)
+        self.data_bytes -= size
         return name
 
     def move_out(self, name: str, size: int, dst_fd: int, dst_name: str) -> bool:
@@ -124,6 +127,7 @@ class RecyclePool:
                 while pool and need > 0:
                     self.fs.remove_tree(rfd, pool.pop())
                     self.bytes -= self._charge(size)
+                    self.data_bytes -= size
                     need -= self._charge(size)
         self._by_size = {k: v for k, v in self._by_size.items() if v}
 

@@ -68,12 +68,14 @@ DEFAULT_MAX_OPEN_SAVES = 1024
 
 @dataclass(frozen=True)
 class Usage:
-    """Bytes charged against the capacity (every file and manifest at least ``MIN_CHARGE``)."""
+    """Shard bytes held (committed, being saved, in the recycle pool), and ``charged``: what
+    counts against the capacity (every file and manifest at least ``retention.MIN_CHARGE``)."""
 
     capacity: int
     committed: int
     staging: int
     recycle: int
+    charged: int = 0
 
     @property
     def used(self) -> int:
@@ -81,7 +83,7 @@ class Usage:
 
     @property
     def free(self) -> int:
-        return max(0, self.capacity - self.used)
+        return max(0, self.capacity - max(self.charged, self.used))
 
 
 def _check_digests(save_id: str, files: Iterable[str], digests: dict[str, str], metadata_json: str) -> None:
@@ -142,7 +144,8 @@ class LocalStore:
         self._open_by_key: dict[tuple[str, int, int], str] = {}
         self._last_begin = time.monotonic()
         self._lock_fd: int | None = None
-        self._committing_bytes = 0  # saves between leaving _open and entering the catalog
+        self._committing_bytes = 0  # saves between leaving _open and entering the catalog (charged)
+        self._committing_data = 0  # the same saves' shard bytes
         self._on_evict = on_evict
 
     @property
@@ -350,6 +353,7 @@ class LocalStore:
         tmp = self._place_files(st, man, stats)
         with self._lock:
             self._committing_bytes -= _charge(st)
+            self._committing_data -= st.nbytes
             evictions = self._publish_locked(st, man, tmp, pin)
         if self.fsync:
             self._layout.fsync_rank(st.job, st.step, st.rank)
@@ -378,6 +382,7 @@ class LocalStore:
             if self._open_by_key.get((st.job, st.step, st.rank)) == st.save_id:
                 del self._open_by_key[(st.job, st.step, st.rank)]
             self._committing_bytes += _charge(st)
+            self._committing_data += st.nbytes
 
     def _place_files(self, st: Staging, man: Manifest, stats: dict[str, os.stat_result]) -> str:
         """Rename the staged files into the rank directory and write the manifest under a temporary name."""
@@ -386,6 +391,7 @@ class LocalStore:
         except BaseException as e:
             with self._lock:
                 self._committing_bytes -= _charge(st)
+                self._committing_data -= st.nbytes
             if isinstance(e, OSError):
                 self._layout.remove_staging(st.save_id)
                 self._layout.unplace(st)
@@ -407,7 +413,7 @@ class LocalStore:
         for s in man.shards:
             self._recycle.mark_recyclable(self.shard_path(man, s.name))
         if old is not None:
-            self._catalog.uncharge(_charge(old))
+            self._catalog.uncharge(old, _charge(old))
             self._layout.remove_rank_files(old, keep_manifest=True)
         if pin:
             self._catalog.pin(st.job, st.step, pin)
@@ -475,8 +481,9 @@ class LocalStore:
 
     def usage(self) -> Usage:
         with self._lock:
-            return Usage(self.capacity, self._catalog.committed_bytes, self._staging_bytes_locked(),
-                         self._recycle.bytes)
+            staging = sum(st.nbytes for st in self._open.values()) + self._committing_data
+            return Usage(self.capacity, self._catalog.data_bytes, staging, self._recycle.data_bytes,
+                         charged=self._used_locked())
 
     def _staging_bytes_locked(self) -> int:
         return sum(_charge(st) for st in self._open.values()) + self._committing_bytes

@@ -32,7 +32,7 @@ def test_evicted_files_are_recycled_for_same_size_shards(store):
     st1, _, _ = _save(store, "j", 1, {"a": b"1" * 100})
     inode = os.stat(store.shard_path(store.get("j", 1, 0), "a")).st_ino
     _save(store, "j", 2, {"a": b"2" * 100})  # keep_local=1 evicts step 1 into the recycle pool
-    assert store.get("j", 1, 0) is None and store.usage().recycle == charge_file(100)
+    assert store.get("j", 1, 0) is None and store.usage().recycle == 100
     st3 = store.begin("j", 3, 0, 1, [("a", 100, "", ())])
     assert st3.files["a"].recycled and os.stat(st3.files["a"].path).st_ino == inode
     assert store.usage().recycle == 0
@@ -94,7 +94,8 @@ def test_reopen_rebuilds_catalog_and_drops_uncommitted(scratch, store):
     again = LocalStore(store.root, "n0", capacity=1_000_000, keep_local=1)
     again.open()
     man = again.get("j", 1, 0)
-    assert man is not None and man.metadata_json == '{"k": 1}' and again.usage().committed == charge_rank([3, 3])
+    assert man is not None and man.metadata_json == '{"k": 1}' and again.usage().committed == 6
+    assert again.usage().charged == charge_rank([3, 3])
     assert not orphan.exists() and not (rank_dir / "a.interrupted-resave").exists()
     assert not st.dir.exists()
 
@@ -160,9 +161,9 @@ def test_idle_recycle_pool_is_released(scratch):
     s.open()
     _save(s, "j", 1, {"a": b"1" * 100})
     _save(s, "j", 2, {"a": b"2" * 100})
-    assert s.usage().recycle == charge_file(100)
+    assert s.usage().recycle == 100 and s.usage().charged == charge_rank([100]) + charge_file(100)
     s.reclaim_expired(60)
-    assert s.usage().recycle == charge_file(100)  # a save began recently: keep the pool
+    assert s.usage().recycle == 100  # a save began recently: keep the pool
     s._last_begin -= 120
     s.reclaim_expired(60)
     assert s.usage().recycle == 0 and not any((s.root / "recycle").iterdir())

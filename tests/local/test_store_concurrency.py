@@ -39,13 +39,13 @@ def test_bytes_being_committed_still_count_against_capacity(scratch, monkeypatch
     t.start()
     try:
         assert entered.wait(10)
-        assert store.usage().used == charge_rank([6000])
+        assert store.usage().used == 6000 and store.usage().charged == charge_rank([6000])
         with pytest.raises(CapacityError):
             store.begin("b", 1, 0, 1, [("s", 10_000, "", ())])
     finally:
         release.set()
         t.join(10)
-    assert store.usage().used == charge_rank([6000]) and store.get("a", 1, 0) is not None
+    assert store.usage().charged == charge_rank([6000]) and store.usage().used == 6000 and store.get("a", 1, 0) is not None
 
 
 def test_concurrent_resaves_of_one_rank_keep_disk_and_catalog_in_agreement(scratch, monkeypatch):
@@ -94,6 +94,11 @@ def test_concurrent_resaves_of_one_rank_keep_disk_and_catalog_in_agreement(scrat
     assert again.get("j", 1, 0) is not None, "the rank was lost at restart"
 
 
+def _bytes_on_disk(root) -> int:
+    return sum(p.stat().st_size for sub in ("jobs", "staging", "recycle") for p in (root / sub).rglob("*")
+               if p.is_file() and p.name != "manifest.json")
+
+
 def _charged_on_disk(root) -> int:
     """What the files on disk are charged: each data file at least MIN_CHARGE, each rank (committed
     or staging) one manifest."""
@@ -113,7 +118,7 @@ def test_failed_begin_returns_untouched_recycled_files(scratch, monkeypatch):
     for step in (1, 2):
         st = store.begin("j", step, 0, 1, [("r", 100, "", ())])
         store.commit(st.save_id, {"r": _checksum.digest(b"\0" * 100)})
-    assert store.usage().recycle == charge_file(100)  # step 1's file
+    assert store.usage().recycle == 100  # step 1's file
     real = os.ftruncate
 
     def full(fd, size):
@@ -124,4 +129,5 @@ def test_failed_begin_returns_untouched_recycled_files(scratch, monkeypatch):
         store.begin("j", 3, 0, 1, [("fresh", 50, "", ()), ("r", 100, "", ())])
     monkeypatch.setattr(os, "ftruncate", real)
     u = store.usage()
-    assert _charged_on_disk(root) == u.used, (u, _charged_on_disk(root))
+    assert _charged_on_disk(root) == u.charged, (u, _charged_on_disk(root))
+    assert _bytes_on_disk(root) == u.used, (u, _bytes_on_disk(root))
