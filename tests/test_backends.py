@@ -332,3 +332,36 @@ def test_retry_policy_validates() -> None:
             RetryPolicy(**kwargs)
 
 
+
+
+def test_file_backend_never_follows_a_symlink_below_the_root(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    with open_backend(root.as_uri()) as fb:
+        fb.put_bytes("job/1/a", b"1")
+        (root / "evil").symlink_to(outside)                     # a directory link
+        (root / "job" / "1" / "link").symlink_to(outside / "secret")  # a file link
+        for key in ("evil/secret", "job/1/link"):
+            with pytest.raises(BackendError) as e:
+                fb.get_bytes(key)
+            assert not e.value.retryable
+            assert not fb.exists(key)
+        with pytest.raises(BackendError):
+            fb.put_bytes("evil/new", b"x")                      # never written through the link
+        fb.put_bytes("job/1/link", b"replaced")                 # the link is replaced, not followed
+        fb.delete(["evil/secret"])
+        assert fb.list() == ["job/1/a", "job/1/link"]
+    assert (outside / "secret").read_bytes() == b"secret" and sorted(os.listdir(outside)) == ["secret"]
+    assert (root / "job" / "1" / "link").read_bytes() == b"replaced"
+    mode = os.stat(root / "job" / "1" / "a").st_mode & 0o777
+    assert mode == 0o640 and os.stat(root / "job").st_mode & 0o777 == 0o750
+
+
+def test_file_backend_put_file_refuses_a_symlinked_source(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_bytes(b"s")
+    (tmp_path / "src").symlink_to(tmp_path / "secret")
+    with open_backend((tmp_path / "root").as_uri()) as fb:
+        with pytest.raises(OSError):
+            fb.put_file("k", tmp_path / "src")
+        assert fb.list() == []

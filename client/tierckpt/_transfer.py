@@ -53,7 +53,7 @@ class StagingMaps:
                 del self._maps[key]  # closed when the last in-flight user drops it
 
     def get(self, path: str, size: int) -> mmap.mmap:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
@@ -95,7 +95,7 @@ def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer],
                 for off in range(0, b.nbytes, _COPY_PIECE):
                     pieces.append((np.copyto, dst[off : off + _COPY_PIECE], src[off : off + _COPY_PIECE]))
                 continue
-            fds[b.name] = os.open(s.path, os.O_WRONLY)
+            fds[b.name] = os.open(s.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             for off in range(0, b.nbytes, _COPY_PIECE):
                 pieces.append((pwrite_all, fds[b.name], b.view[off : off + _COPY_PIECE], off))
         futs = [io.submit(*p) for p in pieces]
@@ -127,7 +127,7 @@ def map_verified(job: str, step: int, rank: int, s: pb.RestoredShard, advance: C
         buf: Any = b""
     else:
         try:
-            fd = os.open(s.path, os.O_RDONLY)
+            fd = os.open(s.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:  # evicted or re-saved since the daemon answered (not corrupt)
             raise NotFoundError(f"{job} step {step} rank {rank} shard {s.name!r}: the local copy was removed "
                                 "while restoring") from None

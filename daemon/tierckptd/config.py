@@ -67,6 +67,8 @@ class DaemonConfig:
     """Seconds an uncommitted save may hold its staging files before they are reclaimed."""
     max_shard_bytes: int = 1 << 40
     """Largest single shard accepted."""
+    max_open_saves: int = 1024
+    """Saves open (begun, not yet committed or aborted) at once on this node; more get RESOURCE_EXHAUSTED."""
     max_message_bytes: int = 16 << 20
     """Largest gRPC message accepted or sent (bulk data moves in chunks below this)."""
     max_concurrent_streams: int = 256
@@ -236,6 +238,8 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
     for key in ("keep_local",):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}: must be >= 1 (the newest complete step is always kept)")
+    if cfg.max_open_saves < 1:
+        raise ConfigError("max_open_saves: must be >= 1")
     for key in ("replicas", "persist_every", "keep_persistent", "metrics_port", "max_concurrent_streams"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key}: must not be negative")
@@ -331,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     # What each value is, for --help: by the kind of value, not by the option's last word.
     metavars = {"node_id": "ID", "listen": "HOST:PORT", "socket": "PATH", "socket_mode": "MODE",
                 "socket_group": "GROUP", "local_dir": "DIR", "local_capacity": "BYTES", "fsync": "auto|always|never",
-                "staging_timeout": "SECONDS", "max_shard_bytes": "BYTES", "max_message_bytes": "BYTES",
+                "staging_timeout": "SECONDS", "max_shard_bytes": "BYTES", "max_open_saves": "N", "max_message_bytes": "BYTES",
                 "peers": "ID=HOST:PORT,...", "peers_dns": "NAME:PORT", "persistent": "URL", "metrics_port": "PORT",
                 "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem",
                 "log_level": "LEVEL", "log_format": "plain|json", "shutdown_timeout": "SECONDS",

@@ -100,6 +100,7 @@ async def _open_node(config: DaemonConfig, metrics):
     cluster = build_membership(config, metrics)
     store = LocalStore(config.local_dir, config.node_id, capacity=config.local_capacity,
                        keep_local=config.keep_local, fsync=config.fsync, max_shard_bytes=config.max_shard_bytes,
+                       max_open_saves=config.max_open_saves,
                        is_complete=cluster.is_complete if cluster else None, on_evict=evicted)
     await run_blocking(store.open)
     tiers = build_tiers(config, store, metrics, cluster)

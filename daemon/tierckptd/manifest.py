@@ -3,7 +3,8 @@
 A manifest lists one rank's shards of one step (name, size, checksum, dtype/shape, data file),
 the world size, the owning node and user metadata. It is written last, by rename (local and peer
 tiers) or uploaded after every shard (persistent tier); readers ignore data without one.
-Manifests also arrive from peers and the object store, so parsing validates every field.
+Manifests also arrive from peers and the object store, so parsing validates every field,
+including that a shard's dtype and shape account for exactly its size (:func:`.staging.check_layout`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 from tierckpt.common import checksum as _checksum
 from tierckpt.common.names import check_job, check_node, check_rank, check_shard, check_size, check_step
 from tierckpt.errors import DataLossError, InvalidArgumentError
+
+from .staging import check_layout
 
 __all__ = ["FORMAT", "ShardEntry", "Manifest", "MANIFEST_NAME"]
 
@@ -78,17 +81,12 @@ class Manifest:
                 raise ValueError("unsupported manifest format or checksum algorithm")
             shards = []
             for s in doc["shards"]:
-                shards.append(
-                    ShardEntry(
-                        name=check_shard(s["name"], "manifest.shards.name"),
-                        size=check_size(s["size"], "manifest.shards.size"),
-                        checksum=_check_hex(s["checksum"]),
-                        dtype=str(s.get("dtype", "")),
-                        shape=tuple(check_size(int(d), "manifest.shards.shape") for d in s.get("shape", ())),
-                        file=_check_file(s.get("file", "")),
-                        codec=_check_codec(s.get("codec", "")),
-                    )
-                )
+                name = check_shard(s["name"], "manifest.shards.name")
+                size = check_size(s["size"], "manifest.shards.size")
+                dtype, shape = check_layout(name, size, s.get("dtype", ""), list(s.get("shape", [])))
+                shards.append(ShardEntry(name=name, size=size, checksum=_check_hex(s["checksum"]), dtype=dtype,
+                                         shape=shape, file=_check_file(s.get("file", "")),
+                                         codec=_check_codec(s.get("codec", ""))))
             rank, world = check_rank(doc["rank"], doc["world_size"])
             meta = doc.get("metadata_json", "{}")
             if not isinstance(meta, str):

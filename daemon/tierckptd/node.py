@@ -198,11 +198,7 @@ class Node:
         if man is None or entry is None:
             raise NotFoundError(f"{job} step {step} rank {rank} shard {shard!r} is not in the local tier "
                                 "(call Restore first)")
-        path = self.store.lend(man)[[s.name for s in man.shards].index(entry.name)]
-        try:
-            fd = await run_blocking(os.open, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise NotFoundError(f"{job} step {step} was evicted") from None
+        fd = await run_blocking(self.store.open_shard, man, entry.name)  # NotFoundError: evicted since
         try:
             offset = 0
             while offset < entry.size:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
-import functools
 import grpc
 import json
 import logging
@@ -13,7 +11,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from tierckpt.common.names import check_job, check_rank, check_shard, check_step
-from tierckpt.errors import InvalidArgumentError, TierckptError
+from tierckpt.errors import InvalidArgumentError
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import builtins
+
 import contextlib
 import errno
 import os
 import secrets
 import shutil
+import stat
 from typing import BinaryIO, Callable, Iterator, Sequence
 
-from tierckpt.common.fileio import fsync_path
 from tierckpt.errors import NotFoundError, TierckptError
 
 from .base import _TMP_MARK, Backend, BackendError, atomic_local_file, check_key, check_prefix, translate_errors
@@ -22,9 +24,18 @@ _RETRYABLE_ERRNOS = frozenset(
      errno.EDQUOT, errno.ENOLCK, errno.ECONNRESET, errno.ECONNREFUSED, errno.EHOSTUNREACH}
 )
 _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_MODE = 0o640
+_DIR_MODE = 0o750
+
+
+class _LinkRefused(OSError):
+    """A symlink (or a non-directory where a directory is expected) below the root."""
 
 
 def _translate(e: BaseException, what: str) -> TierckptError:
+    if isinstance(e, _LinkRefused):
+        return BackendError(f"{what}: {e.strerror}", retryable=False)
     if isinstance(e, _MISSING) and what.startswith("get"):
         return NotFoundError(f"{what}: no such object")
     code = getattr(e, "errno", None)
@@ -39,6 +50,11 @@ class FileBackend(Backend):
     a crash leaves either the old object or the new one, never a partial one. Temporary names
     contain ``.tierckpt-tmp-``; listings skip them and keys may not contain it. Directories left
     empty by ``delete`` are removed.
+
+    No symlink below the root is followed: directories are walked one component at a time with
+    ``openat(O_DIRECTORY | O_NOFOLLOW)`` and files opened with ``O_NOFOLLOW``, so a key can never
+    resolve outside the root (a link met on the way is a non-retryable BackendError). Files are
+    created 0640 and directories 0750 whatever the umask. The root itself is the operator's path.
 
     Args:
         root: Absolute path of the root directory; created on the first write.
@@ -57,36 +73,89 @@ class FileBackend(Backend):
     def _errors(self, op: str, key: str) -> contextlib.AbstractContextManager[None]:
         return translate_errors((OSError,), _translate, f"{op} {self.url}/{key}")
 
+    @contextlib.contextmanager
+    def _dir(self, parts: Sequence[str], *, create: bool = False) -> Iterator[int]:
+        """A descriptor of root/parts, reached without following a link below the root."""
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in parts:
+                made = False
+                if create:
+                    try:
+                        os.mkdir(name, _DIR_MODE, dir_fd=fd)
+                        made = True
+                    except FileExistsError:
+                        pass
+                try:
+                    nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise _LinkRefused(e.errno, f"{name!r} below the root is a symlink or not a directory") from None
+                    raise
+                if made:
+                    os.fchmod(nxt, _DIR_MODE)
+                os.close(fd)
+                fd = nxt
+            yield fd
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _open_file(dir_fd: int, name: str, flags: int, mode: int = _FILE_MODE) -> int:
+        try:
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _LinkRefused(e.errno, f"{name!r} below the root is a symlink") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _LinkRefused(errno.EINVAL, f"{name!r} below the root is not a regular file")
+        return fd
+
     def _write(self, key: str, fill: Callable[[BinaryIO], object]) -> None:
-        dst = self._path(key)
-        parent, name = os.path.split(dst)
-        tmp = os.path.join(parent, f"{name}{_TMP_MARK}{secrets.token_hex(4)}")
+        *parents, name = check_key(key).split("/")
+        tmp = f"{name}{_TMP_MARK}{secrets.token_hex(4)}"
         with self._errors("put", key):
             for attempt in range(3):  # a concurrent delete may prune the directory we just made
-                os.makedirs(parent, exist_ok=True)
                 try:
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                    break
+                    with self._dir(parents, create=True) as dfd:
+                        self._put_in(dfd, tmp, name, fill)
+                    return
                 except FileNotFoundError:
                     if attempt == 2:
                         raise
-            try:
-                with os.fdopen(fd, "wb") as out:
-                    fill(out)
-                    if self._fsync:
-                        out.flush()
-                        os.fsync(out.fileno())
-                os.replace(tmp, dst)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            if self._fsync:
-                fsync_path(parent)
+
+    def _put_in(self, dfd: int, tmp: str, name: str, fill: Callable[[BinaryIO], object]) -> None:
+        fd = self._open_file(dfd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            os.fchmod(fd, _FILE_MODE)
+            with os.fdopen(fd, "wb") as out:
+                fill(out)
+                if self._fsync:
+                    out.flush()
+                    os.fsync(out.fileno())
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces an entry, never follows it
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+        if self._fsync:
+            os.fsync(dfd)
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
-        """See :meth:`Backend.put_file`. A read error in the middle of the copy is a BackendError."""
-        with open(path, "rb") as src:  # a missing or unreadable local file raises OSError here
+        """See :meth:`Backend.put_file`. A read error in the middle of the copy is a BackendError.
+
+        ``path`` is opened without following a symlink in its last component and must be a
+        regular file (the local tier's data files are; a swapped one is refused, not uploaded).
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # missing/unreadable: OSError here
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"{os.fspath(path)} is not a regular file")
+        with os.fdopen(fd, "rb") as src:
             self._write(key, lambda out: shutil.copyfileobj(src, out, _COPY_CHUNK))
 
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
@@ -95,15 +164,17 @@ class FileBackend(Backend):
 
     @contextlib.contextmanager
     def _open_object(self, key: str) -> Iterator[BinaryIO]:
-        src = self._path(key)
+        *parents, name = check_key(key).split("/")
         with self._errors("get", key):
-            fh = open(src, "rb")
+            with self._dir(parents) as dfd:
+                fh = os.fdopen(self._open_file(dfd, name, os.O_RDONLY), "rb")
         with fh:
             yield fh
 
     def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """See :meth:`Backend.get_file`."""
-        with self._open_object(key) as src, atomic_local_file(path) as tmp, open(tmp, "wb") as out:
+        with self._open_object(key) as src, atomic_local_file(path) as tmp, open(tmp, "xb") as out:
+            os.fchmod(out.fileno(), _FILE_MODE)
             with self._errors("read", key):
                 shutil.copyfileobj(src, out, _COPY_CHUNK)
 
@@ -113,50 +184,64 @@ class FileBackend(Backend):
             return src.read()
 
     def list(self, prefix: str = "") -> list[str]:
-        """See :meth:`Backend.list`."""
+        """See :meth:`Backend.list`. Symlinks below the root are neither listed nor descended."""
         check_prefix(prefix)
         head, _, partial = prefix.rpartition("/")
-        base = os.path.join(self.root, *head.split("/")) if head else self.root
+        parts = head.split("/") if head else []
         keys: list[str] = []
-
-        def onerror(e: OSError) -> None:
-            if not isinstance(e, _MISSING):
-                raise e
-
         with self._errors("list", prefix):
-            for dirpath, dirnames, filenames in os.walk(base, onerror=onerror):
-                if dirpath == base:
-                    dirnames[:] = [d for d in dirnames if d.startswith(partial)]
-                rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-                for name in filenames:
-                    if _TMP_MARK in name:
-                        continue
-                    key = name if rel == "." else f"{rel}/{name}"
-                    if key.startswith(prefix):
-                        keys.append(key)
+            try:
+                with self._dir(parts) as base:
+                    for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=base, follow_symlinks=False):
+                        if dirpath == ".":
+                            dirnames[:] = [d for d in dirnames if d.startswith(partial)]
+                        rel = dirpath[2:] if dirpath.startswith("./") else ""
+                        for name in filenames:
+                            if _TMP_MARK in name or not _is_regular(dfd, name):
+                                continue
+                            key = "/".join(p for p in (head, rel, name) if p)
+                            if key.startswith(prefix):
+                                keys.append(key)
+            except _MISSING:
+                pass
         keys.sort()
         return keys
 
     def delete(self, keys: Sequence[str]) -> None:
         """See :meth:`Backend.delete`."""
-        paths = [self._path(k) for k in keys]  # validate every key before deleting any
-        for key, path in zip(keys, paths):
+        split = [check_key(k).split("/") for k in keys]  # validate every key before deleting any
+        for key, (*parents, name) in zip(keys, split):
             with self._errors("delete", key):
                 try:
-                    os.unlink(path)
-                except (FileNotFoundError, NotADirectoryError):
+                    with self._dir(parents) as dfd:
+                        os.unlink(name, dir_fd=dfd)  # a link is removed as a link
+                except (FileNotFoundError, NotADirectoryError, _LinkRefused):
                     continue
-            self._prune(os.path.dirname(path))
+            self._prune(parents)
 
-    def _prune(self, directory: str) -> None:
-        """Remove ``directory`` and its parents below the root while they are empty."""
-        while directory != self.root and directory.startswith(self.root + os.sep):
+    def _prune(self, parents: builtins.list[str]) -> None:
+        """Remove the key's directories below the root, deepest first, while they are empty."""
+        while parents:
+            *up, name = parents
             try:
-                os.rmdir(directory)
-            except OSError:  # not empty (or already gone): stop climbing
+                with self._dir(up) as dfd:
+                    os.rmdir(name, dir_fd=dfd)
+            except OSError:  # not empty (or already gone, or a link): stop climbing
                 return
-            directory = os.path.dirname(directory)
+            parents = up
 
     def exists(self, key: str) -> bool:
         """See :meth:`Backend.exists`."""
-        return os.path.isfile(self._path(key))
+        *parents, name = check_key(key).split("/")
+        try:
+            with self._dir(parents) as dfd:
+                return _is_regular(dfd, name)
+        except OSError:
+            return False
+
+
+def _is_regular(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False

@@ -7,6 +7,7 @@ or unreachable copy falls back to the next holder.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -97,7 +98,7 @@ class Fetcher:
         specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
         st = await run_blocking(self.store.begin, job, step, rank, man.world_size, specs)
         try:
-            files = {n: (str(f.path), f.size) for n, f in st.files.items()}
+            files = {n: (functools.partial(self.store.open_staged, st.save_id, n), f.size) for n, f in st.files.items()}
             hashers = {s.name: bulk.OrderedHasher(s.size) for s in man.shards}
             await self.transfer.run(p.node_id, p.host, resp.bulk_port, resp.ticket, "get",
                                     plan_pieces([(s.name, s.size) for s in man.shards]), files, hashers, p.tls_name)

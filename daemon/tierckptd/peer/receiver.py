@@ -251,8 +251,8 @@ class Receiver:
             raise InvalidArgumentError(f"shard: {shard!r} is not part of this replica")
         bulk.check_piece(*piece, f.size)
         try:
-            fd = os.open(f.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
+            fd = self.store.open_staged(inb.staging.save_id, shard)
+        except (FileNotFoundError, InvalidArgumentError):
             raise FailedPreconditionError("ticket: the replica's staging area was aborted or expired") from None
         hasher = inb.hashers[shard]
         try:
@@ -285,10 +285,7 @@ class Receiver:
             raise InvalidArgumentError(f"shard: {shard!r} is not part of this rank") from None
         bulk.check_piece(*piece, entry.size)
         ranges = list(bulk.runs(*piece, entry.size))
-        try:
-            fh = self.store.shard_path(rd.man, shard).open("rb")  # closed below (the reply needs it open)
-        except FileNotFoundError:
-            raise NotFoundError(f"{rd.man.job} step {rd.man.step} rank {rd.man.rank} was evicted") from None
+        fh = os.fdopen(self.store.open_shard(rd.man, shard), "rb")  # NotFoundError: evicted since
         with fh:
             bulk.send_msg(sock, {"ok": True, "length": sum(n for _, n in ranges)})
             for start, length in ranges:

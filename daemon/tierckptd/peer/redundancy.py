@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from tierckpt.errors import DeadlineExceededError, TierckptError, UnavailableError
 from tierckpt.v1 import peer_pb2 as ppb
@@ -32,7 +31,8 @@ from ..knobs import KNOBS
 from ..manifest import Manifest
 from ..offload import run_blocking
 from ..store import Eviction, LocalStore
-from .replicator import Pusher, Replicator, retention_floor
+from ..retention import retention_floor
+from .replicator import Pusher, Replicator
 
 __all__ = ["Redundancy"]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Coroutine
@@ -27,6 +28,7 @@ from ..cluster import ring
 from ..cluster.membership import Membership, PeerInfo
 from ..knobs import KNOBS
 from ..manifest import Manifest
+from ..retention import retention_floor
 from ..store import LocalStore
 from .transfer import BulkClient, plan_pieces
 
@@ -69,7 +71,7 @@ class Pusher:
         if prep.already_committed:
             return
         try:
-            files = {s.name: (str(self.store.shard_path(man, s.name)), s.size) for s in man.shards}
+            files = {s.name: (functools.partial(self.store.open_shard, man, s.name), s.size) for s in man.shards}
             pieces = plan_pieces([(s.name, s.size) for s in man.shards])
             await self.transfer.run(p.node_id, p.host, prep.bulk_port, prep.ticket, "put", pieces, files, {},
                                     p.tls_name)
@@ -269,6 +271,3 @@ class Replicator:
                 f"{', '.join(parts) or 'none (too few peers configured)'}")
 
 
-def retention_floor(complete: list[int], keep_local: int) -> int:
-    """The oldest step in the local retention window (-1 while fewer than keep_local are complete)."""
-    return complete[-keep_local] if len(complete) >= keep_local else -1

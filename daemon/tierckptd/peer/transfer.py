@@ -14,7 +14,7 @@ import os
 import queue
 import ssl
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from tierckpt.errors import DataLossError, UnavailableError
 
@@ -22,8 +22,10 @@ from ..knobs import KNOBS
 from ..offload import run_blocking
 from . import bulk
 
-__all__ = ["plan_pieces", "BulkClient", "Piece"]
+__all__ = ["plan_pieces", "BulkClient", "Piece", "Opener"]
 
+Opener = Callable[[], int]
+"""Returns a new file descriptor of a shard (the caller closes it)."""
 Piece = tuple[str, int, int, int]
 """(shard, offset, chunk, stride): see :mod:`.bulk`."""
 
@@ -59,9 +61,12 @@ class BulkClient:
         self._ssl = ssl_context
 
     async def run(self, peer_id: str, host: str, port: int, ticket: str, op: str, pieces: list[Piece],
-                  files: dict[str, tuple[str, int]], hashers: dict[str, bulk.OrderedHasher],
+                  files: Mapping[str, tuple[Opener, int]], hashers: dict[str, bulk.OrderedHasher],
                   tls_name: str | None = None) -> None:
         """Move ``pieces`` over up to ``KNOBS.bulk_streams`` connections; "get" feeds ``hashers``.
+
+        ``files`` maps each shard to (an opener returning a descriptor that does not follow links:
+        the store's ``open_shard`` for "put", ``open_staged`` for "get"; its size).
 
         Raises:
             UnavailableError: a connection failed. DataLossError: the peer offered the wrong size.
@@ -86,7 +91,7 @@ class _Stream:
     """One transfer's shared state; :meth:`work` is one connection's loop (a worker thread)."""
 
     def __init__(self, peer_id: str, host: str, port: int, ticket: str, op: str, work: queue.SimpleQueue,
-                 files: dict[str, tuple[str, int]], hashers: dict[str, bulk.OrderedHasher], stop: threading.Event,
+                 files: Mapping[str, tuple[Opener, int]], hashers: dict[str, bulk.OrderedHasher], stop: threading.Event,
                  ssl_context: ssl.SSLContext | None, tls_name: str | None) -> None:
         self.peer_id, self.host, self.port, self.ticket, self.op = peer_id, host, port, ticket, op
         self.queue, self.files, self.hashers, self.stop = work, files, hashers, stop
@@ -109,13 +114,13 @@ class _Stream:
 
     def _one(self, sock, piece: Piece, buf: bytearray | None) -> None:
         shard, off, chunk, stride = piece
-        path, size = self.files[shard]
+        opener, size = self.files[shard]
         what = f"peer {self.peer_id} bulk {self.op} {shard}"
         bulk.send_msg(sock, {"v": bulk.VERSION, "op": self.op, "ticket": self.ticket, "shard": shard,
                              "offset": off, "chunk": chunk, "stride": stride})
         reply = bulk.raise_for(bulk.recv_msg(sock) or {}, what)
         if self.op == "put":
-            with open(path, "rb") as fh:
+            with os.fdopen(opener(), "rb") as fh:
                 for start, length in bulk.runs(off, chunk, stride, size):
                     bulk.send_range(sock, fh, start, length, buf)
             bulk.raise_for(bulk.recv_msg(sock) or {}, what)
@@ -124,7 +129,7 @@ class _Stream:
         if reply.get("length") != expect:
             raise DataLossError(f"{what}: peer offers {reply.get('length')} bytes, expected {expect}")
         assert buf is not None
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = opener()
         try:
             for start, length in bulk.runs(off, chunk, stride, size):
                 bulk.recv_range(sock, fd, start, length, buf, self.hashers[shard].update)

@@ -8,6 +8,7 @@ import pytest
 
 from tierckpt.common import checksum as _checksum
 from tierckpt.errors import CapacityError, DataLossError, InvalidArgumentError
+from tierckptd.retention import charge_file, charge_rank
 from tierckptd.store import LocalStore
 
 
@@ -22,7 +23,7 @@ def _save(store: LocalStore, job: str, step: int, data: dict[str, bytes], rank: 
 
 @pytest.fixture
 def store(scratch):
-    s = LocalStore(scratch / "data", "n0", capacity=10_000, keep_local=1)
+    s = LocalStore(scratch / "data", "n0", capacity=1_000_000, keep_local=1)
     s.open()
     return s
 
@@ -57,15 +58,15 @@ def test_pinned_step_survives_retention_until_unpinned(store):
 
 def test_capacity_evicts_undrained_only_when_forced(scratch):
     evicted: list = []
-    s = LocalStore(scratch / "d2", "n0", capacity=1000, keep_local=5, on_evict=evicted.append)
+    s = LocalStore(scratch / "d2", "n0", capacity=100_000, keep_local=5, on_evict=evicted.append)
     s.open()
-    _save(s, "j", 1, {"a": b"1" * 400})
-    _save(s, "j", 2, {"a": b"2" * 400})
+    _save(s, "j", 1, {"a": b"1" * 40_000})
+    _save(s, "j", 2, {"a": b"2" * 40_000})
     s.pin("j", 1, "drain")
-    s.begin("j", 3, 0, 1, [("a", 500, "", ())])
+    s.begin("j", 3, 0, 1, [("a", 50_000, "", ())])
     assert s.get("j", 1, 0) is None and s.counters["evictions_capacity_undrained"] == 1
     with pytest.raises(CapacityError):
-        s.begin("j", 4, 0, 1, [("a", 500, "", ())])  # step 2 is the newest complete: kept
+        s.begin("j", 4, 0, 1, [("a", 50_000, "", ())])  # step 2 is the newest complete: kept
     assert s.get("j", 2, 0) is not None
 
 
@@ -90,10 +91,11 @@ def test_reopen_rebuilds_catalog_and_drops_uncommitted(scratch, store):
     (orphan / "a.x").write_bytes(b"no manifest")
     st = store.begin("j", 9, 0, 1, [("a", 3, "", ())])
     store.close()  # as if the process died
-    again = LocalStore(store.root, "n0", capacity=10_000, keep_local=1)
+    again = LocalStore(store.root, "n0", capacity=1_000_000, keep_local=1)
     again.open()
     man = again.get("j", 1, 0)
     assert man is not None and man.metadata_json == '{"k": 1}' and again.usage().committed == 6
+    assert again.usage().charged == charge_rank([3, 3])
     assert not orphan.exists() and not (rank_dir / "a.interrupted-resave").exists()
     assert not st.dir.exists()
 
@@ -119,7 +121,7 @@ def test_restore_from_a_remote_tier_is_not_evicted_by_its_own_commit(scratch):
     from tierckptd.node import Node
     from tierckptd.tiers import RemoteTier
 
-    store = LocalStore(scratch / "d3", "n0", capacity=10_000, keep_local=1)
+    store = LocalStore(scratch / "d3", "n0", capacity=1_000_000, keep_local=1)
     store.open()
     _save(store, "j", 9, {"a": b"new"})  # the newest complete step
 
@@ -155,11 +157,11 @@ def test_a_second_store_on_the_same_dir_is_refused(store):
 
 
 def test_idle_recycle_pool_is_released(scratch):
-    s = LocalStore(scratch / "d4", "n0", capacity=10_000, keep_local=1)
+    s = LocalStore(scratch / "d4", "n0", capacity=1_000_000, keep_local=1)
     s.open()
     _save(s, "j", 1, {"a": b"1" * 100})
     _save(s, "j", 2, {"a": b"2" * 100})
-    assert s.usage().recycle == 100
+    assert s.usage().recycle == 100 and s.usage().charged == charge_rank([100]) + charge_file(100)
     s.reclaim_expired(60)
     assert s.usage().recycle == 100  # a save began recently: keep the pool
     s._last_begin -= 120

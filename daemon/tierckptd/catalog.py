@@ -1,0 +1,118 @@
+"""The local tier's in-memory catalog: committed ranks, their bytes, and retention pins.
+
+Not thread-safe by itself: the local store calls it under its lock. The rules deciding what
+to evict live in :mod:`tierckptd.retention`; this class only answers from its state.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from . import retention
+from .manifest import Manifest
+
+__all__ = ["Catalog", "CompletenessFn", "local_complete"]
+
+CompletenessFn = Callable[[str, int, int, set[int]], bool]
+
+
+def local_complete(job: str, step: int, world_size: int, ranks: set[int]) -> bool:
+    """Default completeness: every rank is held here."""
+    return len(ranks) == world_size
+
+
+class Catalog:
+    """job -> step -> rank -> Manifest, with the committed byte count and the pins."""
+
+    def __init__(self, is_complete: CompletenessFn | None = None) -> None:
+        self._jobs: dict[str, dict[int, dict[int, Manifest]]] = {}
+        self._pins: dict[tuple[str, int], set[str]] = {}
+        self.is_complete: CompletenessFn = is_complete or local_complete
+        self.committed_bytes = 0  # charged against the capacity
+        self.data_bytes = 0  # bytes of shard data
+
+    # -- entries
+
+    def add(self, man: Manifest, charge: int) -> Manifest | None:
+        """Record a committed rank (``charge`` bytes); returns the manifest it replaced, if any."""
+        by_rank = self._jobs.setdefault(man.job, {}).setdefault(man.step, {})
+        old = by_rank.get(man.rank)
+        by_rank[man.rank] = man
+        self.committed_bytes += charge
+        self.data_bytes += man.nbytes
+        return old
+
+    def uncharge(self, man: Manifest, charge: int) -> None:
+        self.committed_bytes -= charge
+        self.data_bytes -= man.nbytes
+
+    def get(self, job: str, step: int, rank: int) -> Manifest | None:
+        return self._jobs.get(job, {}).get(step, {}).get(rank)
+
+    def pop_rank(self, job: str, step: int, rank: int) -> Manifest | None:
+        """Forget one rank (the caller uncharges its bytes); drops the step and job when empty."""
+        ranks = self._jobs.get(job, {}).get(step)
+        if not ranks or rank not in ranks:
+            return None
+        man = ranks.pop(rank)
+        if not ranks:
+            del self._jobs[job][step]
+            if not self._jobs[job]:
+                del self._jobs[job]
+        return man
+
+    def pop_step(self, job: str, step: int) -> dict[int, Manifest]:
+        """Forget a whole step (the caller uncharges its bytes); drops the job when empty."""
+        ranks = self._jobs.get(job, {}).pop(step, {})
+        if job in self._jobs and not self._jobs[job]:
+            del self._jobs[job]
+        return ranks
+
+    def has_job(self, job: str) -> bool:
+        return job in self._jobs
+
+    def jobs(self) -> list[str]:
+        return sorted(self._jobs)
+
+    def steps(self, job: str) -> dict[int, dict[int, Manifest]]:
+        """Snapshot: step -> rank -> manifest."""
+        return {s: dict(r) for s, r in self._jobs.get(job, {}).items()}
+
+    def complete(self, job: str) -> list[int]:
+        """The job's complete steps, ascending."""
+        out = []
+        for step, ranks in self._jobs.get(job, {}).items():
+            world = next(iter(ranks.values())).world_size
+            if self.is_complete(job, step, world, set(ranks)):
+                out.append(step)
+        return sorted(out)
+
+    # -- pins
+
+    def pin(self, job: str, step: int, reason: str) -> None:
+        self._pins.setdefault((job, step), set()).add(reason)
+
+    def unpin(self, job: str, step: int, reason: str) -> None:
+        reasons = self._pins.get((job, step))
+        if reasons is not None:
+            reasons.discard(reason)
+            if not reasons:
+                del self._pins[(job, step)]
+
+    def pins(self, job: str, step: int) -> set[str]:
+        return set(self._pins.get((job, step), ()))
+
+    def drop_pins(self, job: str, step: int) -> None:
+        self._pins.pop((job, step), None)
+
+    # -- what the retention rules say
+
+    def retention_victims(self, job: str, keep_local: int) -> list[int]:
+        pinned = {s for (j, s) in self._pins if j == job}
+        return retention.retention_victims(self._jobs.get(job, {}), self.complete(job), keep_local, pinned)
+
+    def capacity_order(self, *, allow_pinned: bool) -> list[tuple[str, int]]:
+        jobs = {job: {step: min(m.created for m in ranks.values()) for step, ranks in steps.items()}
+                for job, steps in self._jobs.items()}
+        newest = {job: (c[-1] if (c := self.complete(job)) else None) for job in self._jobs}
+        return retention.capacity_order(jobs, newest, set(self._pins), allow_pinned=allow_pinned)
