@@ -35,7 +35,6 @@ happens outside it.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import secrets
@@ -45,9 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from tierckpt.common.fileio import pwrite_all
-from tierckpt.common.names import MAX_METADATA_BYTES, check_job, check_rank, check_step
-from tierckpt.errors import CapacityError, FailedPreconditionError, InvalidArgumentError
+from tierckpt.common.names import MAX_METADATA_BYTES
+from tierckpt.errors import FailedPreconditionError, InvalidArgumentError
 
 from .catalog import Catalog, CompletenessFn
 from .layout import StoreLayout
@@ -56,7 +54,8 @@ from .manifest import Manifest, ShardEntry
 from .recycle import RecyclePool
 from .eviction import Evictor, charge
 from .retention import Eviction, charge_file
-from .staging import ShardSpec, StagedFile, Staging, check_specs
+from .staging import ShardSpec, StagedFile, Staging
+from .saves import OpenSaves
 from .startup import QUARANTINE_DIR, reclaim_staging, scan_jobs, take_dir_lock
 
 __all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
@@ -140,21 +139,11 @@ class LocalStore:
         self.counters: dict[str, int] = {"staging_reclaimed": 0, "evictions_capacity_undrained": 0,
                                          "quarantined": 0}
         self._evictor = Evictor(self._catalog, self._layout, self._recycle, self.counters)
-        self._open: dict[str, Staging] = {}
-        self._open_by_key: dict[tuple[str, int, int], str] = {}
-        self._last_begin = time.monotonic()
+        self._saves = OpenSaves(self._lock, self._fs, self._layout, self._recycle, self._make_room_locked,
+                                max_open_saves=max_open_saves, max_shard_bytes=max_shard_bytes,
+                                counters=self.counters)
         self._lock_fd: int | None = None
-        self._committing_bytes = 0  # saves between leaving _open and entering the catalog (charged)
-        self._committing_data = 0  # the same saves' shard bytes
         self._on_evict = on_evict
-
-    @property
-    def _is_complete(self) -> CompletenessFn:
-        return self._catalog.is_complete
-
-    @_is_complete.setter
-    def _is_complete(self, fn: CompletenessFn) -> None:  # peer.py still assigns it (interim)
-        self._catalog.is_complete = fn
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -238,56 +227,10 @@ class LocalStore:
             InvalidArgumentError: a field is invalid (the message names it).
             CapacityError: the shards do not fit even after eviction, or too many saves are open.
         """
-        check_job(job)
-        check_step(step)
-        check_rank(rank, world_size)
-        check_specs(specs, self.max_shard_bytes)
-        save_id = secrets.token_hex(8)
-        sdir = self._fs.path(StoreLayout.staging_rel(save_id))
-        staging = Staging(save_id=save_id, job=job, step=step, rank=rank, world_size=world_size,
-                          files={}, dir=sdir, stream=stream)
-        for name, size, dtype, shape in specs:
-            staging.files[name] = StagedFile(name, size, sdir / name, dtype, tuple(int(d) for d in shape))
-        with self._lock:
-            reused = self._reserve_locked(staging)
-        try:
-            self._layout.create_staging(staging, reused)
-        except OSError as e:
-            self.abort(save_id)
-            self._recycle.discard(reused.values())  # taken from the pool (and its bytes) but not moved yet
-            if e.errno == errno.ENOSPC:
-                raise CapacityError(f"local_dir {self.root} is full: {e.strerror}") from e
-            raise
-        return staging
-
-    def _reserve_locked(self, staging: Staging) -> dict[str, str]:
-        """Supersede an older open save of the rank, bound open saves, make room, take recycled files."""
-        self._last_begin = time.monotonic()
-        key = (staging.job, staging.step, staging.rank)
-        older = self._open_by_key.get(key)
-        if older is not None:
-            log.info("save %s of %s/%d/%d superseded by a new save; aborting it", older, *key)
-            self._abort_locked(older)
-        if len(self._open) >= self.max_open_saves:
-            raise CapacityError(f"saves: {len(self._open)} saves are open on this node (limit {self.max_open_saves});"
-                                " commit or abort some first")
-        self._make_room_locked(_charge(staging))
-        reused: dict[str, str] = {}
-        for f in staging.files.values():
-            name = self._recycle.take(f.size)
-            if name is not None:
-                reused[f.name] = name
-                f.recycled = True
-        self._open[staging.save_id] = staging
-        self._open_by_key[key] = staging.save_id
-        return reused
+        return self._saves.begin(job, step, rank, world_size, specs, stream=stream)
 
     def get_staging(self, save_id: str) -> Staging:
-        with self._lock:
-            st = self._open.get(save_id)
-        if st is None:
-            raise InvalidArgumentError(f"save_id: {save_id!r} is not an open save (never begun, committed or expired)")
-        return st
+        return self._saves.get(save_id)
 
     def open_staged(self, save_id: str, shard: str, flags: int = os.O_WRONLY) -> int:
         """A descriptor of an open save's staging file (O_NOFOLLOW; a regular file of its size), for
@@ -297,25 +240,11 @@ class LocalStore:
             InvalidArgumentError: not an open save, or not one of its shards.
             FailedPreconditionError: the staging file was replaced.
         """
-        st = self.get_staging(save_id)
-        f = st.files.get(shard)
-        if f is None:
-            raise InvalidArgumentError(f"shard: {shard!r} is not part of save {save_id}")
-        return self._layout.open_staged(st, f, flags)
+        return self._saves.open_staged(save_id, shard, flags)
 
     def write_chunk(self, save_id: str, shard: str, offset: int, data: bytes | memoryview, fd_cache: dict) -> None:
         """Write streamed bytes into a staging file (stream transfers). ``fd_cache`` maps paths to fds."""
-        st = self.get_staging(save_id)
-        f = st.files.get(shard)
-        if f is None:
-            raise InvalidArgumentError(f"shard: {shard!r} is not part of save {save_id}")
-        if offset + len(data) > f.size:
-            raise InvalidArgumentError(f"offset: {offset}+{len(data)} exceeds shard {shard!r} size {f.size}")
-        fd = fd_cache.get(f.path)
-        if fd is None:
-            fd = fd_cache[f.path] = self._layout.open_staged(st, f, os.O_WRONLY)
-        pwrite_all(fd, memoryview(data), offset)
-        f.written += len(data)
+        self._saves.write_chunk(save_id, shard, offset, data, fd_cache)
 
     def commit(self, save_id: str, digests: dict[str, str], metadata_json: str = "{}", *, persist: bool = False,
                verify: bool = False, node: str | None = None, generation: str | None = None,
@@ -342,7 +271,7 @@ class LocalStore:
         st = self.get_staging(save_id)
         _check_digests(save_id, st.files, digests, metadata_json)
         stats = self._check_staged(st, digests, verify=verify or st.stream)
-        self._take_for_commit(st)
+        self._saves.take_for_commit(st)
         man = Manifest(
             job=st.job, step=st.step, rank=st.rank, world_size=st.world_size,
             node=node or self.node_id, generation=generation or save_id,
@@ -352,8 +281,7 @@ class LocalStore:
         )
         tmp = self._place_files(st, man, stats)
         with self._lock:
-            self._committing_bytes -= _charge(st)
-            self._committing_data -= st.nbytes
+            self._saves.committed_locked(st)
             evictions = self._publish_locked(st, man, tmp, pin)
         if self.fsync:
             self._layout.fsync_rank(st.job, st.step, st.rank)
@@ -373,25 +301,13 @@ class LocalStore:
             self.abort(st.save_id)
             raise
 
-    def _take_for_commit(self, st: Staging) -> None:
-        """Move the save from the open ones to the committing ones (its bytes stay counted)."""
-        with self._lock:
-            if self._open.get(st.save_id) is not st:
-                raise InvalidArgumentError(f"save_id: {st.save_id!r} was aborted or superseded")
-            del self._open[st.save_id]
-            if self._open_by_key.get((st.job, st.step, st.rank)) == st.save_id:
-                del self._open_by_key[(st.job, st.step, st.rank)]
-            self._committing_bytes += _charge(st)
-            self._committing_data += st.nbytes
-
     def _place_files(self, st: Staging, man: Manifest, stats: dict[str, os.stat_result]) -> str:
         """Rename the staged files into the rank directory and write the manifest under a temporary name."""
         try:
             return self._layout.place(st, man, stats, fsync=self.fsync)
         except BaseException as e:
             with self._lock:
-                self._committing_bytes -= _charge(st)
-                self._committing_data -= st.nbytes
+                self._saves.committed_locked(st)
             if isinstance(e, OSError):
                 self._layout.remove_staging(st.save_id)
                 self._layout.unplace(st)
@@ -421,37 +337,14 @@ class LocalStore:
 
     def abort(self, save_id: str) -> None:
         """Drop an open save and its staging files. Idempotent."""
-        with self._lock:
-            self._abort_locked(save_id)
-
-    def _abort_locked(self, save_id: str) -> None:
-        st = self._open.pop(save_id, None)
-        if st is None:
-            return
-        if self._open_by_key.get((st.job, st.step, st.rank)) == save_id:
-            del self._open_by_key[(st.job, st.step, st.rank)]
-        self._layout.remove_staging(save_id)
+        self._saves.abort(save_id)
 
     def reclaim_expired(self, timeout: float) -> int:
         """Abort saves open longer than ``timeout`` seconds (a client that died mid-save)."""
-        now = time.monotonic()
-        with self._lock:
-            expired = [sid for sid, st in self._open.items() if now - st.created > timeout]
-            for sid in expired:
-                st = self._open[sid]
-                log.warning("reclaiming staging of save %s (%s step %d rank %d): open for %.0fs without commit",
-                            sid, st.job, st.step, st.rank, now - st.created)
-                self._abort_locked(sid)
-            self.counters["staging_reclaimed"] += len(expired)
-            if self._recycle.bytes and now - self._last_begin > timeout:
-                # No save for that long (the job ended or moved): give the pool's pages back.
-                log.info("no save for %.0fs: releasing %d recycled bytes", now - self._last_begin, self._recycle.bytes)
-                self._recycle.drop(self._recycle.bytes)
-            return len(expired)
+        return self._saves.reclaim_expired(timeout)
 
     def open_saves(self) -> int:
-        with self._lock:
-            return len(self._open)
+        return self._saves.count()
 
     # ----------------------------------------------------------------------------- reading
 
@@ -481,15 +374,12 @@ class LocalStore:
 
     def usage(self) -> Usage:
         with self._lock:
-            staging = sum(st.nbytes for st in self._open.values()) + self._committing_data
+            staging = self._saves.data_bytes_locked()
             return Usage(self.capacity, self._catalog.data_bytes, staging, self._recycle.data_bytes,
                          charged=self._used_locked())
 
-    def _staging_bytes_locked(self) -> int:
-        return sum(_charge(st) for st in self._open.values()) + self._committing_bytes
-
     def _used_locked(self) -> int:
-        return self._catalog.committed_bytes + self._staging_bytes_locked() + self._recycle.bytes
+        return self._catalog.committed_bytes + self._saves.charged_locked() + self._recycle.bytes
 
     # ----------------------------------------------------------------------------- retention
 

@@ -164,7 +164,7 @@ def test_idle_recycle_pool_is_released(scratch):
     assert s.usage().recycle == 100 and s.usage().charged == charge_rank([100]) + charge_file(100)
     s.reclaim_expired(60)
     assert s.usage().recycle == 100  # a save began recently: keep the pool
-    s._last_begin -= 120
+    s._saves.last_begin -= 120
     s.reclaim_expired(60)
     assert s.usage().recycle == 0 and not any((s.root / "recycle").iterdir())
 

@@ -1,0 +1,183 @@
+"""Saves in flight on the local tier: begun (staging files created), not yet committed.
+
+:class:`OpenSaves` owns the open saves and their staging files: reserving capacity (through the
+store's eviction callback), recycled files, the open-save limit, superseding an older save of
+the same rank, streamed writes, abort and reclaim. It shares the store's lock; methods whose
+name ends in ``_locked`` expect the caller to hold it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from tierckpt.common.fileio import pwrite_all
+from tierckpt.common.names import check_job, check_rank, check_step
+from tierckpt.errors import CapacityError, InvalidArgumentError
+
+from .eviction import charge
+from .layout import StoreLayout
+from .localfs import LocalDir
+from .recycle import RecyclePool
+from .staging import ShardSpec, StagedFile, Staging, check_specs
+
+__all__ = ["OpenSaves"]
+
+log = logging.getLogger(__name__)
+
+
+class OpenSaves:
+    """Args:
+        lock: the store's lock (guards this state together with the catalog).
+        make_room: ``make_room(bytes)`` under the lock: evict what may be evicted, or raise CapacityError.
+    """
+
+    def __init__(self, lock: threading.RLock, fs: LocalDir, layout: StoreLayout, recycle: RecyclePool,
+                 make_room: Callable[[int], None], *, max_open_saves: int, max_shard_bytes: int,
+                 counters: dict[str, int]) -> None:
+        self._lock, self._fs, self._layout, self._recycle = lock, fs, layout, recycle
+        self._make_room = make_room
+        self.max_open_saves, self.max_shard_bytes, self.counters = max_open_saves, max_shard_bytes, counters
+        self._open: dict[str, Staging] = {}
+        self._by_key: dict[tuple[str, int, int], str] = {}
+        self.last_begin = time.monotonic()
+        self.committing_bytes = 0  # saves between leaving the open ones and entering the catalog (charged)
+        self.committing_data = 0  # the same saves' shard bytes
+
+    def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
+              stream: bool = False) -> Staging:
+        """Reserve capacity and create sized staging files (see :meth:`LocalStore.begin`)."""
+        check_job(job)
+        check_step(step)
+        check_rank(rank, world_size)
+        check_specs(specs, self.max_shard_bytes)
+        save_id = secrets.token_hex(8)
+        sdir = self._fs.path(StoreLayout.staging_rel(save_id))
+        staging = Staging(save_id=save_id, job=job, step=step, rank=rank, world_size=world_size,
+                          files={}, dir=sdir, stream=stream)
+        for name, size, dtype, shape in specs:
+            staging.files[name] = StagedFile(name, size, sdir / name, dtype, tuple(int(d) for d in shape))
+        with self._lock:
+            reused = self._reserve_locked(staging)
+        try:
+            self._layout.create_staging(staging, reused)
+        except OSError as e:
+            self.abort(save_id)
+            self._recycle.discard(reused.values())  # taken from the pool (and its bytes) but not moved yet
+            if e.errno == errno.ENOSPC:
+                raise CapacityError(f"local_dir {self._fs.root} is full: {e.strerror}") from e
+            raise
+        return staging
+
+    def _reserve_locked(self, staging: Staging) -> dict[str, str]:
+        """Supersede an older open save of the rank, bound open saves, make room, take recycled files."""
+        self.last_begin = time.monotonic()
+        key = (staging.job, staging.step, staging.rank)
+        older = self._by_key.get(key)
+        if older is not None:
+            log.info("save %s of %s/%d/%d superseded by a new save; aborting it", older, *key)
+            self.abort_locked(older)
+        if len(self._open) >= self.max_open_saves:
+            raise CapacityError(f"saves: {len(self._open)} saves are open on this node (limit {self.max_open_saves});"
+                                " commit or abort some first")
+        self._make_room(charge(staging))
+        reused: dict[str, str] = {}
+        for f in staging.files.values():
+            name = self._recycle.take(f.size)
+            if name is not None:
+                reused[f.name] = name
+                f.recycled = True
+        self._open[staging.save_id] = staging
+        self._by_key[key] = staging.save_id
+        return reused
+
+    def get(self, save_id: str) -> Staging:
+        with self._lock:
+            st = self._open.get(save_id)
+        if st is None:
+            raise InvalidArgumentError(f"save_id: {save_id!r} is not an open save (never begun, committed or expired)")
+        return st
+
+    def open_staged(self, save_id: str, shard: str, flags: int = os.O_WRONLY) -> int:
+        """A descriptor of an open save's staging file (see :meth:`LocalStore.open_staged`)."""
+        st = self.get(save_id)
+        f = st.files.get(shard)
+        if f is None:
+            raise InvalidArgumentError(f"shard: {shard!r} is not part of save {save_id}")
+        return self._layout.open_staged(st, f, flags)
+
+    def write_chunk(self, save_id: str, shard: str, offset: int, data: bytes | memoryview, fd_cache: dict) -> None:
+        """Write streamed bytes into a staging file (stream transfers). ``fd_cache`` maps paths to fds."""
+        st = self.get(save_id)
+        f = st.files.get(shard)
+        if f is None:
+            raise InvalidArgumentError(f"shard: {shard!r} is not part of save {save_id}")
+        if offset + len(data) > f.size:
+            raise InvalidArgumentError(f"offset: {offset}+{len(data)} exceeds shard {shard!r} size {f.size}")
+        fd = fd_cache.get(f.path)
+        if fd is None:
+            fd = fd_cache[f.path] = self._layout.open_staged(st, f, os.O_WRONLY)
+        pwrite_all(fd, memoryview(data), offset)
+        f.written += len(data)
+
+    def take_for_commit(self, st: Staging) -> None:
+        """Move the save from the open ones to the committing ones (its bytes stay counted)."""
+        with self._lock:
+            if self._open.get(st.save_id) is not st:
+                raise InvalidArgumentError(f"save_id: {st.save_id!r} was aborted or superseded")
+            del self._open[st.save_id]
+            if self._by_key.get((st.job, st.step, st.rank)) == st.save_id:
+                del self._by_key[(st.job, st.step, st.rank)]
+            self.committing_bytes += charge(st)
+            self.committing_data += st.nbytes
+
+    def committed_locked(self, st: Staging) -> None:
+        """A committing save left (published or failed): stop counting its bytes here."""
+        self.committing_bytes -= charge(st)
+        self.committing_data -= st.nbytes
+
+    def abort(self, save_id: str) -> None:
+        """Drop an open save and its staging files. Idempotent."""
+        with self._lock:
+            self.abort_locked(save_id)
+
+    def abort_locked(self, save_id: str) -> None:
+        st = self._open.pop(save_id, None)
+        if st is None:
+            return
+        if self._by_key.get((st.job, st.step, st.rank)) == save_id:
+            del self._by_key[(st.job, st.step, st.rank)]
+        self._layout.remove_staging(save_id)
+
+    def reclaim_expired(self, timeout: float) -> int:
+        """Abort saves open longer than ``timeout`` seconds (a client that died mid-save); release
+        the recycle pool's pages when no save began for that long."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [sid for sid, st in self._open.items() if now - st.created > timeout]
+            for sid in expired:
+                st = self._open[sid]
+                log.warning("reclaiming staging of save %s (%s step %d rank %d): open for %.0fs without commit",
+                            sid, st.job, st.step, st.rank, now - st.created)
+                self.abort_locked(sid)
+            self.counters["staging_reclaimed"] += len(expired)
+            if self._recycle.bytes and now - self.last_begin > timeout:
+                # No save for that long (the job ended or moved): give the pool's pages back.
+                log.info("no save for %.0fs: releasing %d recycled bytes", now - self.last_begin, self._recycle.bytes)
+                self._recycle.drop(self._recycle.bytes)
+            return len(expired)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def data_bytes_locked(self) -> int:
+        return sum(st.nbytes for st in self._open.values()) + self.committing_data
+
+    def charged_locked(self) -> int:
+        return sum(charge(st) for st in self._open.values()) + self.committing_bytes
