@@ -198,40 +198,54 @@ def make_node_cert(ca_dir: str | os.PathLike, node_id: str, out_dir: str | os.Pa
         san = _san(c, str(s).strip())
         if san not in names:
             names.append(san)
-    ca_dir = Path(ca_dir)
-    try:
-        ca_pem = (ca_dir / CA_CERT).read_bytes()
-        ca_cert = x.load_pem_x509_certificate(ca_pem)
-        ca_key = c.serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), password=None)
-    except OSError as e:
-        raise InvalidArgumentError(f"ca: cannot read {e.filename}: {e.strerror} (create it with: tierckpt certs ca)") from None
-    except (ValueError, TypeError) as e:
-        raise InvalidArgumentError(f"ca: {ca_dir} does not hold a usable CA ({e})") from None
+    ca_pem, ca_cert, ca_key = _load_ca(c, Path(ca_dir))
     out = _out_dir(out_dir)
     cert_path, key_path, ca_copy = out / NODE_CERT, out / NODE_KEY, out / CA_CERT
     _refuse_existing_key(key_path, force)
     key = c.ec.generate_private_key(c.ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    not_after = min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc)
-    ca_ski = ca_cert.extensions.get_extension_for_class(x.SubjectKeyIdentifier).value
-    cert = (x.CertificateBuilder()
-            .subject_name(x.Name([x.NameAttribute(c.NameOID.COMMON_NAME, node_id)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(not_after)
-            .add_extension(x.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                      data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                      crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x.ExtendedKeyUsage([c.EKU.SERVER_AUTH, c.EKU.CLIENT_AUTH]), critical=False)
-            .add_extension(x.SubjectAlternativeName(names), critical=False)
-            .add_extension(x.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .add_extension(x.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
-            .sign(ca_key, c.hashes.SHA256()))
+    cert = _node_certificate(c, node_id, names, key, ca_cert, ca_key, days)
     # Key first: a daemon re-reading its files sees the new pair once the certificate lands.
     _write(key_path, _pem_key(c, key), 0o600)
     _write(cert_path, cert.public_bytes(c.serialization.Encoding.PEM), 0o644)
     _write(ca_copy, ca_pem, 0o644)
     return CertFiles(cert_path, key_path, ca_copy)
+
+
+def _load_ca(c: Any, ca_dir: Path) -> tuple[bytes, Any, Any]:
+    """(ca.pem bytes, CA certificate, CA key) from a directory made by :func:`make_ca`."""
+    x = c.x509
+    try:
+        ca_pem = (ca_dir / CA_CERT).read_bytes()
+        ca_cert = x.load_pem_x509_certificate(ca_pem)
+        ca_key = c.serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), password=None)
+    except OSError as e:
+        raise InvalidArgumentError(f"ca: cannot read {e.filename}: {e.strerror} "
+                                   "(create it with: tierckpt certs ca)") from None
+    except (ValueError, TypeError) as e:
+        raise InvalidArgumentError(f"ca: {ca_dir} does not hold a usable CA ({e})") from None
+    return ca_pem, ca_cert, ca_key
+
+
+def _node_certificate(c: Any, node_id: str, names: list, key: Any, ca_cert: Any, ca_key: Any, days: int) -> Any:
+    """A node certificate: CN = node id, the SANs, serverAuth + clientAuth, signed by the CA."""
+    x = c.x509
+    now = datetime.datetime.now(datetime.UTC)
+    not_after = min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc)
+    ca_ski = ca_cert.extensions.get_extension_for_class(x.SubjectKeyIdentifier).value
+    usage = x.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                       data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
+                       encipher_only=False, decipher_only=False)
+    return (x.CertificateBuilder()
+            .subject_name(x.Name([x.NameAttribute(c.NameOID.COMMON_NAME, node_id)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(not_after)
+            .add_extension(x.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(usage, critical=True)
+            .add_extension(x.ExtendedKeyUsage([c.EKU.SERVER_AUTH, c.EKU.CLIENT_AUTH]), critical=False)
+            .add_extension(x.SubjectAlternativeName(names), critical=False)
+            .add_extension(x.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+            .sign(ca_key, c.hashes.SHA256()))
 
 
 # -- command line ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..errors import InvalidArgumentError, UnavailableError
 from ..goodput import FAILURE_CLASSES, TIERS, FailureModel, TierCost, metrics_inputs, plan
@@ -160,6 +160,31 @@ def run_plan(args: argparse.Namespace, out: TextIO, *, timeout: float = 10.0) ->
         raise InvalidArgumentError("--step-time: required (time per training step, e.g. 1 or 1500ms)")
     step = _duration(args.step_time, "--step-time")
     fractions, default_fractions = _fractions(args)
+    url = _metrics_url(args.metrics_url) if getattr(args, "metrics_url", None) else None
+    values, source = _cost_inputs(args, url, timeout)
+    costs = _tier_costs(values, source)
+    failures = FailureModel(mtbi, fractions["crash"], fractions["node"], fractions["cluster"])
+    result = plan(costs, failures, step)
+    defaulted = [f"{c}_fraction" for c in default_fractions] + [k for k, s in source.items() if s == "default"]
+    measured_keys = sorted(k for k, s in source.items() if s == "measured")
+    if getattr(args, "json", False):
+        write_json({"inputs": {"mtbi_s": mtbi, "step_time_s": step,
+                               **{f"{c}_fraction": fractions[c] for c in FAILURE_CLASSES}, **values},
+                    "measured": measured_keys, "defaulted": defaulted, "metrics_url": url,
+                    **result.to_dict()}, out)
+        return 0
+    mix = ", ".join(f"{c} {fractions[c]:.0%}" for c in FAILURE_CLASSES)
+    out.write(f"MTBI {_fmt_s(mtbi)} ({mix}{'; default mix' if len(default_fractions) == 3 else ''}), "
+              f"step {_fmt_s(step)}, {result.method} intervals\n")
+    if measured_keys:
+        out.write(f"measured from {url}: {', '.join(measured_keys)}\n")
+    _print_tables(out, result, costs, source)
+    _print_notes(out, source, measured_keys, default_fractions)
+    return 0
+
+
+def _cost_inputs(args: argparse.Namespace, url: str | None, timeout: float) -> tuple[dict[str, float], dict[str, str]]:
+    """Save/restore costs from the flags, then from ``--metrics-url``; with where each came from."""
     values: dict[str, float] = {}
     source: dict[str, str] = {}
     for flag in _COST_FLAGS:
@@ -168,7 +193,6 @@ def run_plan(args: argparse.Namespace, out: TextIO, *, timeout: float = 10.0) ->
         if raw is not None:
             values[key] = _duration(raw, f"--{flag}", positive=key.endswith("_save"))
             source[key] = "flag"
-    url = _metrics_url(args.metrics_url) if getattr(args, "metrics_url", None) else None
     if url is not None:
         try:
             measured = metrics_inputs(_fetch(url, timeout))
@@ -181,6 +205,12 @@ def run_plan(args: argparse.Namespace, out: TextIO, *, timeout: float = 10.0) ->
                 values[key], source[key] = v, "measured"
     if "persistent_save" not in values:
         raise InvalidArgumentError("--persistent-save: required (the persistent tier is always planned)")
+    return values, source
+
+
+def _tier_costs(values: dict[str, float], source: dict[str, str]) -> list[TierCost]:
+    """The planned tiers' costs (a tier without a save cost is not planned; a missing restore
+    time defaults to the save time, marked "default" in ``source``)."""
     costs: list[TierCost] = []
     for tier in TIERS:
         save_key, restore_key = f"{tier}_save", f"{tier}_restore"
@@ -194,24 +224,11 @@ def run_plan(args: argparse.Namespace, out: TextIO, *, timeout: float = 10.0) ->
         if restore_key not in values:
             values[restore_key], source[restore_key] = values[save_key], "default"
         costs.append(TierCost(tier, values[save_key], values[restore_key]))
-    failures = FailureModel(mtbi, fractions["crash"], fractions["node"], fractions["cluster"])
-    result = plan(costs, failures, step)
+    return costs
 
-    defaulted = [f"{c}_fraction" for c in default_fractions] + [k for k, s in source.items() if s == "default"]
-    measured_keys = [k for k, s in source.items() if s == "measured"]
-    if getattr(args, "json", False):
-        write_json({"inputs": {"mtbi_s": mtbi, "step_time_s": step,
-                               **{f"{c}_fraction": fractions[c] for c in FAILURE_CLASSES}, **values},
-                    "measured": sorted(measured_keys), "defaulted": defaulted, "metrics_url": url,
-                    **result.to_dict()}, out)
-        return 0
 
+def _print_tables(out: TextIO, result: Any, costs: list[TierCost], source: dict[str, str]) -> None:
     w = out.write
-    mix = ", ".join(f"{c} {fractions[c]:.0%}" for c in FAILURE_CLASSES)
-    w(f"MTBI {_fmt_s(mtbi)} ({mix}{'; default mix' if len(default_fractions) == 3 else ''}), "
-      f"step {_fmt_s(step)}, {result.method} intervals\n")
-    if measured_keys:
-        w(f"measured from {url}: {', '.join(sorted(measured_keys))}\n")
     w(f"\n{'tier':<11} {'save':>9} {'restore':>10}  {'recovers':<19} {'their MTBI':>10} {'interval':>10} "
       f"{'steps':>8}\n")
     mark = {"flag": " ", "measured": "m", "default": "*"}
@@ -230,6 +247,9 @@ def run_plan(args: argparse.Namespace, out: TextIO, *, timeout: float = 10.0) ->
     w(f"\nsteps: whole steps, each tier's a multiple of the one below, so saves line up\n"
       f"baseline: persistent only, every {_fmt_s(result.baseline_interval_s)} "
       f"({result.baseline_interval_steps} steps)\n")
+
+
+def _print_notes(out: TextIO, source: dict[str, str], measured_keys: list[str], default_fractions: list[str]) -> None:
     notes = []
     if any(s == "default" for s in source.values()):
         notes.append("* restore time not given: taken as the tier's save time (give --TIER-restore, or "
@@ -239,5 +259,4 @@ def run_plan(args: argparse.Namespace, out: TextIO, *, timeout: float = 10.0) ->
     if default_fractions and len(default_fractions) < 3:
         notes.append(f"{', '.join(default_fractions)} share: the rest, split in the default ratio")
     for n in notes:
-        w(n + "\n")
-    return 0
+        out.write(n + "\n")
