@@ -44,6 +44,7 @@ class StagingMaps:
         self.keep = keep
         self._save = 0
         self._maps: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
+        self._warming: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
 
     def new_save(self) -> None:
@@ -52,7 +53,14 @@ class StagingMaps:
             for key in [k for k, (_, used) in self._maps.items() if self._save - used > self.keep]:
                 del self._maps[key]  # closed when the last in-flight user drops it
 
-    def get(self, path: str, size: int) -> mmap.mmap:
+    def get(self, path: str, size: int) -> mmap.mmap | None:
+        """The kept writable map of the file at ``path`` (by inode), or None.
+
+        On a miss the file is mapped in the background (MAP_POPULATE, on a thread of its own) and
+        kept for the next save: populating a map of a large file costs about as much as writing
+        it, so doing it in the caller's save() made the first save that reused a file stall
+        (several times a cold save); this save writes with pwrite into the file's existing pages.
+        """
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
@@ -62,23 +70,37 @@ class StagingMaps:
                 if hit is not None and len(hit[0]) == size:
                     self._maps[key] = (hit[0], self._save)
                     return hit[0]
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            with self._lock:
-                self._maps[key] = (mm, self._save)
-            return mm
+                if key in self._warming:
+                    return None
+                self._warming.add(key)
+            threading.Thread(target=self._warm, args=(os.dup(fd), key, size, self._save), daemon=True,
+                             name="tierckpt-map").start()
+            return None
         finally:
             os.close(fd)
+
+    def _warm(self, fd: int, key: tuple[int, int], size: int, save: int) -> None:
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError):  # removed or resized meanwhile: nothing to keep
+            return
+        finally:
+            os.close(fd)
+            with self._lock:
+                self._warming.discard(key)
+        with self._lock:
+            self._maps[key] = (mm, save)
 
 
 def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer],
               staged: dict[str, pb.StagedShard]) -> dict[str, Any]:
     """Copy each buffer into its staging file; returns the writable maps used (for hashing).
 
-    A recycled staging file (pages already faulted in) is mapped and the copy is a plain
-    memcpy; the map is kept for the next saves, so a steady save loop reuses it without
-    page-table work. A fresh file is filled with pwrite, which allocates pages faster than
-    first-touch faults through a map.
+    A recycled staging file whose map is kept (see :class:`StagingMaps`) gets a plain memcpy
+    into mapped, faulted-in pages; any other file is filled with pwrite (into the existing pages
+    of a recycled file, or allocating pages, which pwrite does faster than first-touch faults
+    through a map), while the map of a recycled file is built in the background for next time.
     """
     kept.new_save()
     fds: dict[str, int] = {}
