@@ -8,6 +8,7 @@
 """
 
 from .client import Checkpoint, CheckpointInfo, Client, RankLocation, StepAvailability, SaveFuture, SaveResult
+from .manager import CheckpointManager
 from .errors import (
     AlreadyExistsError,
     CapacityError,
@@ -25,7 +26,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation", "StepAvailability",
+    "Client", "CheckpointManager", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation", "StepAvailability",
     "TierckptError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError", "CapacityError",
     "UnavailableError", "DataLossError", "FailedPreconditionError", "DeadlineExceededError", "PermissionDeniedError", "TierError",
 ]
