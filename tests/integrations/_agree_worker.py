@@ -4,7 +4,6 @@ import sys
 
 import numpy as np
 import torch.distributed as dist
-
 from tierckpt.manager import CheckpointManager
 
 rank, world = int(sys.argv[1]), int(sys.argv[2])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import tierckpt
 from tierckpt import goodput
 from tierckpt.manager import CheckpointManager
