@@ -368,7 +368,7 @@ class CheckpointManager:
 
 def _fill_raw(state: Any, shards: Mapping[str, np.ndarray], kinds: Mapping[str, str]) -> Any:
     """Stored raw shards as writable arrays / bytes; into ``state``'s arrays where they match."""
-    out = {}
+    out: dict[str, Any] = {}
     for name, arr in shards.items():
         if kinds.get(name) == "bytes":
             out[name] = arr.tobytes()
