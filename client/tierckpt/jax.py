@@ -82,7 +82,8 @@ def encode(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     for i, (path, leaf) in enumerate(flat):
         entry: dict[str, Any] = {"path": [_key_entry(k) for k in path]}
         if _is_array(leaf):
-            arr = np.ascontiguousarray(np.asarray(leaf))  # device -> host for jax.Array
+            arr = np.asarray(leaf)  # device -> host for a jax.Array
+            arr = arr if arr.flags.c_contiguous else arr.copy(order="C")  # ascontiguousarray makes 0-d 1-d
             name = f"leaf.{i}"
             shards[name] = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
             entry.update(shard=name, dtype=arr.dtype.name, shape=list(arr.shape))
@@ -103,8 +104,8 @@ def encode(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 def _array(ck: Checkpoint, entry: Mapping[str, Any]) -> np.ndarray:
     """A writable host copy of one stored leaf."""
     raw = np.asarray(ck.shards[entry["shard"]]).reshape(-1).view(np.uint8)
-    dtype = jnp.dtype(entry["dtype"])
-    return raw.view(dtype).reshape(entry["shape"]).copy() if raw.size else np.empty(entry["shape"], dtype)
+    dtype, shape = jnp.dtype(entry["dtype"]), tuple(entry["shape"])
+    return raw.view(dtype).reshape(shape).copy() if raw.size else np.empty(shape, dtype)
 
 
 def _insert(root: dict, path: list, value: Any) -> None:
