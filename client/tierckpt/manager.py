@@ -362,7 +362,7 @@ class CheckpointManager:
     def _restore_torch(self, state: Any, step: int, t0: float) -> Restored:
         ckpt = self._checkpointer()
         got = ckpt.load(state, step) if state is not None else ckpt.read(step)
-        out = state if state is not None else got.state
+        out = state if state is not None else owned_copies(got.state)
         return Restored(got.step, got.tier, got.metadata, out, time.perf_counter() - t0)
 
 
@@ -383,3 +383,31 @@ def _fill_raw(state: Any, shards: Mapping[str, np.ndarray], kinds: Mapping[str, 
         state.update(out)
         return state
     return out
+
+
+def owned_copies(obj: Any) -> Any:
+    """``obj`` with every torch tensor in nested dicts, lists and tuples replaced by a private copy.
+
+    :meth:`tierckpt.torch.Checkpointer.read` hands out tensors over the mapped shard files; a
+    state that lives on (an optimizer's buffers) must not depend on files the daemon may evict
+    and recycle later.
+    """
+    torch = sys.modules["torch"]
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, Mapping):
+        try:
+            out: Any = type(obj)()
+        except TypeError:
+            out = {}
+        if hasattr(obj, "_metadata"):  # nn.Module state dicts carry per-module versions here
+            out._metadata = obj._metadata
+        for k, v in obj.items():
+            out[k] = owned_copies(v)
+        return out
+    if isinstance(obj, list):
+        return [owned_copies(v) for v in obj]
+    if isinstance(obj, tuple):
+        items = [owned_copies(v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
