@@ -91,7 +91,7 @@ def _write_file(path: str, data: np.ndarray) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tierckpt-")
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)))
+            fh.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

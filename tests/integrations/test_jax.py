@@ -91,6 +91,7 @@ def test_manager_with_a_jax_train_loop(daemon):
 
     with tierckpt.CheckpointManager("jloop", address=daemon.address, policy=3) as mgr:
         assert run(mgr, stop=8) is None
+        mgr.wait_until_finished()  # the crash came after step 6's commit
         assert mgr.all_steps() == [3, 6] and mgr.stats.committed == 2
         resumed = run(mgr, stop=None)
     with tierckpt.CheckpointManager("jref", address=daemon.address, policy=100) as ref:
