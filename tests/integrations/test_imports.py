@@ -7,7 +7,8 @@ import sys
 def test_import_loads_no_framework():
     code = ("import sys, tierckpt\n"
             "m = tierckpt.CheckpointManager\n"
-            "bad = [n for n in ('torch', 'jax', 'transformers', 'pytorch_lightning', 'lightning') if n in sys.modules]\n"
+            "names = ('torch', 'jax', 'transformers', 'pytorch_lightning', 'lightning')\n"
+            "bad = [n for n in names if n in sys.modules]\n"
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
