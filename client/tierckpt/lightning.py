@@ -116,6 +116,19 @@ class TierckptCheckpointIO(CheckpointIO):
         # path -> (step, event set once its save finished and its pointer is written)
         self._pending: dict[str, tuple[int, threading.Event]] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable for spawn-based strategies: the connection and pending saves stay behind."""
+        self._wait()
+        state = dict(self.__dict__)
+        state.update(_ckpt=None, _lock=None, _pending={})
+        if self._client is not None:
+            state["_address"], state["_client"] = self._client.address, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @property
     def checkpointer(self) -> Checkpointer:
         """The :class:`tierckpt.torch.Checkpointer` (connects on first use: the plugin pickles cleanly)."""

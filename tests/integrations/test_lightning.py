@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import pytest
 
@@ -96,6 +97,9 @@ def test_plain_ckpt_files_still_load(tmp_path, daemon):
     got = io.load_checkpoint(tmp_path / "a.ckpt")
     got["state_dict"]["w"] += 1  # a private copy: writable, the store is untouched
     assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"], torch.zeros(2))
+    clone = pickle.loads(pickle.dumps(io))  # spawn strategies pickle the plugin
+    assert torch.equal(clone.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"], torch.zeros(2))
+    clone.teardown()
     io.remove_checkpoint(tmp_path / "a.ckpt")
     assert not (tmp_path / "a.ckpt").exists()
     io.teardown()
