@@ -116,3 +116,13 @@ def _free_port() -> int:
     from tierckptd.testing import free_port
 
     return free_port()
+
+
+def test_steps_due_in_the_persistent_tier_are_persisted(daemon_factory, tmp_path):
+    d = daemon_factory(args=("--persistent", f"file://{tmp_path}/bucket"))
+    with CheckpointManager("pers", address=d.address, policy=1, persist_every=2) as mgr:
+        f1 = mgr.save(1, {"w": np.ones(4)})
+        f2 = mgr.save(2, {"w": np.ones(4) * 2})
+        assert f2.wait("persistent", timeout=30)
+        with pytest.raises(tierckpt.TierError, match="not selected"):
+            f1.wait("persistent", timeout=10)  # not due: saved without persist, the daemon's persist_every is 0
