@@ -212,6 +212,9 @@ class CheckpointManager:
                 raise
             fut = SaveFuture(self.client, self.job, step, self.rank)
             fut.set_exception(e)
+        if self.raise_on_error and fut.done() and fut.exception() is not None:  # failed before staging
+            self._count_failure(fut.exception())  # type: ignore[arg-type]
+            raise fut.exception()  # type: ignore[misc]
         with self._lock:
             self._pending[fut] = None
         fut.add_done_callback(self._log_failure)

@@ -126,3 +126,14 @@ def test_steps_due_in_the_persistent_tier_are_persisted(daemon_factory, tmp_path
         assert f2.wait("persistent", timeout=30)
         with pytest.raises(tierckpt.TierError, match="not selected"):
             f1.wait("persistent", timeout=10)  # not due: saved without persist, the daemon's persist_every is 0
+
+
+def test_raise_on_error_raises_at_once_for_torch_states_too(daemon):
+    torch = pytest.importorskip("torch")
+    mgr = CheckpointManager("tdown", address=daemon.address, raise_on_error=True)
+    daemon.kill()
+    with pytest.raises(tierckpt.UnavailableError):
+        mgr.save(1, {"model": torch.nn.Linear(2, 2)})
+    assert mgr.stats.failed == 1
+    mgr.close()
+    assert mgr.stats.failed == 1  # counted once
