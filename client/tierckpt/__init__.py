@@ -7,25 +7,27 @@
         ck = c.restore("job", rank=0)
 """
 
-from .client import Checkpoint, CheckpointInfo, Client, RankLocation, StepAvailability, SaveFuture, SaveResult
+from .client import Checkpoint, CheckpointInfo, Client, RankLocation, SaveFuture, SaveResult, StepAvailability
 from .errors import (
     AlreadyExistsError,
     CapacityError,
     DataLossError,
     DeadlineExceededError,
-    PermissionDeniedError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     TierckptError,
     TierError,
     UnavailableError,
 )
+from .manager import CheckpointManager
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation", "StepAvailability",
-    "TierckptError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError", "CapacityError",
-    "UnavailableError", "DataLossError", "FailedPreconditionError", "DeadlineExceededError", "PermissionDeniedError", "TierError",
+    "Client", "CheckpointManager", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation",
+    "StepAvailability", "TierckptError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
+    "CapacityError", "UnavailableError", "DataLossError", "FailedPreconditionError", "DeadlineExceededError",
+    "PermissionDeniedError", "TierError",
 ]

@@ -1,0 +1,1 @@
+"""Trainer integrations (CheckpointManager, Lightning, Hugging Face, JAX) against real daemons."""
