@@ -86,17 +86,22 @@ class DaemonConfig:
     keep_persistent: int = 0
     """Newest steps per job kept in the persistent tier (0 = keep all)."""
     s3_endpoint: str = ""
-    """S3 endpoint URL for MinIO, Ceph RGW or another S3-compatible store, e.g. "https://minio.example:9000" (empty: AWS_ENDPOINT_URL or AWS's own)."""
+    """S3 endpoint URL for MinIO, Ceph RGW or another S3-compatible store, e.g.
+    "https://minio.example:9000" (empty: AWS_ENDPOINT_URL or AWS's own)."""
     s3_region: str = ""
-    """S3 region, e.g. "eu-west-1" (empty: AWS_REGION / AWS_DEFAULT_REGION or the AWS config file)."""
+    """S3 region, e.g. "eu-west-1" (empty: AWS_REGION / AWS_DEFAULT_REGION or the AWS config
+    file)."""
     s3_addressing_style: str = "auto"
-    """"path" (https://endpoint/bucket/key: MinIO, Ceph and most S3-compatible stores), "virtual" (https://bucket.endpoint/key) or "auto" (the SDK's choice)."""
+    """"path" (https://endpoint/bucket/key: MinIO, Ceph and most S3-compatible stores),
+    "virtual" (https://bucket.endpoint/key) or "auto" (the SDK's choice)."""
     s3_sse: str = ""
-    """Server-side encryption of every object written: "AES256" (SSE-S3), "aws:kms" (SSE-KMS, see s3_sse_kms_key_id) or empty (the bucket's default)."""
+    """Server-side encryption of every object written: "AES256" (SSE-S3), "aws:kms" (SSE-KMS,
+    see s3_sse_kms_key_id) or empty (the bucket's default)."""
     s3_sse_kms_key_id: str = ""
     """KMS key id or ARN for s3_sse = "aws:kms" (empty: the account's aws/s3 key)."""
     s3_storage_class: str = ""
-    """Storage class of every object written, e.g. "STANDARD", "INTELLIGENT_TIERING", "STANDARD_IA" (empty: the bucket's default)."""
+    """Storage class of every object written, e.g. "STANDARD", "INTELLIGENT_TIERING",
+    "STANDARD_IA" (empty: the bucket's default)."""
     metrics_port: int = 0
     """Prometheus /metrics port (0 = disabled)."""
     metrics_host: str = "127.0.0.1"
@@ -333,7 +338,8 @@ def _validate_s3(cfg: DaemonConfig) -> None:
     if cfg.s3_sse_kms_key_id and cfg.s3_sse != "aws:kms":
         raise ConfigError("s3_sse_kms_key_id: needs s3_sse = \"aws:kms\"")
     if cfg.s3_storage_class and not _STORAGE_CLASS_RE.fullmatch(cfg.s3_storage_class):
-        raise ConfigError(f"s3_storage_class: {cfg.s3_storage_class!r} is not a storage class such as STANDARD_IA")
+        raise ConfigError(f"s3_storage_class: {cfg.s3_storage_class!r} is not a storage class "
+                          "such as STANDARD_IA")
 
 
 def load_config(file_values: Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:

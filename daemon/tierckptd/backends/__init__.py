@@ -20,6 +20,7 @@ import urllib.parse
 from typing import Any
 
 from tierckpt.errors import InvalidArgumentError
+
 from tierckptd.config import ConfigError
 from tierckptd.redact import redact_text, redact_url
 

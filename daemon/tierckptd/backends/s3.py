@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tierckpt.errors import NotFoundError, TierckptError
 
@@ -54,7 +55,7 @@ def _load_sdk() -> SimpleNamespace:
     )
 
 
-def default_transfer_config() -> "TransferConfig":
+def default_transfer_config() -> TransferConfig:
     """Return the TransferConfig the backend uses unless told otherwise.
 
     64 MiB parts above 64 MiB (a 10 GiB shard is 160 parts; beyond 625 GiB s3transfer raises the
@@ -143,7 +144,7 @@ class S3Backend(Backend):
         prefix: str = "",
         *,
         url: str | None = None,
-        transfer_config: "TransferConfig | None" = None,
+        transfer_config: TransferConfig | None = None,
         sdk_max_attempts: int = 3,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
