@@ -110,7 +110,11 @@ def setup_logging(level: str = "INFO", fmt: str = "plain", stream: IO[str] | Non
     logger.propagate = True
     floor = logging.INFO if level.upper() == "DEBUG" else logging.WARNING
     for name in THIRD_PARTY:
-        logging.getLogger(name).setLevel(floor)
+        # A level set here also counts as "configured" for google-api-core, which otherwise turns
+        # off propagation of the "google" logger when it is first imported.
+        third = logging.getLogger(name)
+        third.setLevel(floor)
+        third.propagate = True
     logging.captureWarnings(True)
     return logger
 

@@ -2,7 +2,9 @@
 
 Shutdown is staged: stop accepting saves, finish in-flight commits and tier work within
 ``shutdown_timeout``, stop the gRPC server with a grace period, exit 0. On start-up a line
-``READY {json}`` on stdout gives the bound ports (tests and scripts read it).
+``READY {json}`` on stdout gives the bound ports (tests and scripts read it; with
+``log_format = "json"`` it is a JSON log record instead, see :func:`tierckptd.logs.ready_line`).
+A start-up failure is one line on stderr naming the key or resource, exit 2.
 """
 
 from __future__ import annotations

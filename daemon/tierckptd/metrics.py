@@ -164,7 +164,7 @@ class Metrics:
     def _zero_series(self) -> None:
         """Create every labelled series whose labels are known up front at zero (rate() sees the first event)."""
         for tier in TIERS:
-            for metric in (self.saved_bytes, self.restored_bytes, self.checksum_failures):
+            for metric in (self.saved_bytes, self.restored_bytes, self.checksum_failures, self.restore_latency):
                 metric.labels(tier)
             for result in RESULTS:
                 self.saves.labels(tier, result)

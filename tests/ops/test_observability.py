@@ -44,17 +44,20 @@ def test_daemon_exports_tier_up_and_per_peer_series_at_zero(daemon_factory) -> N
 @pytest.fixture
 def restore_logging():
     root = logging.getLogger()
-    saved = (root.level, list(root.handlers), {n: logging.getLogger(n).level for n in (*THIRD_PARTY, "tierckptd")})
+    names = (*THIRD_PARTY, "tierckptd")
+    saved = (root.level, {n: (logging.getLogger(n).level, logging.getLogger(n).propagate) for n in names})
     yield
     for h in [h for h in root.handlers if getattr(h, "_tierckptd", False)]:
         root.removeHandler(h)
     root.setLevel(saved[0])
-    for name, level in saved[2].items():
+    for name, (level, propagate) in saved[1].items():
         logging.getLogger(name).setLevel(level)
+        logging.getLogger(name).propagate = propagate
     logging.captureWarnings(False)
 
 
 def test_every_logger_goes_through_the_json_formatter(restore_logging) -> None:
+    logging.getLogger("google").propagate = False  # what google-api-core does when imported first
     out = io.StringIO()
     setup_logging("INFO", "json", stream=out)
     logging.getLogger("tierckptd.server").info("ours %d", 1, extra={"job": "j"})
