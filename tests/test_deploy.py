@@ -15,11 +15,11 @@ import shlex
 import shutil
 import subprocess
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from tierckptd.config import ConfigError, DaemonConfig, build_parser, load_config
 from tierckptd.metrics import Metrics
 
@@ -71,7 +71,7 @@ def _configmap_toml(k8s: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def _parse_flags(argv: list[str]) -> dict[str, Any]:
     """Check every --flag against tierckptd's parser and return the overrides it yields."""
     parser = build_parser()
-    known = set(parser._option_string_actions)  # noqa: SLF001 - the authoritative flag list
+    known = set(parser._option_string_actions)
     for arg in argv:
         if arg.startswith("--"):
             assert arg.split("=", 1)[0] in known, "tierckptd has no flag %s" % arg
@@ -93,7 +93,8 @@ def _expand(arg: str, env: dict[str, str]) -> str:
 
 def test_every_manifest_parses_and_kustomization_lists_it(k8s: dict[str, dict[str, Any]]) -> None:
     assert {"Namespace", "ConfigMap", "Service", "DaemonSet", "ServiceMonitor", "Kustomization", "ClusterIssuer",
-            "Issuer", "Certificate/tierckpt-ca", "Certificate/tierckptd-tls"} <= set(k8s)
+            "Issuer", "Certificate/tierckpt-ca", "Certificate/tierckptd-tls", "PriorityClass",
+            "PodDisruptionBudget", "PrometheusRule"} <= set(k8s)
     for doc in k8s.values():
         assert doc.get("apiVersion") and doc.get("kind"), doc
     kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
@@ -168,10 +169,18 @@ def test_volumes_socket_and_local_tier(k8s: dict[str, dict[str, Any]]) -> None:
     assert volumes[mounts[sock_dir]]["hostPath"]["path"] == "/run/tierckpt"
     local_mount = next(p for p in mounts if cfg.local_dir == p or cfg.local_dir.startswith(p + "/"))
     local = volumes[mounts[local_mount]]
-    assert local["emptyDir"]["medium"] == "Memory"
-    size_limit = _quantity(local["emptyDir"]["sizeLimit"])
-    # tmpfs pages count against the container's memory limit; local_capacity must fit in the volume.
-    assert 0 < cfg.local_capacity <= size_limit < _quantity(c["resources"]["limits"]["memory"])
+    # The fast path: the local tier is a hostPath on the node's RAM disk that trainer pods mount too.
+    assert local["hostPath"]["path"] == "/dev/shm/tierckpt" and "emptyDir" not in local
+    # Replicas the daemon writes are tmpfs pages charged to it: the limit covers a full local tier.
+    assert 0 < cfg.local_capacity <= _quantity(c["resources"]["limits"]["memory"])
+    # The init container hands both directories to the daemon and the trainers' group.
+    (init,) = pod["initContainers"]
+    script = init["command"][-1]
+    init_mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
+    assert init_mounts[local_mount] == mounts[local_mount] and init_mounts[sock_dir] == mounts[sock_dir]
+    uid, gid = pod["securityContext"]["runAsUser"], cfg.socket_group
+    assert f"chown {uid}:{gid} {sock_dir} {local_mount}" in script and f"chmod 2770 {local_mount}" in script
+    assert "FSETID" in init["securityContext"]["capabilities"]["add"]  # keeps the setgid bit
 
 
 def test_grace_period_covers_shutdown_timeout(k8s: dict[str, dict[str, Any]]) -> None:
@@ -267,16 +276,120 @@ def test_cert_manager_chain(k8s: dict[str, dict[str, Any]]) -> None:
     assert all(".%s" % ns in n for n in node["spec"]["dnsNames"])
 
 
+_CRD_GROUPS = ("cert-manager.io", "monitoring.coreos.com")
+
+
+def _rendered() -> list[dict[str, Any]]:
+    """The manifests as applied: ``kubectl kustomize`` output when kubectl is here, else the files."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is not None:
+        proc = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return [d for d in yaml.safe_load_all(proc.stdout) if d]
+    return [d for p in sorted(K8S.glob("*.yaml")) if p.name != "kustomization.yaml"
+            for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def test_kustomize_renders_every_resource_in_the_namespace() -> None:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed")
+    docs = _rendered()
+    kinds = {d["kind"] for d in docs}
+    assert {"DaemonSet", "PriorityClass", "PodDisruptionBudget", "PrometheusRule", "ServiceMonitor"} <= kinds
+    cluster_scoped = {"Namespace", "PriorityClass", "ClusterIssuer"}
+    for d in docs:
+        if d["kind"] not in cluster_scoped:
+            assert d["metadata"].get("namespace") == "tierckpt", d["kind"]
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    images = {c["image"] for c in spec["containers"] + spec["initContainers"]}
+    assert images == {"registry.example.com/tierckpt:0.1.0"}
+
+
 def test_kubernetes_validate_when_available() -> None:
     kv = pytest.importorskip("kubernetes_validate")
     version = kv.latest_version() if hasattr(kv, "latest_version") else "1.30.0"
-    for path in sorted(K8S.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
+    docs = _rendered() + list(yaml.safe_load_all((K8S / "examples" / "trainer-job.yaml").read_text()))
+    checked = set()
+    for doc in docs:
+        if not doc or doc["apiVersion"].split("/")[0] in _CRD_GROUPS:  # CRDs: no schema here
             continue
-        for doc in yaml.safe_load_all(path.read_text()):
-            if not doc or "." in doc["apiVersion"].split("/")[0]:  # CRDs (cert-manager, Prometheus Operator)
-                continue
-            kv.validate(doc, version, strict=True)
+        kv.validate(doc, version, strict=True)
+        checked.add(doc["kind"])
+    assert {"DaemonSet", "PriorityClass", "PodDisruptionBudget", "Job", "ConfigMap", "Service"} <= checked
+
+
+def test_priority_class_and_disruption_budget(k8s: dict[str, dict[str, Any]]) -> None:
+    pod = k8s["DaemonSet"]["spec"]["template"]
+    assert pod["spec"]["priorityClassName"] == k8s["PriorityClass"]["metadata"]["name"]
+    assert k8s["PriorityClass"]["value"] >= 1_000_000 and k8s["PriorityClass"]["globalDefault"] is False
+    pdb = k8s["PodDisruptionBudget"]["spec"]
+    assert pdb["maxUnavailable"] == 1 and pdb["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+
+
+def test_trainer_job_uses_the_fast_path(k8s: dict[str, dict[str, Any]]) -> None:
+    job = yaml.safe_load((K8S / "examples" / "trainer-job.yaml").read_text())
+    assert job["kind"] == "Job"
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    cfg = load_config(_configmap_toml(k8s))
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["TIERCKPT_ADDRESS"] == "unix://" + cfg.socket
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+    ds_pod = k8s["DaemonSet"]["spec"]["template"]["spec"]
+    ds_volumes = {v["name"]: v for v in ds_pod["volumes"]}
+    ds_mounts = {m["mountPath"]: ds_volumes[m["name"]] for m in _daemon_container(k8s)["volumeMounts"]}
+    # the same host directories at the same paths as in the daemon's pod (the daemon names files by path)
+    for path in (str(Path(cfg.socket).parent), cfg.local_dir):
+        assert mounts[path]["hostPath"]["path"] == ds_mounts[path]["hostPath"]["path"], path
+    sc = pod["securityContext"]
+    assert int(cfg.socket_group) in sc["supplementalGroups"] or sc["runAsGroup"] == int(cfg.socket_group)
+    # the daemon's staging files are 0640: writing into them takes the daemon's uid
+    assert sc["runAsUser"] == ds_pod["securityContext"]["runAsUser"]
+    assert {t["key"] for t in pod["tolerations"]} >= {t["key"] for t in ds_pod["tolerations"]}
+
+
+def test_prometheus_rules_use_exported_metrics(k8s: dict[str, dict[str, Any]]) -> None:
+    rule = k8s["PrometheusRule"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    names = {r["alert"] for r in rules}
+    for want in ("DrainBacklog", "ReplicationFailing", "LocalTier", "Checksum", "PeerDown", "Degraded"):
+        assert any(want in n for n in names), want
+    text = Metrics().render().decode()
+    exported = set(re.findall(r"^# (?:HELP|TYPE) (\S+)", text, re.M))
+    for r in rules:
+        e = r["expr"]
+        assert e.count("(") == e.count(")") and e.count("{") == e.count("}"), e
+        used = set(re.findall(r"\btierckpt_\w+", e))
+        assert used <= exported, used - exported
+        assert r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"]
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+            yaml.safe_dump({"groups": rule["spec"]["groups"]}, f)
+            f.flush()
+            proc = subprocess.run([promtool, "check", "rules", f.name], capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dockerfile_builds_a_non_root_venv_image(k8s: dict[str, dict[str, Any]]) -> None:
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    froms = re.findall(r"^FROM (\S+)", text, re.M)
+    assert froms and all(f.startswith("python:3.11-slim") for f in froms)
+    assert "python -m venv /opt/tierckpt" in text and "ENV PATH=/opt/tierckpt/bin:$PATH" in text
+    assert re.search(r"pip install '/src\[daemon,s3,gcs\]'", text)
+    pod = k8s["DaemonSet"]["spec"]["template"]["spec"]
+    (user,) = re.findall(r"^USER (\d+)", text, re.M)
+    assert int(user) == pod["securityContext"]["runAsUser"] != 0
+    # the probes run python3 from the image: the venv's, which has grpcio and the health stubs
+    assert _daemon_container(k8s)["startupProbe"]["exec"]["command"][0] == "python3"
+    for src in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
+        for part in src.split():
+            assert (DEPLOY.parent / part).exists(), part
 
 
 # --- systemd ---------------------------------------------------------------------------------------
@@ -327,7 +440,7 @@ def test_systemd_unit_required_keys() -> None:
 def test_systemd_execstart_flags_and_config() -> None:
     one = {k: v[-1] for k, v in _unit(UNIT)["Service"].items()}
     argv = shlex.split(one["ExecStart"])
-    assert argv[0] == "/usr/bin/tierckptd"
+    assert argv[0] == "/opt/tierckpt/bin/tierckptd"  # the venv the README installs
     overrides = _parse_flags(argv[1:])
     assert overrides.pop("config") == "/etc/tierckpt/tierckptd.toml"
     cfg = load_config(_systemd_toml(), overrides)
@@ -367,7 +480,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     # The binary is not installed here; verify the rest of the unit against an existing one.
     true = shutil.which("true") or "/bin/true"
     unit = tmp_path / UNIT.name
-    unit.write_text(UNIT.read_text().replace("ExecStart=/usr/bin/tierckptd", "ExecStart=" + true))
+    unit.write_text(UNIT.read_text().replace("ExecStart=/opt/tierckpt/bin/tierckptd", "ExecStart=" + true))
     proc = subprocess.run([exe, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     out = proc.stdout + proc.stderr
     ours = [line for line in out.splitlines() if UNIT.name in line]
@@ -403,3 +516,22 @@ def test_grafana_dashboard_uses_only_exported_metrics() -> None:
     assert used and used <= exported, "unknown metrics: %s" % sorted(used - exported)
     quantiles = [e for e in exprs if "histogram_quantile" in e]
     assert any("0.5" in e for e in quantiles) and any("0.99" in e for e in quantiles)
+
+
+def test_systemd_install_steps_in_the_readme_match_the_unit() -> None:
+    """The README installs into the venv the unit runs, and installs what Documentation= names."""
+    readme = (DEPLOY.parent / "README.md").read_text()
+    unit = _unit(UNIT)
+    exe = shlex.split(unit["Service"]["ExecStart"][-1])[0]
+    venv = str(Path(exe).parent.parent)
+    assert f"python3 -m venv {venv}" in readme and f"{venv}/bin/pip install" in readme
+    assert "pip install 'tierckpt[daemon" not in readme.split("**systemd**")[1].split("**Kubernetes**")[0]
+    docs = [d for line in unit["Unit"]["Documentation"] for d in line.split()]
+    assert docs
+    for doc in docs:
+        assert doc.startswith(("https://", "file:///")), doc
+        if doc.startswith("file:///"):
+            path = Path(doc[len("file://"):])
+            assert (DEPLOY.parent / path.name).is_file(), doc  # a file of this repository ...
+            assert re.search(r"install -D -m 0644 [^\n]*\b%s\b[^\n]*-t %s/" % (re.escape(path.name), path.parent),
+                             readme), doc  # ... that the README's steps install there

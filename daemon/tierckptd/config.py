@@ -85,6 +85,23 @@ class DaemonConfig:
     """Drain to the persistent tier every step whose number is a multiple of N, and every save with persist=True (0 = only those)."""
     keep_persistent: int = 0
     """Newest steps per job kept in the persistent tier (0 = keep all)."""
+    s3_endpoint: str = ""
+    """S3 endpoint URL for MinIO, Ceph RGW or another S3-compatible store, e.g.
+    "https://minio.example:9000" (empty: AWS_ENDPOINT_URL or AWS's own)."""
+    s3_region: str = ""
+    """S3 region, e.g. "eu-west-1" (empty: AWS_REGION / AWS_DEFAULT_REGION or the AWS config
+    file)."""
+    s3_addressing_style: str = "auto"
+    """"path" (https://endpoint/bucket/key: MinIO, Ceph and most S3-compatible stores),
+    "virtual" (https://bucket.endpoint/key) or "auto" (the SDK's choice)."""
+    s3_sse: str = ""
+    """Server-side encryption of every object written: "AES256" (SSE-S3), "aws:kms" (SSE-KMS,
+    see s3_sse_kms_key_id) or empty (the bucket's default)."""
+    s3_sse_kms_key_id: str = ""
+    """KMS key id or ARN for s3_sse = "aws:kms" (empty: the account's aws/s3 key)."""
+    s3_storage_class: str = ""
+    """Storage class of every object written, e.g. "STANDARD", "INTELLIGENT_TIERING",
+    "STANDARD_IA" (empty: the bucket's default)."""
     metrics_port: int = 0
     """Prometheus /metrics port (0 = disabled)."""
     metrics_host: str = "127.0.0.1"
@@ -281,6 +298,7 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
         if secret:
             raise ConfigError(f"persistent: {shown!r} must not carry credentials, a query or a fragment; "
                               "credentials come from the SDK's environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS)")
+    _validate_s3(cfg)
     if cfg.knobs:
         from .knobs import Knobs, parse_knobs
 
@@ -293,6 +311,35 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
         if not colon or not name or not port.isdigit():
             raise ConfigError(f"peers_dns: {cfg.peers_dns!r} is not NAME:PORT")
     return cfg
+
+
+_S3_SSE = ("", "AES256", "aws:kms")
+_STORAGE_CLASS_RE = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")
+
+
+def _validate_s3(cfg: DaemonConfig) -> None:
+    if cfg.s3_endpoint:
+        try:
+            parts = urllib.parse.urlsplit(cfg.s3_endpoint)
+            secret = bool(parts.username or parts.password or parts.query or parts.fragment)
+        except ValueError:
+            parts, secret = None, False
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"s3_endpoint: {redact_url(cfg.s3_endpoint)!r} is not an http:// or https:// URL")
+        if secret:
+            raise ConfigError(f"s3_endpoint: {redact_url(cfg.s3_endpoint)!r} must not carry credentials, "
+                              "a query or a fragment")
+    if cfg.s3_region and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", cfg.s3_region):
+        raise ConfigError(f"s3_region: {cfg.s3_region!r} is not a region name such as eu-west-1")
+    if cfg.s3_addressing_style not in ("auto", "path", "virtual"):
+        raise ConfigError(f"s3_addressing_style: {cfg.s3_addressing_style!r} must be auto, path or virtual")
+    if cfg.s3_sse not in _S3_SSE:
+        raise ConfigError(f"s3_sse: {cfg.s3_sse!r} must be AES256, aws:kms or empty")
+    if cfg.s3_sse_kms_key_id and cfg.s3_sse != "aws:kms":
+        raise ConfigError("s3_sse_kms_key_id: needs s3_sse = \"aws:kms\"")
+    if cfg.s3_storage_class and not _STORAGE_CLASS_RE.fullmatch(cfg.s3_storage_class):
+        raise ConfigError(f"s3_storage_class: {cfg.s3_storage_class!r} is not a storage class "
+                          "such as STANDARD_IA")
 
 
 def load_config(file_values: Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
@@ -339,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "peers": "ID=HOST:PORT,...", "peers_dns": "NAME:PORT", "persistent": "URL", "metrics_port": "PORT",
                 "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem",
                 "log_level": "LEVEL", "log_format": "plain|json", "shutdown_timeout": "SECONDS",
-                "knobs": "NAME=VALUE,..."}
+                "knobs": "NAME=VALUE,...", "s3_endpoint": "URL", "s3_region": "REGION",
+                "s3_addressing_style": "auto|path|virtual", "s3_sse": "AES256|aws:kms", "s3_sse_kms_key_id": "KEY",
+                "s3_storage_class": "CLASS"}
     for name, f in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
         if name == "peers":

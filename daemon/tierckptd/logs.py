@@ -1,9 +1,14 @@
-"""Logging set-up for the daemon: one handler on the ``tierckptd`` logger, plain or JSON lines.
+"""Logging set-up for the daemon: one handler on the root logger, plain or JSON lines.
 
 Library modules only call ``logging.getLogger(__name__)``; ``main()`` calls :func:`setup_logging`
 once. Structured fields go in ``extra`` and reach both formats::
 
     log.info("committed %s step %d", job, step, extra={"job": job, "step": step, "bytes": n})
+
+Every logger of the process goes through the one formatter: the daemon's own (``tierckptd.*``)
+and third-party ones (botocore, s3transfer, urllib3, google, grpc), which propagate to the root
+handler; Python warnings are captured too. Third-party loggers are held at WARNING (INFO when
+the daemon logs at DEBUG: SDK debug output carries request signatures).
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ import sys
 import time
 from typing import IO, Any
 
-__all__ = ["setup_logging", "JsonFormatter", "PlainFormatter"]
+__all__ = ["setup_logging", "ready_line", "parse_ready_line", "JsonFormatter", "PlainFormatter", "THIRD_PARTY"]
 
 LOGGER_NAME = "tierckptd"
+THIRD_PARTY = ("botocore", "boto3", "s3transfer", "urllib3", "google", "grpc", "asyncio", "py.warnings")
+"""Loggers of libraries the daemon uses; they keep their own names in every line."""
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Attributes every LogRecord has; anything else on a record came from ``extra``.
 _RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
@@ -66,10 +73,11 @@ class PlainFormatter(logging.Formatter):
 
 
 def setup_logging(level: str = "INFO", fmt: str = "plain", stream: IO[str] | None = None) -> logging.Logger:
-    """Configure the ``tierckptd`` logger; calling it again replaces the previous configuration.
+    """Configure the process's logging for the daemon; calling it again replaces the previous set-up.
 
-    The root logger is left alone (no ``basicConfig``) and records do not propagate to it, so a
-    host application's handlers never print them twice.
+    One handler on the root logger, so that every logger (the daemon's and third-party ones)
+    writes through the same formatter. Only ``tierckptd.main`` calls this (no ``basicConfig``
+    in library code).
 
     Args:
         level: DEBUG, INFO, WARNING or ERROR (any case).
@@ -87,14 +95,53 @@ def setup_logging(level: str = "INFO", fmt: str = "plain", stream: IO[str] | Non
         raise ValueError("log level %r must be one of %s" % (level, ", ".join(_LEVELS)))
     if fmt not in ("plain", "json"):
         raise ValueError("log format %r must be plain or json" % (fmt,))
+    root = logging.getLogger()
     logger = logging.getLogger(LOGGER_NAME)
-    for old in [h for h in logger.handlers if getattr(h, "_tierckptd", False)]:
-        logger.removeHandler(old)
-        old.close()
+    for owner in (root, logger):
+        for old in [h for h in owner.handlers if getattr(h, "_tierckptd", False)]:
+            owner.removeHandler(old)
+            old.close()
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else PlainFormatter())
     handler._tierckptd = True  # type: ignore[attr-defined]
-    logger.addHandler(handler)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
     logger.setLevel(level.upper())
-    logger.propagate = False
+    logger.propagate = True
+    floor = logging.INFO if level.upper() == "DEBUG" else logging.WARNING
+    for name in THIRD_PARTY:
+        # A level set here also counts as "configured" for google-api-core, which otherwise turns
+        # off propagation of the "google" logger when it is first imported.
+        third = logging.getLogger(name)
+        third.setLevel(floor)
+        third.propagate = True
+    logging.captureWarnings(True)
     return logger
+
+
+def ready_line(info: dict[str, Any], fmt: str = "plain") -> str:
+    """The start-up line on stdout that says the daemon serves, with its ports.
+
+    Plain: ``READY {json}``. JSON: a log record of the JSON format (``msg`` "ready",
+    ``event`` "ready", the fields under ``ready``), so that a log shipper reading stdout sees
+    only JSON; :class:`tierckptd.testing.Daemon` reads either.
+    """
+    if fmt != "json":
+        return "READY " + json.dumps(info)
+    record = logging.getLogger(LOGGER_NAME).makeRecord(
+        LOGGER_NAME, logging.INFO, __file__, 0, "ready", (), None, extra={"event": "ready", "ready": info})
+    return JsonFormatter().format(record)
+
+
+def parse_ready_line(line: str) -> dict[str, Any] | None:
+    """The ``info`` of a line written by :func:`ready_line` (either format), else None."""
+    if line.startswith("READY "):
+        return json.loads(line[6:])
+    if line.startswith("{"):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            return None
+        if isinstance(doc, dict) and doc.get("event") == "ready" and isinstance(doc.get("ready"), dict):
+            return doc["ready"]
+    return None

@@ -9,7 +9,10 @@ Naming follows Prometheus conventions: prefix ``tierckpt_``, base units in the n
 - ``peer``: a peer's node id (bounded by the cluster size; never a job or step)
 
 Series with known label values are created at zero, so ``rate()`` and alerts work from the first
-scrape.
+scrape: tiers, results and reasons here, peers when the watched neighbourhood is known
+(:meth:`Metrics.known_peers`), configured tiers by :class:`~tierckptd.tierhealth.TierHealth`.
+The registry also carries the standard ``process_*``, ``python_info`` and ``python_gc_*``
+collectors of prometheus-client.
 """
 
 from __future__ import annotations
@@ -17,7 +20,17 @@ from __future__ import annotations
 import threading
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client import start_http_server as _start_http_server
 
 from . import __version__
@@ -43,7 +56,8 @@ class Metrics:
         commit_latency, save_latency, restore_latency (tier), replication_latency.
     Gauges (``.set(v)``):
         replication_lag, drain_backlog_bytes, drain_oldest_age, local_capacity_bytes,
-        local_used_bytes, local_free_bytes, peer_up (peer).
+        local_used_bytes, local_free_bytes, peer_up (peer), tier_up (tier).
+    Collectors: process (CPU, memory, file descriptors), platform (python_info), GC.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -56,6 +70,9 @@ class Metrics:
         self._background_tiers(r)
         self._local_tier(r)
         self._zero_series()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -115,6 +132,9 @@ class Metrics:
             registry=r)
         self.peer_up = Gauge(
             "tierckpt_peer_up", "1 if the last health check of a peer succeeded, else 0.", ["peer"], registry=r)
+        self.tier_up = Gauge(
+            "tierckpt_tier_up", "1 if a configured tier can do its work, 0 if it is degraded (e.g. the "
+            "object store refuses the start-up probe: credentials, bucket, write permission).", ["tier"], registry=r)
         self.peer_calls = Counter(
             "tierckpt_peer_calls_total", "Control RPCs this daemon made to a peer (health, catalog deltas, "
             "replication, fetch), by peer: at scale only the ring neighbourhood should grow.", ["peer"], registry=r)
@@ -144,7 +164,7 @@ class Metrics:
     def _zero_series(self) -> None:
         """Create every labelled series whose labels are known up front at zero (rate() sees the first event)."""
         for tier in TIERS:
-            for metric in (self.saved_bytes, self.restored_bytes, self.checksum_failures):
+            for metric in (self.saved_bytes, self.restored_bytes, self.checksum_failures, self.restore_latency):
                 metric.labels(tier)
             for result in RESULTS:
                 self.saves.labels(tier, result)

@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import grpc
 import json
 import logging
 import os
+import socket
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
+import grpc
 from tierckpt.common.names import check_job, check_rank, check_shard, check_step
 from tierckpt.errors import InvalidArgumentError
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
 
 from . import __version__
-from .config import DaemonConfig
+from .config import ConfigError, DaemonConfig
 from .node import Node
 from .rpc import rpc, rpc_stream
+from .tierhealth import TierHealth
+from .unixsock import SocketClaim, claim_socket, resolve_group
 
-__all__ = ["TierckptServicer", "create_server", "Listening"]
+__all__ = ["TierckptServicer", "create_server", "check_listen", "Listening"]
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +44,10 @@ def _check_json_object(text: str, field: str) -> str:
 
 
 class TierckptServicer(pb_grpc.TierckptServicer):
-    def __init__(self, node: Node, config: DaemonConfig) -> None:
+    def __init__(self, node: Node, config: DaemonConfig, tier_health: TierHealth | None = None) -> None:
         self.node = node
         self.config = config
+        self.tier_health = tier_health
 
     @rpc
     async def BeginSave(self, request: pb.BeginSaveRequest, context) -> pb.BeginSaveResponse:
@@ -176,6 +180,8 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         resp.drain_backlog_bytes = int(drain.get("backlog_bytes", 0))
         resp.drain_backlog_steps = int(drain.get("backlog_steps", 0))
         resp.drain_oldest_age_seconds = float(drain.get("oldest_age_seconds", 0.0))
+        if self.tier_health is not None:
+            resp.persistent_error = self.tier_health.error("persistent") or ""
         return resp
 
 
@@ -184,9 +190,15 @@ class Listening:
     servers: list[grpc.aio.Server]
     tcp_port: int | None
     socket_path: str | None
+    claim: SocketClaim | None = None
 
     async def stop(self, grace: float) -> None:
-        await asyncio.gather(*(srv.stop(grace=grace) for srv in self.servers))
+        """Stop every server, then remove the Unix socket if it is still the one this daemon bound."""
+        try:
+            await asyncio.gather(*(srv.stop(grace=grace) for srv in self.servers))
+        finally:
+            if self.claim is not None:
+                self.claim.release()
 
 
 def server_options(config: DaemonConfig) -> list[tuple[str, int]]:
@@ -198,51 +210,95 @@ def server_options(config: DaemonConfig) -> list[tuple[str, int]]:
     ]
 
 
+def _bind_reason(address: str) -> str | None:
+    """Why ``address`` cannot be bound (learned by binding it as gRPC would), or None if it can."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+            s.bind(addr)
+    except socket.gaierror as e:
+        return f"cannot resolve {host!r} ({e.strerror})"
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def check_listen(address: str) -> None:
+    """Refuse a ``listen`` address that cannot be bound now, before anything else starts.
+
+    Raises:
+        ConfigError: naming ``listen``, the address and the reason (e.g. "Address already in use").
+    """
+    if address.rpartition(":")[2] != "0" and (why := _bind_reason(address)) is not None:
+        raise ConfigError(f"listen: cannot listen on {address}: {why}")
+
+
+def _bind_error(address: str) -> ConfigError:
+    return ConfigError(f"listen: cannot listen on {address}: {_bind_reason(address) or 'cannot bind'}")
+
+
 async def create_server(config: DaemonConfig, node: Node, common: Callable[[grpc.aio.Server], None] | None = None,
                         server_credentials: grpc.ServerCredentials | None = None,
-                        tcp_only: Callable[[grpc.aio.Server], None] | None = None) -> Listening:
+                        tcp_only: Callable[[grpc.aio.Server], None] | None = None, *,
+                        tier_health: TierHealth | None = None, socket_claim: SocketClaim | None = None) -> Listening:
     """Build and start the gRPC servers on the configured listeners. Port 0 picks a free port.
 
     The Unix socket and the TCP listener are separate servers: both serve the Tierckpt service
     and ``common`` (health); only the TCP server (mTLS when configured) serves ``tcp_only``
-    (the Peer service), so trainers in the socket group can never act as a peer.
+    (the Peer service), so trainers in the socket group can never act as a peer. A live socket
+    at the path is never taken over (:mod:`tierckptd.unixsock`); ``socket_claim`` is the claim
+    when the caller made it already (before opening the local dir), and is released by
+    :meth:`Listening.stop` either way.
+
+    Raises:
+        ConfigError: a listener cannot be bound, the socket path is in use, or ``socket_group``
+            does not exist or cannot be given; the message names the key.
     """
+    gid = resolve_group(config.socket_group) if config.socket else None  # before anything is bound
     servers: list[grpc.aio.Server] = []
     tcp_port = None
     if config.listen:
-        tcp = _new_server(config, node, common)
+        tcp = _new_server(config, node, common, tier_health)
         if tcp_only:
             tcp_only(tcp)
-        if server_credentials is not None:
-            tcp_port = tcp.add_secure_port(config.listen, server_credentials)
-        else:
-            tcp_port = tcp.add_insecure_port(config.listen)
+        try:
+            if server_credentials is not None:
+                tcp_port = tcp.add_secure_port(config.listen, server_credentials)
+            else:
+                tcp_port = tcp.add_insecure_port(config.listen)
+        except RuntimeError:
+            raise _bind_error(config.listen) from None
         servers.append(tcp)
-    sock = None
+    claim = None
     if config.socket:
-        sock = os.path.abspath(config.socket)
-        os.makedirs(os.path.dirname(sock), exist_ok=True)
-        if os.path.exists(sock):
-            os.unlink(sock)  # a stale socket of a dead daemon
-        local = _new_server(config, node, common)
-        local.add_insecure_port("unix://" + sock)
+        claim = socket_claim or claim_socket(os.path.abspath(config.socket))
+        local = _new_server(config, node, common, tier_health)
+        try:
+            local.add_insecure_port("unix://" + claim.bind_path)
+        except RuntimeError:
+            claim.release()
+            raise ConfigError(f"socket: cannot listen on {claim.path}") from None
         servers.append(local)
-    for srv in servers:
-        await srv.start()
-    if sock:
-        os.chmod(sock, config.socket_mode)
-        if config.socket_group:
-            import grp
-            import shutil as _sh
+    listening = Listening(servers, tcp_port, claim.path if claim else None, claim)
+    try:
+        for srv in servers:
+            await srv.start()
+        if claim is not None:
+            claim.bound(config.socket_mode, gid)
+    except BaseException:
+        await listening.stop(0)
+        raise
+    return listening
 
-            gid = int(config.socket_group) if config.socket_group.isdigit() else grp.getgrnam(config.socket_group).gr_gid
-            _sh.chown(sock, group=gid)
-    return Listening(servers, tcp_port, sock)
 
-
-def _new_server(config: DaemonConfig, node: Node, common: Callable[[grpc.aio.Server], None] | None) -> grpc.aio.Server:
+def _new_server(config: DaemonConfig, node: Node, common: Callable[[grpc.aio.Server], None] | None,
+                tier_health: TierHealth | None = None) -> grpc.aio.Server:
     server = grpc.aio.server(options=server_options(config))
-    pb_grpc.add_TierckptServicer_to_server(TierckptServicer(node, config), server)
+    pb_grpc.add_TierckptServicer_to_server(TierckptServicer(node, config, tier_health), server)
     if common:
         common(server)
     return server

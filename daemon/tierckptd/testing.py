@@ -8,7 +8,6 @@ front with :func:`free_port` when peers must know them before start-up.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,6 +17,8 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+
+from .logs import parse_ready_line
 
 __all__ = ["Daemon", "free_port", "scratch_dir"]
 
@@ -70,7 +71,7 @@ class Daemon:
         return [str(_BIN_DIR / "tierckptd"), "--node-id", self.node_id, "--local-dir", str(self.local_dir),
                 "--socket", str(self.socket), "--listen", f"127.0.0.1:{self.port}", *self.args]
 
-    def start(self, timeout: float = 30.0) -> "Daemon":
+    def start(self, timeout: float = 30.0) -> Daemon:
         self.root.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, **(self.env or {}))
         log = open(self.log_path, "ab")
@@ -85,10 +86,11 @@ class Daemon:
         t = threading.Thread(target=read, daemon=True)
         t.start()
         t.join(timeout)
-        if not line or not line[0].startswith(b"READY "):
+        info = parse_ready_line(line[0].decode(errors="replace").strip()) if line else None
+        if info is None:
             self.kill()
             raise RuntimeError(f"tierckptd {self.node_id} did not start:\n{self.log_tail()}")
-        self.info = json.loads(line[0][6:])
+        self.info = info
         if not self.port:
             self.port = self.info["tcp_port"]
         return self
@@ -120,7 +122,7 @@ class Daemon:
             self.kill()
             raise
 
-    def restart(self) -> "Daemon":
+    def restart(self) -> Daemon:
         self.kill()
         return self.start()
 

@@ -55,7 +55,8 @@ def status_doc(st: Any) -> dict[str, Any]:
                                 for p in st.peers]},
         "persistent_tier": {"configured": bool(st.persistent_url), "url": st.persistent_url,
                             "backlog_ranks": st.drain_backlog_steps, "backlog_bytes": st.drain_backlog_bytes,
-                            "oldest_age_seconds": st.drain_oldest_age_seconds},
+                            "oldest_age_seconds": st.drain_oldest_age_seconds,
+                            "error": st.persistent_error or None},
         "jobs": [{"job": j.job, "steps": j.steps, "latest": j.latest if j.has_latest else None, "bytes": j.bytes}
                  for j in st.jobs],
     }
@@ -81,6 +82,8 @@ def cmd_status(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
     for p in st.peers:
         state = "up" if p.up else f"DOWN ({p.last_error})" if p.last_error else "DOWN"
         w(f"  {p.node_id:<16} {p.address:<24} {state}\n")
+    if st.persistent_url and st.persistent_error:
+        w(f"persistent tier: {st.persistent_url}: DEGRADED: {st.persistent_error}\n")
     if st.persistent_url:
         w(f"persistent tier: {st.persistent_url}: backlog {st.drain_backlog_steps} ranks, "
           f"{fmt_bytes(st.drain_backlog_bytes)}, oldest {st.drain_oldest_age_seconds:.0f} s\n")

@@ -346,7 +346,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., up: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "version", "local_dir", "capacity_bytes", "used_bytes", "staging_bytes", "recycle_bytes", "jobs", "peers", "persistent_url", "drain_backlog_bytes", "drain_backlog_steps", "drain_oldest_age_seconds", "replicas", "uptime_seconds")
+    __slots__ = ("node_id", "version", "local_dir", "capacity_bytes", "used_bytes", "staging_bytes", "recycle_bytes", "jobs", "peers", "persistent_url", "drain_backlog_bytes", "drain_backlog_steps", "drain_oldest_age_seconds", "replicas", "uptime_seconds", "persistent_error")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +362,7 @@ class StatusResponse(_message.Message):
     DRAIN_OLDEST_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_ERROR_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     local_dir: str
@@ -377,4 +378,5 @@ class StatusResponse(_message.Message):
     drain_oldest_age_seconds: float
     replicas: int
     uptime_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., local_dir: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., recycle_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., persistent_url: _Optional[str] = ..., drain_backlog_bytes: _Optional[int] = ..., drain_backlog_steps: _Optional[int] = ..., drain_oldest_age_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    persistent_error: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., local_dir: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., recycle_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., persistent_url: _Optional[str] = ..., drain_backlog_bytes: _Optional[int] = ..., drain_backlog_steps: _Optional[int] = ..., drain_oldest_age_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., persistent_error: _Optional[str] = ...) -> None: ...

@@ -20,12 +20,14 @@ import urllib.parse
 from typing import Any
 
 from tierckpt.errors import InvalidArgumentError
+
 from tierckptd.config import ConfigError
 from tierckptd.redact import redact_text, redact_url
 
 from .base import Backend, BackendError, MissingExtraError, check_key
 
-__all__ = ["Backend", "BackendError", "MissingExtraError", "open_backend", "parse_url", "redact_text", "redact_url"]
+__all__ = ["Backend", "BackendError", "MissingExtraError", "backend_options", "open_backend", "parse_url",
+           "redact_text", "redact_url"]
 
 _FIELD = "persistent"
 _BUCKET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,221}[A-Za-z0-9]")
@@ -74,6 +76,19 @@ def parse_url(url: str) -> tuple[str, str, str]:
             prefix += "/"
         return parts.scheme, parts.netloc, prefix
     raise _bad(url, f"has unsupported scheme {parts.scheme!r}")
+
+
+def backend_options(config: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`open_backend` that the daemon configuration sets for its URL.
+
+    Args:
+        config: a :class:`~tierckptd.config.DaemonConfig` (its ``persistent`` and ``s3_*`` keys).
+    """
+    if not str(config.persistent).startswith("s3://"):
+        return {}
+    return {"endpoint_url": config.s3_endpoint or None, "region": config.s3_region or None,
+            "addressing_style": config.s3_addressing_style, "sse": config.s3_sse or None,
+            "sse_kms_key_id": config.s3_sse_kms_key_id or None, "storage_class": config.s3_storage_class or None}
 
 
 def open_backend(url: str, **opts: Any) -> Backend:

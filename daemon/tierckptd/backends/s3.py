@@ -1,8 +1,10 @@
-"""``s3://bucket/prefix``: Amazon S3 and S3-compatible stores, via boto3 and s3transfer.
+"""``s3://bucket/prefix``: Amazon S3 and S3-compatible stores (MinIO, Ceph RGW), via boto3 and s3transfer.
 
-The endpoint, region and credentials come from the standard AWS environment and config files
-(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, instance roles, ...), which boto3
-reads itself. This module never reads ``os.environ``.
+Credentials come from the standard AWS environment and config files (``AWS_ACCESS_KEY_ID``,
+``AWS_PROFILE``, instance roles, ...), which boto3 reads itself; so do the endpoint and region
+unless the daemon's ``s3_endpoint`` / ``s3_region`` keys give them. ``s3_addressing_style``,
+``s3_sse`` (+ ``s3_sse_kms_key_id``) and ``s3_storage_class`` apply to every object written.
+This module never reads ``os.environ``.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tierckpt.errors import NotFoundError, TierckptError
 
@@ -52,7 +55,7 @@ def _load_sdk() -> SimpleNamespace:
     )
 
 
-def default_transfer_config() -> "TransferConfig":
+def default_transfer_config() -> TransferConfig:
     """Return the TransferConfig the backend uses unless told otherwise.
 
     64 MiB parts above 64 MiB (a 10 GiB shard is 160 parts; beyond 625 GiB s3transfer raises the
@@ -91,6 +94,18 @@ def _translate(sdk: SimpleNamespace, e: BaseException, what: str) -> TierckptErr
     return BackendError(f"{what}: {redact_text(e)}", retryable=retryable)
 
 
+def _write_args(sse: str | None, kms_key: str | None, storage_class: str | None) -> dict[str, str]:
+    """Request parameters of every PUT (and multipart upload): encryption and storage class."""
+    args: dict[str, str] = {}
+    if sse:
+        args["ServerSideEncryption"] = sse
+        if kms_key:
+            args["SSEKMSKeyId"] = kms_key
+    if storage_class:
+        args["StorageClass"] = storage_class
+    return args
+
+
 class S3Backend(Backend):
     """Objects below ``s3://bucket/prefix``.
 
@@ -110,6 +125,12 @@ class S3Backend(Backend):
         connect_timeout: Seconds to establish a connection.
         read_timeout: Seconds without data on a socket before a request fails.
         session: A boto3 Session (default: a new one from the standard environment).
+        endpoint_url: Endpoint of an S3-compatible store (default: the environment's or AWS's).
+        region: Region name (default: the environment's).
+        addressing_style: "auto", "path" or "virtual".
+        sse: Server-side encryption of written objects: "AES256", "aws:kms" or None.
+        sse_kms_key_id: KMS key for ``sse="aws:kms"`` (None: the account's default key).
+        storage_class: Storage class of written objects (None: the bucket's default).
 
     Attributes:
         transfer_config: The TransferConfig in use (benchmarks compare against plain
@@ -123,11 +144,17 @@ class S3Backend(Backend):
         prefix: str = "",
         *,
         url: str | None = None,
-        transfer_config: "TransferConfig | None" = None,
+        transfer_config: TransferConfig | None = None,
         sdk_max_attempts: int = 3,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
         session: Any = None,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        addressing_style: str = "auto",
+        sse: str | None = None,
+        sse_kms_key_id: str | None = None,
+        storage_class: str | None = None,
     ) -> None:
         self._sdk = sdk = _load_sdk()
         self.bucket = bucket
@@ -140,10 +167,13 @@ class S3Backend(Backend):
             read_timeout=read_timeout,
             # every part request of every concurrent transfer needs its own pooled connection
             max_pool_connections=max(10, self.transfer_config.max_request_concurrency + 4),
+            s3={"addressing_style": addressing_style},
         )
+        self.write_args = _write_args(sse, sse_kms_key_id, storage_class)
         self._error_types = (sdk.bexc.ClientError, sdk.bexc.BotoCoreError, sdk.sexc.RetriesExceededError)
         with self._errors("open", ""):
-            self.client = (session or sdk.boto3.session.Session()).client("s3", config=config)
+            self.client = (session or sdk.boto3.session.Session()).client(
+                "s3", config=config, endpoint_url=endpoint_url, region_name=region)
         self._manager = sdk.create_transfer_manager(self.client, self.transfer_config)
 
     def _key(self, key: str) -> str:
@@ -158,13 +188,13 @@ class S3Backend(Backend):
         """See :meth:`Backend.put_file`."""
         name = self._key(key)
         with self._errors("put", key):
-            self._manager.upload(os.fspath(path), self.bucket, name).result()
+            self._manager.upload(os.fspath(path), self.bucket, name, extra_args=dict(self.write_args)).result()
 
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """See :meth:`Backend.put_bytes`."""
         name = self._key(key)
         with self._errors("put", key):
-            self.client.put_object(Bucket=self.bucket, Key=name, Body=bytes(data))
+            self.client.put_object(Bucket=self.bucket, Key=name, Body=bytes(data), **self.write_args)
 
     def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """See :meth:`Backend.get_file`. s3transfer writes a temporary file and renames it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Coroutine
 from typing import Any
 
@@ -108,6 +109,23 @@ class PersistentTier(RemoteTier):
         self._spawn(self.drainer.run())
         self._spawn(self._ticker())
         self._spawn(self.takeover.watch())
+
+    async def probe(self) -> None:
+        """Put and delete a small object under the prefix: credentials, bucket and write permission.
+
+        Runs on the tier's own threads, once, without the drain's retries (the caller repeats it).
+
+        Raises:
+            BackendError: the object store refused or failed; the message says why.
+        """
+        be = self.calls.be
+        key = f".tierckpt-probe/{self.config.node_id}.{secrets.token_hex(4)}"  # never a job's key
+
+        def put_delete() -> None:
+            be.put_bytes(key, b"tierckpt write probe\n")
+            be.delete([key])
+
+        await run_blocking(put_delete, pool=self.calls.threads)
 
     async def stop(self, timeout: float) -> None:
         """Let in-flight uploads finish within ``timeout``; queued ranks stay in the durable queue."""
