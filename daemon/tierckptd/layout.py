@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tierckpt.errors import DataLossError, FailedPreconditionError, NotFoundError
 
-from .localfs import LocalDir, UnsafeFileError, digest_fd
+from .localfs import FILE_MODE, STAGING_MODE, LocalDir, UnsafeFileError, digest_fd
 from .manifest import MANIFEST_NAME, Manifest
 from .recycle import RecyclePool
 from .staging import StagedFile, Staging
@@ -64,7 +64,7 @@ class StoreLayout:
                     if ok:
                         continue
                     f.recycled = False
-                os.close(self.fs.create(dfd, f.name, f.size))
+                os.close(self.fs.create(dfd, f.name, f.size, STAGING_MODE))
 
     def open_staged(self, st: Staging, f: StagedFile, flags: int) -> int:
         """Open a staging file without following a link; it must be a regular file of its size.
@@ -94,6 +94,7 @@ class StoreLayout:
         for f in st.files.values():
             fd = self.open_staged(st, f, os.O_RDONLY)
             try:
+                os.fchmod(fd, FILE_MODE)  # the socket group wrote it; committed bytes are read-only to it
                 stats[f.name] = os.fstat(fd)
                 if digests is not None:
                     actual = digest_fd(fd, f.size)

@@ -28,10 +28,13 @@ import stat
 from pathlib import Path
 from typing import Iterator, Sequence
 
-__all__ = ["LocalDir", "Rel", "FILE_MODE", "DIR_MODE", "fs_is_tmpfs", "UnsafeFileError", "check_regular", "digest_fd"]
+__all__ = ["LocalDir", "Rel", "FILE_MODE", "DIR_MODE", "STAGING_MODE", "fs_is_tmpfs", "UnsafeFileError", "check_regular", "digest_fd"]
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
+STAGING_MODE = 0o660
+"""Staging files only: the trainers of the socket group write into them (zero-copy saves); the
+commit takes group write away (FILE_MODE) before the file is published."""
 Rel = Sequence[str]
 """A directory below the root, as path components (``()`` is the root itself)."""
 
@@ -216,11 +219,11 @@ class LocalDir:
     # -- files
 
     @staticmethod
-    def create(dir_fd: int, name: str, size: int = 0) -> int:
-        """Create ``name`` exclusively (0640), sized to ``size``; returns a read-write descriptor."""
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _SAFE, FILE_MODE, dir_fd=dir_fd)
+    def create(dir_fd: int, name: str, size: int = 0, mode: int = FILE_MODE) -> int:
+        """Create ``name`` exclusively (``mode``, default 0640), sized to ``size``; returns a read-write descriptor."""
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _SAFE, mode, dir_fd=dir_fd)
         try:
-            os.fchmod(fd, FILE_MODE)
+            os.fchmod(fd, mode)
             if size:
                 os.ftruncate(fd, size)
         except BaseException:

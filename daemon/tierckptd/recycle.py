@@ -21,7 +21,7 @@ import secrets
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .localfs import LocalDir, UnsafeFileError
+from .localfs import STAGING_MODE, LocalDir, UnsafeFileError
 
 __all__ = ["RecyclePool", "RECYCLE_DIR"]
 
@@ -101,6 +101,7 @@ class RecyclePool:
                 self.fs.remove_tree(rfd, name)
                 return False
             try:
+                os.fchmod(fd, STAGING_MODE)  # a staging file again: the socket group writes it
                 st = os.fstat(fd)
                 os.rename(name, dst_name, src_dir_fd=rfd, dst_dir_fd=dst_fd)
             finally:

@@ -58,8 +58,17 @@ def test_files_are_0640_and_dirs_0750_whatever_the_umask(scratch):
         s = LocalStore(scratch / "d", "n0", capacity=1 << 30)
         s.open()
         _save(s, "j", 1, {"a": b"x"})
+        st = s.begin("j", 2, 0, 1, [("b", 8, "", ())])
     finally:
         os.umask(old)
+    staged = st.files["b"].path
+    # A staging file is group-writable (trainers in the socket group write into it) ...
+    assert stat.S_IMODE(staged.lstat().st_mode) == 0o660
+    for p in s.root.rglob("*"):
+        mode = stat.S_IMODE(p.lstat().st_mode)
+        assert mode == (0o750 if p.is_dir() else 0o660 if p == staged else 0o640), (p, oct(mode))
+    # ... and the commit takes group write away before publishing it.
+    s.commit(st.save_id, {"b": "c77b3abb6f87acd9"})
     for p in s.root.rglob("*"):
         mode = stat.S_IMODE(p.lstat().st_mode)
         assert mode == (0o750 if p.is_dir() else 0o640), (p, oct(mode))
