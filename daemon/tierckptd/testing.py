@@ -9,6 +9,7 @@ front with :func:`free_port` when peers must know them before start-up.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -25,10 +26,35 @@ __all__ = ["Daemon", "free_port", "scratch_dir"]
 _BIN_DIR = Path(sys.executable).parent
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port outside the kernel's ephemeral range, not handed out before by this
+    process: a port reserved for a daemon started later cannot be taken meanwhile by a socket that
+    binds port 0 (the daemons' bulk channels, client connections)."""
+    lo, hi = _ephemeral_range()
+    for _ in range(10000):
+        p = random.randrange(10000, 65536)
+        if lo <= p <= hi or p in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+        _HANDED_OUT.add(p)
+        return p
+    raise RuntimeError("no free port outside the ephemeral range")
 
 
 def scratch_dir(prefix: str = "tck-") -> Path:
