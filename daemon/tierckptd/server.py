@@ -6,11 +6,12 @@ import asyncio
 import grpc
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from tierckpt.common.names import check_job, check_rank, check_shard, check_step
+from tierckpt.common.names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
 from tierckpt.errors import InvalidArgumentError
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
@@ -18,7 +19,7 @@ from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
 from . import __version__
 from .config import DaemonConfig
 from .node import Node
-from .rpc import rpc, rpc_stream
+from .rpc import add_service, check_decoded, rpc, rpc_stream
 
 __all__ = ["TierckptServicer", "create_server", "Listening"]
 
@@ -29,12 +30,17 @@ TIER_ENUM = {v: k for k, v in TIER_NAMES.items()}
 
 
 def _check_json_object(text: str, field: str) -> str:
+    """A JSON object of at most MAX_METADATA_BYTES (checked before parsing), or InvalidArgumentError."""
     if not text:
         return "{}"
+    if len(text) > MAX_METADATA_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_METADATA_BYTES:
+        raise InvalidArgumentError(f"{field}: larger than {MAX_METADATA_BYTES} bytes")
     try:
         doc = json.loads(text)
     except ValueError as e:
         raise InvalidArgumentError(f"{field}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise InvalidArgumentError(f"{field}: nested too deeply") from None
     if not isinstance(doc, dict):
         raise InvalidArgumentError(f"{field}: must be a JSON object")
     return text
@@ -67,7 +73,8 @@ class TierckptServicer(pb_grpc.TierckptServicer):
     @rpc
     async def WriteShard(self, request_iterator: AsyncIterator[pb.WriteShardRequest], context) -> pb.WriteShardResponse:
         async def pieces() -> AsyncIterator[tuple[str, str, int, bytes]]:
-            async for req in request_iterator:
+            async for raw in request_iterator:
+                req = check_decoded(raw)
                 yield req.save_id, req.shard, req.offset, req.data
 
         return pb.WriteShardResponse(bytes_written=await self.node.write_stream(pieces()))
@@ -96,6 +103,8 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         tier = TIER_NAMES.get(request.tier)
         if tier is None:
             raise InvalidArgumentError("tier: must be TIER_LOCAL, TIER_PEER or TIER_PERSISTENT")
+        if not math.isfinite(request.timeout_seconds) or request.timeout_seconds < 0:
+            raise InvalidArgumentError(f"timeout_seconds: {request.timeout_seconds!r} must be a finite number >= 0")
         remaining = context.time_remaining()
         timeout = request.timeout_seconds or remaining
         if timeout is not None and timeout <= 0:
@@ -242,7 +251,7 @@ async def create_server(config: DaemonConfig, node: Node, common: Callable[[grpc
 
 def _new_server(config: DaemonConfig, node: Node, common: Callable[[grpc.aio.Server], None] | None) -> grpc.aio.Server:
     server = grpc.aio.server(options=server_options(config))
-    pb_grpc.add_TierckptServicer_to_server(TierckptServicer(node, config), server)
+    add_service(pb_grpc.add_TierckptServicer_to_server, TierckptServicer(node, config), server)
     if common:
         common(server)
     return server
