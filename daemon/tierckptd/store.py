@@ -50,6 +50,7 @@ from tierckpt.common.names import MAX_METADATA_BYTES, check_job, check_rank, che
 from tierckpt.errors import CapacityError, FailedPreconditionError, InvalidArgumentError
 
 from .catalog import Catalog, CompletenessFn
+from .knobs import KNOBS
 from .layout import StoreLayout
 from .localfs import LocalDir, UnsafeFileError, fs_is_tmpfs
 from .manifest import Manifest, ShardEntry
@@ -351,6 +352,8 @@ class LocalStore:
             metadata_json=metadata_json, created=created if created is not None else time.time(), persist=persist,
         )
         tmp = self._place_files(st, man, stats)
+        if KNOBS.debug_commit_delay:  # test hook: the data files are in place, the manifest is not
+            time.sleep(KNOBS.debug_commit_delay)
         with self._lock:
             self._committing_bytes -= _charge(st)
             self._committing_data -= st.nbytes

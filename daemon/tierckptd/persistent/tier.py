@@ -10,11 +10,12 @@ restore (:mod:`.restore`), all calling the object store through :mod:`.calls`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from tierckpt.errors import NotFoundError, TierError
+from tierckpt.errors import NotFoundError, TierError, UnavailableError
 
 from ..backends import Backend, BackendError, MissingExtraError, open_backend
 from ..cluster import ClusterView
@@ -87,6 +88,10 @@ class PersistentTier(RemoteTier):
     def _announce(self, man: Manifest) -> None:
         self.host.notify_ingested(man)
 
+    def bind(self, host: Any) -> None:
+        super().bind(host)
+        self.drainer.repair = getattr(host, "repair_local", None)  # a node: from a peer's verified copy
+
     @property
     def backend(self) -> Backend | None:
         """The object store (None before start when none was given)."""
@@ -108,6 +113,19 @@ class PersistentTier(RemoteTier):
         self._spawn(self.drainer.run())
         self._spawn(self._ticker())
         self._spawn(self.takeover.watch())
+        self._spawn(self._sweep_temporaries())
+
+    async def _sweep_temporaries(self) -> None:
+        """At start-up and every ``stale_tmp_interval``: remove what killed uploads left behind."""
+        while True:
+            try:
+                n = await self.calls.read(functools.partial(self.calls.be.remove_stale_temporaries,
+                                                            KNOBS.stale_tmp_seconds), KNOBS.catalog_retry)
+                if n:
+                    log.warning("removed %d stale temporary upload files from %s", n, self.url)
+            except (BackendError, UnavailableError) as e:
+                log.warning("could not sweep stale temporary uploads from %s: %s", self.url, e)
+            await asyncio.sleep(max(0.05, KNOBS.stale_tmp_interval))
 
     async def stop(self, timeout: float) -> None:
         """Let in-flight uploads finish within ``timeout``; queued ranks stay in the durable queue."""
