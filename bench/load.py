@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +38,7 @@ def sizes_for(job: str, step: int) -> dict[str, int]:
     return {f"s{i}": SIZE_MIX[h[i] % len(SIZE_MIX)] + h[i + 3] for i in range(1 + h[7] % 3)}
 
 
-def _client(address: str, job: str, saves: int, wait_peer: bool, out: Any) -> None:
+def _client(address: str, job: str, saves: int, wait_peer: bool) -> dict[str, Any]:
     import tierckpt
 
     lat: list[float] = []
@@ -57,7 +57,7 @@ def _client(address: str, job: str, saves: int, wait_peer: bool, out: Any) -> No
                 committed.append(step)
             except tierckpt.TierckptError as e:
                 errors.append(f"step {step}: {e!r}")
-    out.put({"job": job, "latencies": lat, "committed": committed, "errors": errors})
+    return {"job": job, "latencies": lat, "committed": committed, "errors": errors}
 
 
 def verify(address: str, job: str, steps: list[int]) -> tuple[int, int]:
@@ -77,19 +77,21 @@ def verify(address: str, job: str, steps: list[int]) -> tuple[int, int]:
     return ok, bad
 
 
+def _spawn(address: str, job: str, saves: int, wait_peer: bool) -> subprocess.Popen:
+    """One client process (this file with ``--worker``); it prints its results as JSON."""
+    argv = [sys.executable, __file__, "--worker", address, job, str(saves), "1" if wait_peer else "0"]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, env=dict(os.environ))
+
+
 def run_load(addresses: list[str], clients: int, saves: int, wait_peer: bool = True) -> dict[str, Any]:
     """Run the load and the verification; returns the figures."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(addresses[i % len(addresses)], f"load{i}", saves, wait_peer, q))
-             for i in range(clients)]
     t0 = time.perf_counter()
+    procs = [_spawn(addresses[i % len(addresses)], f"load{i}", saves, wait_peer) for i in range(clients)]
+    results = []
     for p in procs:
-        p.start()
-    results = [q.get(timeout=900) for _ in procs]
+        out, _ = p.communicate(timeout=900)
+        results.append(json.loads(out))
     elapsed = time.perf_counter() - t0
-    for p in procs:
-        p.join(30)
     lat = sorted(x for r in results for x in r["latencies"])
     verified = bad = 0
     for r in results:
@@ -108,6 +110,11 @@ def run_load(addresses: list[str], clients: int, saves: int, wait_peer: bool = T
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        address, job, saves, wait_peer = argv[1:5]
+        print(json.dumps(_client(address, job, int(saves), wait_peer == "1")))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--saves", type=int, default=50)

@@ -36,7 +36,8 @@ def main(path: str) -> int:
         outcomes[r["outcome"]] += 1
         vals = [r.get(c, 0) for c in COLUMNS]
         totals.update(dict(zip(COLUMNS, vals)))
-        codes.update(r.get("codes", {}))
+        if "test_fuzz" in r["test"]:
+            codes.update(r.get("codes", {}))
         line = f"{_name(r['test']):<{width}}  {r['outcome']:<7} " + " ".join(f"{v:>9}" for v in vals)
         if r["outcome"] == "skipped":
             line += f"  ({r.get('reason', '')})"
