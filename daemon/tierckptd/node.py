@@ -27,9 +27,9 @@ from tierckpt.errors import (
 )
 
 from .knobs import KNOBS
-from .localfs import digest_fd
 from .manifest import Manifest
 from .offload import run_blocking
+from .repair import LocalRepair
 from .store import Eviction, LocalStore, Staging
 from .tiers import RemoteTier
 from .views import CatalogViews
@@ -73,6 +73,7 @@ class Node:
         for t in self.tiers:
             t.bind(self)
         self.views = CatalogViews(store, self.tiers, node_id)
+        self.repair = LocalRepair(store, lambda: self.tier("peer"), metrics)
 
     @property
     def fs_token(self) -> str:
@@ -253,7 +254,7 @@ class Node:
             log.info("client reported generation %s of %s step %d rank %d corrupt; it was re-saved since",
                      corrupt_generation, job, step, rank)
         elif man is not None and local_corrupt:
-            man = await self._drop_if_corrupt(man, errors)
+            man = await self.repair.drop_if_corrupt(man, errors)
         tier, source = "local", self.node_id
         if man is None:
             # A fetched copy may be older than the newest keep_local complete steps: pin the step
@@ -288,57 +289,9 @@ class Node:
         return RestoreResult(man, tier, paths, source)
 
     async def repair_local(self, man: Manifest) -> bool:
-        """Replace a corrupt local copy of ``man``'s save with a verified copy from a peer.
-
-        Returns True when the local tier holds a verified copy of the same save afterwards.
-        """
-        peer = self.tier("peer")
-        current = self.store.get(*man.key)
-        if peer is None or current is None or current.generation != man.generation:
-            return False
-        try:
-            fetched = await peer.fetch(*man.key)
-        except TierckptError as e:
-            log.error("no verified peer copy of %s step %d rank %d to repair the local one: %s",
-                      man.job, man.step, man.rank, e)
-            return False
-        return fetched.generation == man.generation
-
-    async def _drop_if_corrupt(self, man: Manifest, errors: list[str]) -> Manifest | None:
-        """A client reported the local copy corrupt: re-hash it here and drop it only if it is.
-
-        Returns the local manifest to serve (None when the copy was dropped)."""
-        job, step, rank = man.key
-        bad = await run_blocking(self._corrupt_shards, man)
-        if not bad:
-            log.warning("a client reported the local copy of %s step %d rank %d corrupt, but it verifies; "
-                        "keeping it (damaged in the client's memory or in transit?)", job, step, rank)
-            return man
-        errors.append(f"local: checksum mismatch in {', '.join(bad)}")
-        log.error("local copy of %s step %d rank %d is corrupt (%s); dropping it", job, step, rank, ", ".join(bad))
-        if self.metrics:
-            self.metrics.checksum_failures.labels(tier="local").inc()
-        removed = await run_blocking(self.store.remove_rank, job, step, rank, "checksum failure",
-                                     generation=man.generation)
-        return None if removed else self.store.get(job, step, rank)
-
-    def _corrupt_shards(self, man: Manifest) -> list[str]:
-        """Names of the shards of a local copy that fail their checksum (blocking)."""
-        bad = []
-        for s in man.shards:
-            try:
-                fd = self.store.open_shard(man, s.name)
-            except NotFoundError:
-                continue  # re-saved or evicted meanwhile: not this copy's fault
-            except DataLossError:
-                bad.append(s.name)
-                continue
-            try:
-                if digest_fd(fd, s.size) != s.checksum:
-                    bad.append(s.name)
-            finally:
-                os.close(fd)
-        return bad
+        """Replace a corrupt local copy of ``man``'s save with a verified peer copy (the drain
+        calls it); see :meth:`.repair.LocalRepair.from_peer`."""
+        return await self.repair.from_peer(man)
 
     # ------------------------------------------------------------------------- housekeeping
 
