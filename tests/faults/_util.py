@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
 import tierckpt
 from tierckpt.errors import TierckptError
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc

@@ -17,7 +17,6 @@ import os
 import socket
 import struct
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,7 +24,6 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor as FD
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from tierckpt.common import checksum
 from tierckpt.v1 import peer_pb2, tierckpt_pb2
 from tierckptd.testing import free_port
@@ -71,7 +69,8 @@ def _manifest_doc(data: st.DataObject | None = None) -> st.SearchStrategy[Any]:
         "checksum": st.one_of(st.just(checksum.digest(b"")), tokens), "dtype": dtypes,
         "shape": st.lists(ints(64, True), max_size=3), "file": names, "codec": st.sampled_from(["", "zz", "identity"])})
     return st.fixed_dictionaries({
-        "format": st.sampled_from([1, 2, "1", None]), "checksum_algorithm": st.sampled_from([checksum.ALGORITHM, "md5"]),
+        "format": st.sampled_from([1, 2, "1", None]),
+        "checksum_algorithm": st.sampled_from([checksum.ALGORITHM, "md5"]),
         "job": names, "step": ints(64, True), "rank": ints(32, True), "world_size": ints(32, True),
         "node": st.sampled_from(["n1", "n0", "zz", ""]), "generation": tokens,
         "metadata_json": st.one_of(st.just("{}"), st.integers()), "created": doubles,
@@ -107,7 +106,8 @@ def _field(f: Any, depth: int) -> st.SearchStrategy[Any]:
     elif f.type == FD.TYPE_ENUM:
         one = st.one_of(st.sampled_from([v.number for v in f.enum_type.values]), ints(32, True))
     else:
-        bits = 64 if f.type in (FD.TYPE_INT64, FD.TYPE_UINT64, FD.TYPE_SINT64, FD.TYPE_FIXED64, FD.TYPE_SFIXED64) else 32
+        wide = (FD.TYPE_INT64, FD.TYPE_UINT64, FD.TYPE_SINT64, FD.TYPE_FIXED64, FD.TYPE_SFIXED64)
+        bits = 64 if f.type in wide else 32
         one = ints(bits, f.type in (FD.TYPE_INT64, FD.TYPE_INT32, FD.TYPE_SINT64, FD.TYPE_SINT32, FD.TYPE_SFIXED64,
                                     FD.TYPE_SFIXED32))
     if f.is_repeated:
@@ -239,10 +239,12 @@ def test_fuzz_grpc_methods(target: Target, matrix: Any, req: tuple[str, Any, boo
 @st.composite
 def bulk_exchanges(draw: st.DrawFn) -> list[bytes]:
     doc = draw(st.one_of(
-        st.fixed_dictionaries({"v": st.sampled_from([1, 1, 1, 2, "1", None]), "op": st.sampled_from(["put", "get", "x", None]),
+        st.fixed_dictionaries({"v": st.sampled_from([1, 1, 1, 2, "1", None]),
+                               "op": st.sampled_from(["put", "get", "x", None]),
                                "ticket": tokens, "shard": names,
                                "offset": st.one_of(ints(64, True), st.none(), st.text(max_size=3)),
-                               "chunk": st.one_of(ints(64, True), st.none()), "stride": st.one_of(ints(64, True), st.none())}),
+                               "chunk": st.one_of(ints(64, True), st.none()),
+                               "stride": st.one_of(ints(64, True), st.none())}),
         st.recursive(st.none() | st.integers() | st.text(max_size=5), lambda c: st.lists(c, max_size=3), max_leaves=5),
     ))
     body = json.dumps(doc).encode()
@@ -282,7 +284,7 @@ def _bulk(port: int, frames: list[bytes]) -> str:
                 if not chunk:
                     break
                 body += chunk
-        except socket.timeout:
+        except TimeoutError:
             return "timeout"
         except OSError:  # reset, broken pipe, not connected: the daemon hung up on garbage
             return "reset"

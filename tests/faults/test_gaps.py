@@ -12,7 +12,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from tierckpt.common import checksum
 from tierckpt.errors import DataLossError, TierError
 from tierckpt.v1 import peer_pb2 as ppb
@@ -23,7 +22,7 @@ from tierckptd.testing import free_port
 
 from ..harness import Cluster, wait_until
 from ..persistent.rig import Rig, until
-from ._util import Checker, data_files, flip_bit, payload, rank_dir, save, shards_for, stubs
+from ._util import data_files, flip_bit, payload, rank_dir, save, shards_for, stubs
 
 SIZES = {"model": 200_000, "optim": 12_345}
 FAST = "--knobs=refresh_interval=0.2,down_retry_max=0.5"

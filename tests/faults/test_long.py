@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from tierckpt.errors import TierckptError
 from tierckptd.testing import Daemon, free_port
 

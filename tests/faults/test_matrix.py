@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 import tierckpt
 from tierckpt.errors import CapacityError, DeadlineExceededError, NotFoundError, TierckptError, UnavailableError
 from tierckpt.v1 import tierckpt_pb2 as pb
@@ -303,6 +302,7 @@ def test_object_store_down_and_hung(daemon_factory, moto_server, matrix) -> None
                     t0 = time.monotonic()
                     resp = stub.Latest(pb.LatestRequest(job=JOB), timeout=30)
                     assert time.monotonic() - t0 < 12 and resp.step == step
+                    assert any("persistent tier" in u for u in resp.unreachable), resp.unreachable
                 assert chk.restore_ok(c, JOB, step, 0, SIZES)
                 proxy.heal()
                 fut.wait("persistent", timeout=60)  # the backlog drains once the store is back

@@ -174,6 +174,10 @@ class PersistentTier(RemoteTier):
         """The ranks of ``job`` with a manifest in the persistent tier (see :mod:`.catalog`)."""
         return await self.catalog_cache.catalog(job)
 
+    async def catalog_with_gaps(self, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
+        """:meth:`catalog`, naming the store when the answer comes from an earlier listing."""
+        return await self.catalog_cache.catalog_with_gaps(job)
+
     async def fetch(self, job: str, step: int, rank: int) -> Manifest:
         """Download one rank into the local store, verified (see :meth:`.restore.Restorer.fetch`)."""
         return await self.restorer.fetch(job, step, rank)
