@@ -146,6 +146,7 @@ def test_gap4_bad_requests_are_invalid_argument(daemon_factory, matrix) -> None:
         got = {name: _code(fn) for name, fn in cases.items()}
     for code in got.values():
         matrix.code(code.name)
+    matrix.record(typed=sum(c == grpc.StatusCode.INVALID_ARGUMENT for c in got.values()))
     assert got == dict.fromkeys(cases, grpc.StatusCode.INVALID_ARGUMENT), got
     assert d.alive()
 
