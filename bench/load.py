@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 SIZE_MIX = (1 << 10, 64 << 10, 256 << 10, 1 << 20, 3 << 20)
