@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-long lint typecheck demo proto bench clean
+.PHONY: venv test test-long faults lint typecheck demo proto bench clean
 
 venv: $(VENV)/.installed
 
@@ -16,7 +16,18 @@ $(VENV)/.installed: pyproject.toml requirements-test.txt
 	touch $@
 
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" $(PYTEST_ARGS)
+
+# The longer variants (real network namespaces, repeated kill -9) and a 5,000-example fuzz run.
+test-long: venv
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
+	TIERCKPT_FUZZ_EXAMPLES=5000 $(PY) -m pytest -q tests/faults/test_fuzz.py $(PYTEST_ARGS)
+
+# The fault matrix and the fuzz suite, then the matrix with pass/fail and the counts.
+FAULTS_RESULTS ?= .faults-results.json
+faults: venv
+	TIERCKPT_FAULTS_RESULTS=$(FAULTS_RESULTS) $(PY) -m pytest -q -m "not long" tests/faults $(PYTEST_ARGS); \
+	rc=$$?; $(PY) tests/faults/report.py $(FAULTS_RESULTS); exit $$rc
 
 # Static checks, run by .ci/run before the tests.
 lint: venv
@@ -36,4 +47,4 @@ bench: venv
 	$(PY) bench/local_tier.py
 
 clean:
-	rm -rf .demo .pytest_cache build *.egg-info
+	rm -rf .demo .pytest_cache build *.egg-info .faults-results.json

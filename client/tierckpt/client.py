@@ -408,9 +408,8 @@ class Client:
                 resp = self._call(self._stub.Restore, req, "Restore", timeout=None)
                 return self._materialize(resp, job, rank, progress)
         except DataLossError:
-            if self.transfer == "stream" or not self._sees(resp.local_dir, resp.fs_token):
-                raise
-            # The local copy is corrupt: the daemon drops it and tries the next tier.
+            # Mapped or streamed, the bytes came from the daemon's local tier: it re-verifies
+            # that copy, drops it if it is corrupt and tries the next tier.
             req.local_corrupt = True
             req.corrupt_generation = resp.generation
             req.has_step, req.step = True, resp.step

@@ -5,7 +5,8 @@ Where things live:
 - ``server`` (the Tierckpt gRPC service: validate, delegate to ``node``, translate proto) and
   ``rpc`` (the one exception-to-status mapping); ``main`` assembles everything.
 - ``node``: saves through the commit protocol, catalog questions over all tiers, restore from
-  the nearest tier. ``store`` + ``retention``: the local tier.
+  the nearest tier. ``store`` + ``retention``: the local tier. ``repair``: a local copy reported
+  corrupt is re-hashed before it is dropped, and replaced from a verified peer copy.
 - ``tiers.RemoteTier``: the plug-in point of the background tiers, ``peer/`` and
   ``persistent/``; both read the cluster only through ``cluster/`` (ring rules, membership,
   catalog deltas).

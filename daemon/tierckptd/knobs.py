@@ -95,6 +95,23 @@ class Knobs:
     catalog_retry: RetryPolicy = RetryPolicy(initial_delay=0.2, max_delay=1.0, max_attempts=3, deadline=5.0)
     """Retries of one catalog listing."""
 
+    inbound_idle_timeout: float = 30.0
+    """Seconds an inbound replica may go without a byte before it is dropped (a dead sender's
+    partial copy is also dropped as soon as one of its bulk connections breaks)."""
+    stale_tmp_seconds: float = 3600.0
+    """A ``file://`` persistent tier's temporary upload files older than this are removed at
+    start-up and every ``stale_tmp_interval`` (left by a daemon killed mid-upload)."""
+    stale_tmp_interval: float = 600.0
+    """Seconds between two sweeps for stale temporary upload files."""
+
+    # -- test hooks (0 = off): pause at one point of a protocol so that a test can inject a fault there
+    debug_commit_delay: float = 0.0
+    """Seconds a local commit waits after its data files are in place, before the manifest."""
+    debug_drain_delay: float = 0.0
+    """Seconds a newly queued rank waits before its first upload attempt."""
+    debug_manifest_delay: float = 0.0
+    """Seconds a drain waits after its last shard upload, before the manifest."""
+
     # -- node
     restore_pin_seconds: float = 60.0
     """A step fetched from a remote tier is kept from retention this long after the restore."""

@@ -77,10 +77,14 @@ class Manifest:
         """Parse and validate a manifest. Raises DataLossError if it is malformed."""
         try:
             doc = json.loads(data)
+            if not isinstance(doc, dict) or not isinstance(doc.get("shards"), list):
+                raise ValueError("a manifest is a JSON object with a list of shards")
             if doc.get("format") != FORMAT or doc.get("checksum_algorithm") != _checksum.ALGORITHM:
                 raise ValueError("unsupported manifest format or checksum algorithm")
             shards = []
             for s in doc["shards"]:
+                if not isinstance(s, dict):
+                    raise ValueError("manifest.shards: each shard is a JSON object")
                 name = check_shard(s["name"], "manifest.shards.name")
                 size = check_size(s["size"], "manifest.shards.size")
                 dtype, shape = check_layout(name, size, s.get("dtype", ""), list(s.get("shape", [])))
@@ -103,8 +107,10 @@ class Manifest:
                 created=float(doc.get("created", 0.0)),
                 persist=bool(doc.get("persist", False)),
             )
-        except (ValueError, KeyError, TypeError, InvalidArgumentError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, InvalidArgumentError) as e:
             raise DataLossError(f"malformed manifest: {e}") from e
+        except RecursionError:
+            raise DataLossError("malformed manifest: nested too deeply") from None
 
 
 def _shard_doc(s: ShardEntry) -> dict[str, Any]:

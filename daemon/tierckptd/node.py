@@ -29,6 +29,7 @@ from tierckpt.errors import (
 from .knobs import KNOBS
 from .manifest import Manifest
 from .offload import run_blocking
+from .repair import LocalRepair
 from .store import Eviction, LocalStore, Staging
 from .tiers import RemoteTier
 from .views import CatalogViews
@@ -72,6 +73,7 @@ class Node:
         for t in self.tiers:
             t.bind(self)
         self.views = CatalogViews(store, self.tiers, node_id)
+        self.repair = LocalRepair(store, lambda: self.tier("peer"), metrics)
 
     @property
     def fs_token(self) -> str:
@@ -252,13 +254,7 @@ class Node:
             log.info("client reported generation %s of %s step %d rank %d corrupt; it was re-saved since",
                      corrupt_generation, job, step, rank)
         elif man is not None and local_corrupt:
-            errors.append("local: checksum mismatch found by the client")
-            log.error("client reported a corrupt local copy of %s step %d rank %d; dropping it", job, step, rank)
-            if self.metrics:
-                self.metrics.checksum_failures.labels(tier="local").inc()
-            removed = await run_blocking(self.store.remove_rank, job, step, rank, "checksum failure",
-                                         generation=man.generation)
-            man = None if removed else self.store.get(job, step, rank)
+            man = await self.repair.drop_if_corrupt(man, errors)
         tier, source = "local", self.node_id
         if man is None:
             # A fetched copy may be older than the newest keep_local complete steps: pin the step
@@ -291,6 +287,11 @@ class Node:
             self.metrics.restored_bytes.labels(tier=tier).inc(man.nbytes)
             self.metrics.restore_latency.labels(tier=tier).observe(time.perf_counter() - t0)
         return RestoreResult(man, tier, paths, source)
+
+    async def repair_local(self, man: Manifest) -> bool:
+        """Replace a corrupt local copy of ``man``'s save with a verified peer copy (the drain
+        calls it); see :meth:`.repair.LocalRepair.from_peer`."""
+        return await self.repair.from_peer(man)
 
     # ------------------------------------------------------------------------- housekeeping
 

@@ -4,6 +4,10 @@ Every servicer method (both services) is wrapped in :func:`rpc`: domain code rai
 :class:`tierckpt.TierckptError` subclasses (the mapping is :mod:`tierckpt.common.status`), and
 an ``OSError`` from the local tier becomes RESOURCE_EXHAUSTED (ENOSPC) or INTERNAL with its
 message. Nothing else in the daemon calls ``context.abort``.
+
+Services are registered through :func:`add_service`, whose request deserializers never raise:
+bytes that do not decode as the request message become an :class:`Undecodable` request, which
+the wrappers answer with INVALID_ARGUMENT (grpcio's own deserializer failure is UNKNOWN).
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tierckpt.common import status as _status
-from tierckpt.errors import TierckptError
+from tierckpt.errors import InvalidArgumentError, TierckptError
 
-__all__ = ["rpc", "rpc_stream", "abort_for"]
+__all__ = ["rpc", "rpc_stream", "abort_for", "add_service", "Undecodable", "check_decoded"]
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +45,64 @@ async def abort_for(exc: BaseException, method: str, context: Any) -> None:
     raise exc
 
 
+class Undecodable:
+    """A request whose bytes did not decode as its message (answered INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def check_decoded(request: Any) -> Any:
+    """Return ``request``; raise InvalidArgumentError if it is :class:`Undecodable`."""
+    if isinstance(request, Undecodable):
+        raise InvalidArgumentError(f"request: not a valid protobuf message ({request.message})")
+    return request
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+    parse = deserializer
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return Undecodable(str(e) or "undecodable bytes")
+
+    return deserialize
+
+
+class _Capture:
+    """Stands in for a server while generated code registers a service's handlers."""
+
+    def __init__(self) -> None:
+        self.registered: list[tuple[str, dict[str, Any]]] = []
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # rebuilt from the registered handlers below
+
+    def add_registered_method_handlers(self, name: str, handlers: dict[str, Any]) -> None:
+        self.registered.append((name, handlers))
+
+
+def add_service(add_to_server: Callable[[Any, Any], None], servicer: Any, server: Any) -> None:
+    """Register ``servicer`` as generated ``add_XServicer_to_server`` would, with lenient deserializers."""
+    cap = _Capture()
+    add_to_server(servicer, cap)
+    for name, handlers in cap.registered:
+        wrapped = {m: h._replace(request_deserializer=_lenient(h.request_deserializer)) for m, h in handlers.items()}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, wrapped),))
+        server.add_registered_method_handlers(name, wrapped)
+
+
 def rpc(fn: Callable) -> Callable:
     """Decorate a unary servicer method: tierckpt exceptions and OS errors become status codes."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: Any) -> Any:
         try:
-            return await fn(self, request, context)
+            return await fn(self, check_decoded(request), context)
         except (TierckptError, OSError) as e:
             await abort_for(e, fn.__name__, context)
 
@@ -59,7 +115,7 @@ def rpc_stream(fn: Callable) -> Callable:
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
         try:
-            async for item in fn(self, request, context):
+            async for item in fn(self, check_decoded(request), context):
                 yield item
         except (TierckptError, OSError) as e:
             await abort_for(e, fn.__name__, context)

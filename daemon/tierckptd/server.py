@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
-from tierckpt.common.names import check_job, check_rank, check_shard, check_step
+from tierckpt.common.names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
 from tierckpt.errors import InvalidArgumentError
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
@@ -19,7 +20,7 @@ from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
 from . import __version__
 from .config import ConfigError, DaemonConfig
 from .node import Node
-from .rpc import rpc, rpc_stream
+from .rpc import add_service, check_decoded, rpc, rpc_stream
 from .tierhealth import TierHealth
 from .unixsock import SocketClaim, claim_socket, resolve_group
 
@@ -32,12 +33,17 @@ TIER_ENUM = {v: k for k, v in TIER_NAMES.items()}
 
 
 def _check_json_object(text: str, field: str) -> str:
+    """A JSON object of at most MAX_METADATA_BYTES (checked before parsing), or InvalidArgumentError."""
     if not text:
         return "{}"
+    if len(text) > MAX_METADATA_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_METADATA_BYTES:
+        raise InvalidArgumentError(f"{field}: larger than {MAX_METADATA_BYTES} bytes")
     try:
         doc = json.loads(text)
     except ValueError as e:
         raise InvalidArgumentError(f"{field}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise InvalidArgumentError(f"{field}: nested too deeply") from None
     if not isinstance(doc, dict):
         raise InvalidArgumentError(f"{field}: must be a JSON object")
     return text
@@ -71,7 +77,8 @@ class TierckptServicer(pb_grpc.TierckptServicer):
     @rpc
     async def WriteShard(self, request_iterator: AsyncIterator[pb.WriteShardRequest], context) -> pb.WriteShardResponse:
         async def pieces() -> AsyncIterator[tuple[str, str, int, bytes]]:
-            async for req in request_iterator:
+            async for raw in request_iterator:
+                req = check_decoded(raw)
                 yield req.save_id, req.shard, req.offset, req.data
 
         return pb.WriteShardResponse(bytes_written=await self.node.write_stream(pieces()))
@@ -100,6 +107,8 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         tier = TIER_NAMES.get(request.tier)
         if tier is None:
             raise InvalidArgumentError("tier: must be TIER_LOCAL, TIER_PEER or TIER_PERSISTENT")
+        if not math.isfinite(request.timeout_seconds) or request.timeout_seconds < 0:
+            raise InvalidArgumentError(f"timeout_seconds: {request.timeout_seconds!r} must be a finite number >= 0")
         remaining = context.time_remaining()
         timeout = request.timeout_seconds or remaining
         if timeout is not None and timeout <= 0:
@@ -298,7 +307,7 @@ async def create_server(config: DaemonConfig, node: Node, common: Callable[[grpc
 def _new_server(config: DaemonConfig, node: Node, common: Callable[[grpc.aio.Server], None] | None,
                 tier_health: TierHealth | None = None) -> grpc.aio.Server:
     server = grpc.aio.server(options=server_options(config))
-    pb_grpc.add_TierckptServicer_to_server(TierckptServicer(node, config, tier_health), server)
+    add_service(pb_grpc.add_TierckptServicer_to_server, TierckptServicer(node, config, tier_health), server)
     if common:
         common(server)
     return server

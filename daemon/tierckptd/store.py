@@ -48,6 +48,7 @@ from tierckpt.common.names import MAX_METADATA_BYTES
 from tierckpt.errors import FailedPreconditionError, InvalidArgumentError
 
 from .catalog import Catalog, CompletenessFn
+from .knobs import KNOBS
 from .layout import StoreLayout
 from .localfs import LocalDir, UnsafeFileError, fs_is_tmpfs
 from .manifest import Manifest, ShardEntry
@@ -280,6 +281,8 @@ class LocalStore:
             metadata_json=metadata_json, created=created if created is not None else time.time(), persist=persist,
         )
         tmp = self._place_files(st, man, stats)
+        if KNOBS.debug_commit_delay:  # test hook: the data files are in place, the manifest is not
+            time.sleep(KNOBS.debug_commit_delay)
         with self._lock:
             self._saves.committed_locked(st)
             evictions = self._publish_locked(st, man, tmp, pin)

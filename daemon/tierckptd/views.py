@@ -77,7 +77,7 @@ class CatalogViews:
                 gaps.append(f"{t.name} tier ({res})")
                 continue
             copies, missed = res
-            gaps.extend(f"peer {n}" for n in missed)
+            gaps.extend(f"peer {n}" if t.name == "peer" else n for n in missed)  # peers name nodes, others say it all
             for step, held in copies.items():
                 for rank, copy in held.items():
                     _add(views, job, step, rank, t.name, copy)

@@ -11,13 +11,13 @@ import abc
 import contextlib
 import os
 import secrets
-from typing import Callable, Iterator, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 from tierckpt.errors import InvalidArgumentError, TierckptError
 
 __all__ = [
     "Backend", "BackendError", "MissingExtraError",
-    "atomic_local_file", "check_key", "check_prefix", "translate_errors",
+    "atomic_local_file", "check_key", "check_prefix", "read_exactly", "translate_errors",
 ]
 
 
@@ -121,7 +121,7 @@ class Backend(abc.ABC):
 
     1. ``open_backend(url, **opts)`` builds the backend (parses the URL, creates the SDK client;
        no object is read or written).
-    2. Any number of ``put_file`` / ``put_bytes`` / ``get_file`` / ``get_bytes`` / ``list`` /
+    2. Any number of ``put_file`` / ``put_stream`` / ``put_bytes`` / ``get_file`` / ``get_bytes`` / ``list`` /
        ``delete`` / ``exists`` calls, concurrently from any number of worker threads. Every
        method is blocking; the daemon's drain calls them from worker threads, wrapped in
        :func:`tierckptd.retry.call_with_retry`.
@@ -156,6 +156,19 @@ class Backend(abc.ABC):
         Raises:
             BackendError: The upload failed; no partial object is visible at ``key``.
             OSError: ``path`` cannot be read.
+        """
+
+    @abc.abstractmethod
+    def put_stream(self, key: str, src: BinaryIO, size: int) -> None:
+        """Upload ``size`` bytes read from the file object ``src`` (positioned at 0) as ``key``.
+
+        ``src`` is read in order (a backend may seek back to re-send a part). An exception raised
+        by ``src.read`` (the drain's verifying reader raises DataLossError on a checksum mismatch)
+        aborts the upload and propagates unchanged: no object is published at ``key``.
+
+        Raises:
+            BackendError: The upload failed; no partial object is visible at ``key``.
+            OSError: ``src`` cannot be read.
         """
 
     @abc.abstractmethod
@@ -212,6 +225,12 @@ class Backend(abc.ABC):
             BackendError: The store could not be asked.
         """
 
+    def remove_stale_temporaries(self, older_than: float) -> int:
+        """Remove temporary objects that a killed writer left, older than ``older_than`` seconds;
+        return how many. Default: none to remove (object stores publish a put atomically and
+        expire abandoned multipart uploads by a bucket lifecycle rule)."""
+        return 0
+
     def close(self) -> None:
         """Release clients, pools and threads. The backend is unusable afterwards."""
 
@@ -223,6 +242,17 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def read_exactly(src: BinaryIO, size: int, chunk: int = 16 << 20) -> Iterator[bytes]:
+    """Yield the first ``size`` bytes of ``src`` in pieces; OSError if it ends early."""
+    left = size
+    while left > 0:
+        data = src.read(min(chunk, left))
+        if not data:
+            raise OSError(f"stream ended {left} bytes short of {size}")
+        left -= len(data)
+        yield data
 
 
 @contextlib.contextmanager

@@ -10,11 +10,21 @@ import os
 import secrets
 import shutil
 import stat
+import time
 from typing import BinaryIO, Callable, Iterator, Sequence
 
 from tierckpt.errors import NotFoundError, TierckptError
 
-from .base import _TMP_MARK, Backend, BackendError, atomic_local_file, check_key, check_prefix, translate_errors
+from .base import (
+    _TMP_MARK,
+    Backend,
+    BackendError,
+    atomic_local_file,
+    check_key,
+    check_prefix,
+    read_exactly,
+    translate_errors,
+)
 
 __all__ = ["FileBackend"]
 
@@ -158,6 +168,14 @@ class FileBackend(Backend):
         with os.fdopen(fd, "rb") as src:
             self._write(key, lambda out: shutil.copyfileobj(src, out, _COPY_CHUNK))
 
+    def put_stream(self, key: str, src: BinaryIO, size: int) -> None:
+        """See :meth:`Backend.put_stream`."""
+        def fill(out: BinaryIO) -> None:
+            for data in read_exactly(src, size, _COPY_CHUNK):
+                out.write(data)
+
+        self._write(key, fill)
+
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """See :meth:`Backend.put_bytes`."""
         self._write(key, lambda out: out.write(data))
@@ -230,6 +248,24 @@ class FileBackend(Backend):
                 return
             parents = up
 
+    def remove_stale_temporaries(self, older_than: float) -> int:
+        """Unlink ``*.tierckpt-tmp-*`` files below the root not modified for ``older_than`` seconds
+        (a daemon killed mid-upload leaves them; a live upload writes to its file continuously)."""
+        removed = 0
+        cutoff = time.time() - older_than
+        with self._errors("clean", ""):
+            try:
+                with self._dir([]) as base:
+                    for _, _, filenames, dfd in os.fwalk(".", dir_fd=base, follow_symlinks=False):
+                        for name in filenames:
+                            if _TMP_MARK in name and _older(dfd, name, cutoff):
+                                with contextlib.suppress(FileNotFoundError):
+                                    os.unlink(name, dir_fd=dfd)
+                                    removed += 1
+            except _MISSING:
+                pass
+        return removed
+
     def exists(self, key: str) -> bool:
         """See :meth:`Backend.exists`."""
         *parents, name = check_key(key).split("/")
@@ -238,6 +274,14 @@ class FileBackend(Backend):
                 return _is_regular(dfd, name)
         except OSError:
             return False
+
+
+def _older(dir_fd: int, name: str, cutoff: float) -> bool:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff
 
 
 def _is_regular(dir_fd: int, name: str) -> bool:

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import os
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, BinaryIO, Sequence
 
 from tierckpt.errors import NotFoundError, TierckptError
 
@@ -144,6 +144,12 @@ class GcsBackend(Backend):
         blob = self._blob(key, upload=True)
         with self._errors("put", key):
             blob.upload_from_filename(os.fspath(path), content_type="application/octet-stream", **self._kw)
+
+    def put_stream(self, key: str, src: BinaryIO, size: int) -> None:
+        """See :meth:`Backend.put_stream`."""
+        blob = self._blob(key, upload=True)
+        with self._errors("put", key):
+            blob.upload_from_file(src, size=size, content_type="application/octet-stream", **self._kw)
 
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """See :meth:`Backend.put_bytes`."""

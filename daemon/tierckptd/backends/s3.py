@@ -14,7 +14,7 @@ import functools
 import os
 from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from tierckpt.errors import NotFoundError, TierckptError
 
@@ -189,6 +189,13 @@ class S3Backend(Backend):
         name = self._key(key)
         with self._errors("put", key):
             self._manager.upload(os.fspath(path), self.bucket, name, extra_args=dict(self.write_args)).result()
+
+    def put_stream(self, key: str, src: BinaryIO, size: int) -> None:
+        """See :meth:`Backend.put_stream`. s3transfer reads ``src`` in order (multipart above the
+        threshold; an exception from ``src`` aborts the multipart upload, so nothing is published)."""
+        name = self._key(key)
+        with self._errors("put", key):
+            self._manager.upload(src, self.bucket, name).result()
 
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """See :meth:`Backend.put_bytes`."""

@@ -59,6 +59,10 @@ class _Inbound:
     sender: str
     hashers: dict[str, bulk.OrderedHasher]
     created: float = field(default_factory=time.monotonic)
+    active: float = field(default_factory=time.monotonic)  # the last byte (or request) seen
+
+    def touch(self) -> None:
+        self.active = time.monotonic()
 
 
 @dataclass
@@ -194,15 +198,32 @@ class Receiver:
         return ppb.OpenReadResponse(manifest_json=man.to_json().decode(), ticket=ticket, bulk_port=self.bulk_port)
 
     def expire(self) -> None:
-        """Drop inbound replicas past the staging timeout and stale read tickets (blocking)."""
+        """Drop inbound replicas past the staging timeout or idle for ``KNOBS.inbound_idle_timeout``
+        (a sender that died between two connections), and stale read tickets (blocking)."""
         now = time.monotonic()
+        idle = KNOBS.inbound_idle_timeout or float("inf")
         with self._lock:
-            stale = [t for t, i in self._inbound.items() if now - i.created > self.staging_timeout]
+            stale = [t for t, i in self._inbound.items()
+                     if now - i.created > self.staging_timeout or now - i.active > idle]
             dropped = [self._inbound.pop(t) for t in stale]
             for t in [t for t, r in self._readers.items() if now - r.created > KNOBS.read_ticket_ttl]:
                 del self._readers[t]
         for inb in dropped:
+            log.warning("dropped the unfinished replica of %s step %d rank %d from %s (idle or expired)",
+                        inb.man.job, inb.man.step, inb.man.rank, inb.sender)
             self.store.abort(inb.staging.save_id)
+
+    def _drop_broken(self, inb: _Inbound, err: OSError) -> None:
+        """A bulk connection of ``inb`` broke: fail its other connections and drop its staging now."""
+        for h in inb.hashers.values():
+            h.abort(f"a connection of this replica broke: {err}")
+        with self._lock:
+            if self._inbound.get(inb.ticket) is not inb:
+                return
+            del self._inbound[inb.ticket]
+        log.warning("dropped the partial replica of %s step %d rank %d from %s: its connection broke (%s)",
+                    inb.man.job, inb.man.step, inb.man.rank, inb.sender, err)
+        self.store.abort(inb.staging.save_id)
 
     # ------------------------------------------------------------------------------ restores
 
@@ -255,16 +276,22 @@ class Receiver:
         except (FileNotFoundError, InvalidArgumentError):
             raise FailedPreconditionError("ticket: the replica's staging area was aborted or expired") from None
         hasher = inb.hashers[shard]
+        inb.touch()
+
+        def update(off: int, data: Any) -> None:
+            inb.touch()
+            hasher.update(off, data)
+
         try:
             bulk.send_msg(sock, {"ok": True})
             for start, length in bulk.runs(*piece, f.size):
-                bulk.recv_range(sock, fd, start, length, buf, hasher.update, self._yield_to_restores)
+                bulk.recv_range(sock, fd, start, length, buf, update, self._yield_to_restores)
         except OSError as e:
-            for h in inb.hashers.values():  # fail the other connections of this replica now
-                h.abort(f"a connection of this replica broke: {e}")
+            self._drop_broken(inb, e)
             raise
         finally:
             os.close(fd)
+        inb.touch()
         bulk.send_msg(sock, {"ok": True})
 
     def _get(self, sock: socket.socket, ticket: str, shard: str, piece: tuple[Any, Any, Any], buf: bytearray) -> None:

@@ -30,6 +30,7 @@ from ..config import ConfigError, DaemonConfig
 from ..knobs import KNOBS
 from ..manifest import Manifest
 from ..offload import run_blocking
+from ..rpc import add_service
 from ..store import Eviction, LocalStore
 from ..tiers import RankCopy, RemoteTier
 from . import bulk
@@ -103,7 +104,7 @@ class PeerTier(RemoteTier):
         self.host.notify_ingested(man)
 
     def add_to_server(self, server: Any) -> None:
-        ppb_grpc.add_PeerServicer_to_server(PeerServicer(self), server)
+        add_service(ppb_grpc.add_PeerServicer_to_server, PeerServicer(self), server)
 
     # ------------------------------------------------------------------------------ lifecycle
 

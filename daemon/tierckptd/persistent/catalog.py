@@ -96,6 +96,12 @@ class Catalog:
         Raises:
             UnavailableError: no listing has succeeded yet (failed or still running).
         """
+        return (await self.catalog_with_gaps(job))[0]
+
+    async def catalog_with_gaps(self, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
+        """:meth:`catalog`, and the store named as unreachable when the answer comes from an
+        earlier listing (the current one failed, or did not finish within ``catalog_wait``)."""
+        stale = False
         epoch = self._epochs[job]
         cached = self._cache.get(job)
         if cached is None or cached[1] != epoch or time.monotonic() - cached[0] > KNOBS.catalog_ttl:
@@ -107,18 +113,23 @@ class Catalog:
             except asyncio.TimeoutError:
                 log.warning("persistent catalog of %s: listing %s takes longer than %.0fs; answering without it",
                             job, self.url, KNOBS.catalog_wait)
+                stale = True
             cached = self._cache.get(job)
         if cached is None:
             raise UnavailableError(f"persistent tier {self.url}: cannot list {job} yet")
-        _, _, steps, error = cached
+        listed, _, steps, error = cached
         if steps is None:
             raise UnavailableError(f"persistent tier {self.url}: cannot list {job}: {error}")
+        gaps = []
+        if stale or error:
+            gaps.append(f"persistent tier {self.url} (answered from a listing {time.monotonic() - listed:.0f}s old: "
+                        f"{error or 'the store did not answer in time'})")
         out: dict[int, dict[int, RankCopy]] = {}
         for step, ranks in steps.items():
             for rank, world in ranks.items():
                 nbytes, created = self.known.get((job, step, rank), (0, 0.0))
                 out.setdefault(step, {})[rank] = RankCopy(world, (), nbytes, created)
-        return out
+        return out, gaps
 
     async def _refresh(self, job: str, epoch: int) -> None:
         """List the job's manifests into the cache (a task: errors are recorded, not raised)."""

@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
+
+from tierckpt.errors import DataLossError
 
 from ..backends import BackendError
 from ..config import DaemonConfig
@@ -67,6 +69,8 @@ class Drainer:
         self._wake = asyncio.Event()
         self._stopping = False
         self.running: set[asyncio.Task] = set()
+        self.repair: Callable[[Manifest], Awaitable[bool]] | None = None
+        """Replaces a corrupt local copy with a verified one from elsewhere (set by the tier)."""
 
     # ----------------------------------------------------------------------------- queueing
 
@@ -87,6 +91,8 @@ class Drainer:
             e.error, e.not_before = "", 0.0
         else:
             self.ledger.pending[man.key] = Entry(man, enqueued)
+            if KNOBS.debug_drain_delay:
+                self.ledger.pending[man.key].not_before = time.monotonic() + KNOBS.debug_drain_delay
         self.ledger.recent.pop(man.key, None)
         self.ledger.failed.pop(man.key, None)
         if durable:
@@ -189,6 +195,9 @@ class Drainer:
         except (BackendError, OSError) as err:
             self._attempt_failed(e, man, err)
             return
+        except DataLossError as err:  # the local copy is corrupt: nothing was published
+            await self._local_copy_corrupt(e, man, err)
+            return
         except asyncio.CancelledError:
             raise
         except Exception:  # task boundary: a bug must not kill the drain loop silently
@@ -215,6 +224,28 @@ class Drainer:
                       man.job, man.step, man.rank, self.url, e.error, retry)
             self.ledger.broadcast()
         # else: superseded by a re-save; the next attempt drains the new generation
+
+    async def _local_copy_corrupt(self, e: Entry, man: Manifest, err: DataLossError) -> None:
+        """The rank stays queued (wait("persistent") does not succeed); a verified peer copy
+        replaces the local one when a peer holds it, and the drain is tried again at once."""
+        if self.ledger.pending.get(man.key) is not e:
+            return
+        self.count_failure(final=False)
+        repaired = False
+        if self.repair is not None:
+            repaired = await self.repair(man)
+        if not repaired:
+            e.error = f"local copy corrupt: {err}"
+        if repaired:
+            log.warning("drain of %s step %d rank %d: local copy replaced by a verified peer copy; draining again",
+                        man.job, man.step, man.rank)
+            e.not_before = time.monotonic()
+        else:
+            e.not_before = time.monotonic() + KNOBS.failed_retry_seconds
+            log.error("drain of %s step %d rank %d to %s refused: %s; no good copy to drain from yet "
+                      "(a re-save or a peer copy drains it); trying again in %.0fs",
+                      man.job, man.step, man.rank, self.url, err, KNOBS.failed_retry_seconds)
+        self.ledger.broadcast()
 
     async def _finish(self, e: Entry) -> None:
         man = e.man

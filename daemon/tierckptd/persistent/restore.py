@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import stat
 import time
 import weakref
 from collections.abc import Callable
@@ -30,6 +32,12 @@ from .layout import data_key
 from .ledger import Key
 
 __all__ = ["Restorer"]
+
+
+def _size_of(path: Path) -> int:
+    """Size of a downloaded staging file, not following a link (-1 when it is not a regular file)."""
+    st = os.lstat(path)
+    return st.st_size if stat.S_ISREG(st.st_mode) else -1
 
 log = logging.getLogger(__name__)
 
@@ -119,4 +127,7 @@ class Restorer:
             await self.calls.read(functools.partial(codec.download_into, functools.partial(be.get_file, key), path))
         except BackendError as err:
             raise UnavailableError(f"persistent tier {self.catalog.url}: {err}") from err
+        got = await run_blocking(_size_of, path)
+        if got != shard.size:  # the object disagrees with its manifest: never hashed through a short map
+            raise DataLossError(f"object {key} has {got} bytes, its manifest says {shard.size}")
         st.created = time.monotonic()  # progress: keep the staging reaper away from a long restore

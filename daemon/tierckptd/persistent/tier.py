@@ -10,12 +10,13 @@ restore (:mod:`.restore`), all calling the object store through :mod:`.calls`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import Coroutine
 from typing import Any
 
-from tierckpt.errors import NotFoundError, TierError
+from tierckpt.errors import NotFoundError, TierError, UnavailableError
 
 from ..backends import Backend, BackendError, MissingExtraError, open_backend
 from ..cluster import ClusterView
@@ -88,6 +89,10 @@ class PersistentTier(RemoteTier):
     def _announce(self, man: Manifest) -> None:
         self.host.notify_ingested(man)
 
+    def bind(self, host: Any) -> None:
+        super().bind(host)
+        self.drainer.repair = getattr(host, "repair_local", None)  # a node: from a peer's verified copy
+
     @property
     def backend(self) -> Backend | None:
         """The object store (None before start when none was given)."""
@@ -109,6 +114,19 @@ class PersistentTier(RemoteTier):
         self._spawn(self.drainer.run())
         self._spawn(self._ticker())
         self._spawn(self.takeover.watch())
+        self._spawn(self._sweep_temporaries())
+
+    async def _sweep_temporaries(self) -> None:
+        """At start-up and every ``stale_tmp_interval``: remove what killed uploads left behind."""
+        while True:
+            try:
+                n = await self.calls.read(functools.partial(self.calls.be.remove_stale_temporaries,
+                                                            KNOBS.stale_tmp_seconds), KNOBS.catalog_retry)
+                if n:
+                    log.warning("removed %d stale temporary upload files from %s", n, self.url)
+            except (BackendError, UnavailableError) as e:
+                log.warning("could not sweep stale temporary uploads from %s: %s", self.url, e)
+            await asyncio.sleep(max(0.05, KNOBS.stale_tmp_interval))
 
     async def probe(self) -> None:
         """Put and delete a small object under the prefix: credentials, bucket and write permission.
@@ -173,6 +191,10 @@ class PersistentTier(RemoteTier):
     async def catalog(self, job: str) -> dict[int, dict[int, RankCopy]]:
         """The ranks of ``job`` with a manifest in the persistent tier (see :mod:`.catalog`)."""
         return await self.catalog_cache.catalog(job)
+
+    async def catalog_with_gaps(self, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
+        """:meth:`catalog`, naming the store when the answer comes from an earlier listing."""
+        return await self.catalog_cache.catalog_with_gaps(job)
 
     async def fetch(self, job: str, step: int, rank: int) -> Manifest:
         """Download one rank into the local store, verified (see :meth:`.restore.Restorer.fetch`)."""

@@ -17,8 +17,8 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from pathlib import Path
-from typing import Any
+import os
+from typing import Any, BinaryIO, cast
 
 from tierckpt.common.names import check_shard
 from tierckpt.errors import DataLossError, InvalidArgumentError, NotFoundError, UnavailableError
@@ -32,10 +32,13 @@ from .catalog import Catalog
 from .codec import IDENTITY, ShardCodec
 from .layout import data_key, manifest_key, manifest_rank_prefix, rank_data_prefix
 from .ledger import Entry
+from .verify import VerifyingReader
 
 __all__ = ["RankUploader"]
 
 log = logging.getLogger(__name__)
+
+_VERIFY_CHUNK = 16 << 20
 
 
 class RankUploader:
@@ -65,13 +68,19 @@ class RankUploader:
         Raises:
             Stopped: the tier stopped or the entry was cancelled while retrying.
             BackendError: a non-retryable store error.
+            DataLossError: a local shard does not match its checksum (counted; nothing of it is
+                published, and the manifest is not uploaded).
             OSError: a local file cannot be read, or the rank left the local tier.
         """
         job, step, rank = man.key
-        paths = [self.store.shard_path(man, s.name) for s in man.shards]
+        held = self.store.get(job, step, rank)  # read through the copy held now (a repair may have
+        if held is None:                        # replaced the files of the same save)
+            raise FileNotFoundError(f"{job} step {step} rank {rank} is no longer in the local tier")
+        if held.generation != man.generation:
+            return False
         local, man = man, self.stored_form(man)
-        await asyncio.gather(*(self._put_shard(e, data_key(job, step, rank, s), p, s.size)
-                               for s, p in zip(man.shards, paths)))
+        await asyncio.gather(*(self._put_shard(e, data_key(job, step, rank, s), held, s.name)
+                               for s in man.shards))
         # Every byte above was read while the rank was still committed here (eviction removes it
         # from the catalog before touching its files), unless this check fails.
         current = self.store.get(job, step, rank)
@@ -79,6 +88,8 @@ class RankUploader:
             raise FileNotFoundError(f"{job} step {step} rank {rank} is no longer in the local tier")
         if current.generation != man.generation:
             return False
+        if KNOBS.debug_manifest_delay:  # test hook: every shard is up, the manifest is not
+            await asyncio.sleep(KNOBS.debug_manifest_delay)
         if self.owner_form(local) is not local and await self._newer_in_store(man):
             log.info("take-over of %s step %d rank %d: a newer save of it is in %s; not replacing it",
                      job, step, rank, self.catalog.url)
@@ -118,17 +129,42 @@ class RankUploader:
             return False
         return remote.generation != man.generation and remote.created > man.created
 
-    async def _put_shard(self, e: Entry, key: str, path: Path, size: int) -> None:
-        be, codec = self.calls.be, self.codec
+    async def _put_shard(self, e: Entry, key: str, held: Manifest, shard: str) -> None:
+        """Upload one shard, hashing every byte sent; a mismatch publishes nothing (DataLossError)."""
+        be, codec, store, entry = self.calls.be, self.codec, self.store, held.shard(shard)
+        what = f"{held.job} step {held.step} rank {held.rank} shard {shard!r}"
 
         def put() -> int:
-            if be.exists(key):  # uploaded before a restart: object names are per generation
+            if be.exists(key):  # uploaded (and verified) before a restart: object names are per generation
                 return 0
-            with codec.encoded(path) as src:
-                be.put_file(key, src)
-            return size
+            try:
+                fd = store.open_shard(held, shard)  # no link followed; a regular file of its size
+            except NotFoundError as err:  # evicted or re-saved meanwhile: the rank left the local tier
+                raise FileNotFoundError(str(err)) from err
+            try:
+                src = VerifyingReader(fd, entry.size, entry.checksum, what)
+                if codec is IDENTITY:
+                    be.put_stream(key, cast(BinaryIO, src), entry.size)
+                else:  # a transform reads the file by path: verify the bytes it reads first
+                    while src.read(_VERIFY_CHUNK):
+                        pass
+                    with codec.encoded(store.shard_path(held, shard)) as path:
+                        be.put_file(key, path)
+                src.check()
+            except DataLossError:
+                be.delete([key])  # a backend that sent everything before the last read (belt and braces)
+                raise
+            finally:
+                os.close(fd)
+            return entry.size
 
-        sent = await self.calls.write(put, lambda: e.cancelled)
+        try:
+            sent = await self.calls.write(put, lambda: e.cancelled)
+        except DataLossError as err:
+            log.error("drain of %s refused: %s", what, err)
+            if self.metrics:
+                self.metrics.checksum_failures.labels(tier="local").inc()
+            raise
         if sent and self.metrics:
             self.metrics.drained_bytes.inc(sent)
 
