@@ -8,15 +8,16 @@ from tierckptd.testing import _BIN_DIR, Daemon, free_port, scratch_dir  # noqa: 
 
 
 
-def wait_until(pred, timeout: float = 20.0, what: str = "condition"):
+def wait_until(pred, timeout: float = 20.0, what: str = "condition", interval: float = 0.1):
+    """Poll ``pred()`` until it returns something truthy (returned), or fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = pred()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
 
 
 class Cluster:

@@ -32,7 +32,6 @@ at every reload.
 from __future__ import annotations
 
 import dataclasses
-import grp
 import logging
 import os
 import ssl
@@ -56,13 +55,14 @@ _Signature = tuple[tuple[int, int, int], ...]
 
 
 def _gid(group: str) -> int | None:
-    if not group:
-        return None
-    if group.isdigit():
-        return int(group)
+    """The gid of ``group`` (name or number), None when unset or unknown (start-up refuses an
+    unknown socket_group separately, naming it)."""
+    from .config import ConfigError
+    from .unixsock import resolve_group
+
     try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
+        return resolve_group(group)
+    except ConfigError:
         return None
 
 

@@ -24,7 +24,7 @@ from tierckptd.persistent import (
 )
 from tierckptd.manifest import Manifest, ShardEntry
 
-from ..harness import free_port
+from ..harness import free_port, wait_until
 
 MiB = 1 << 20
 
@@ -42,14 +42,7 @@ def _metrics(port: int) -> dict[str, float]:
 
 
 def _until(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    return wait_until(predicate, timeout, what, interval)
 
 
 def _backlog(d) -> int:
