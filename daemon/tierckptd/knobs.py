@@ -70,6 +70,15 @@ class Knobs:
     replicate_retry: RetryPolicy = RetryPolicy(initial_delay=0.25, max_delay=5.0, multiplier=2.0, max_attempts=6,
                                                deadline=None)
     """Backoff between replication attempts of a rank; after the last one, waiters get TierError."""
+    bulk_max_connections: int = 64
+    """Bulk connections served at once; one more is closed at once (its sender retries)."""
+    bulk_max_per_source: int = 16
+    """Bulk connections served at once from one source address (a flood from one host cannot
+    take every slot: replication from the others goes on)."""
+    bulk_first_request_timeout: float = 5.0
+    """Seconds a new bulk connection has for the TLS handshake and its first request header."""
+    bulk_idle_timeout: float = 15.0
+    """Seconds a bulk connection may wait between requests before it is closed."""
     read_ticket_ttl: float = 30.0
     """Seconds a bulk read ticket stays valid after its last use (it is also bound to the requester)."""
     commit_timeout: float = 60.0

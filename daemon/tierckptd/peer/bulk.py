@@ -40,10 +40,12 @@ import threading
 from collections.abc import Callable, Iterator
 
 import grpc
-
-from tierckpt.common import checksum as _checksum, status as _status
+from tierckpt.common import checksum as _checksum
+from tierckpt.common import status as _status
 from tierckpt.common.fileio import pwrite_all
 from tierckpt.errors import InvalidArgumentError, TierckptError, UnavailableError
+
+from ..knobs import KNOBS
 
 __all__ = [
     "BUF_BYTES",
@@ -277,20 +279,28 @@ Handler = Callable[[socket.socket, dict, bytearray], None]
 class BulkServer:
     """Accepts bulk connections and serves their requests, one thread per connection.
 
+    Bounded against idle or hostile connections: at most ``KNOBS.bulk_max_connections`` at once
+    and ``KNOBS.bulk_max_per_source`` from one address (one more is closed at once, never queued
+    behind the others); the TLS handshake and the first request header must arrive within
+    ``KNOBS.bulk_first_request_timeout``, a connection idle between requests for
+    ``KNOBS.bulk_idle_timeout`` is closed, and the transfer buffer is allocated only once a
+    valid request arrived.
+
     Args:
         host: address to bind ("" for every interface).
         ssl_context: server-side TLS context (requires client certificates), or None.
         handler: serves one request (see :data:`Handler`).
-        max_connections: connections served at once; further ones wait in the backlog.
     """
 
-    def __init__(self, host: str, ssl_context: ssl.SSLContext | None, handler: Handler,
-                 max_connections: int = 64) -> None:
+    def __init__(self, host: str, ssl_context: ssl.SSLContext | None, handler: Handler) -> None:
         self.host = host
         self.ssl_context = ssl_context
         self.handler = handler
         self.port = 0
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._active = 0
+        self._by_source: dict[str, int] = {}
+        self.refused = 0
         self._sock: socket.socket | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -316,6 +326,25 @@ class BulkServer:
         if self._sock is not None:
             self._sock.close()
 
+    def _admit(self, source: str) -> bool:
+        with self._lock:
+            if self._active >= KNOBS.bulk_max_connections or \
+                    self._by_source.get(source, 0) >= KNOBS.bulk_max_per_source:
+                self.refused += 1
+                return False
+            self._active += 1
+            self._by_source[source] = self._by_source.get(source, 0) + 1
+            return True
+
+    def _release(self, source: str) -> None:
+        with self._lock:
+            self._active -= 1
+            left = self._by_source.get(source, 1) - 1
+            if left:
+                self._by_source[source] = left
+            else:
+                self._by_source.pop(source, None)
+
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
             try:
@@ -326,16 +355,19 @@ class BulkServer:
                 if not self._stopping.is_set():
                     log.error("bulk channel: accept failed: %s", e)
                 return
-            self._slots.acquire()
+            if not self._admit(addr[0]):
+                log.warning("bulk channel: refused a connection from %s: connection limit reached", addr[0])
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn, addr), name="tierckpt-bulk", daemon=True).start()
 
     def _serve(self, conn: socket.socket, addr) -> None:
         try:
-            conn.settimeout(IO_TIMEOUT)
+            conn.settimeout(KNOBS.bulk_first_request_timeout)
             _tune(conn)
             if self.ssl_context is not None:
                 conn = self.ssl_context.wrap_socket(conn, server_side=True)
-            buf = bytearray(BUF_BYTES)
+            buf: bytearray | None = None
             while not self._stopping.is_set():
                 req = recv_msg(conn, eof_ok=True)
                 if req is None:
@@ -343,13 +375,18 @@ class BulkServer:
                 if req.get("v") != VERSION:
                     send_msg(conn, {"ok": False, "code": "INVALID_ARGUMENT", "error": f"bulk version {req.get('v')!r}"})
                     return
+                conn.settimeout(IO_TIMEOUT)
+                buf = buf if buf is not None else bytearray(BUF_BYTES)
                 self.handler(conn, req, buf)
+                conn.settimeout(KNOBS.bulk_idle_timeout)
         except ssl.SSLError as e:
             log.warning("bulk channel: refused %s: %s", addr[0], e)
+        except TimeoutError:
+            log.info("bulk channel: connection from %s closed: no request in time", addr[0])
         except (OSError, TierckptError) as e:
             log.warning("bulk channel: connection from %s ended: %s", addr[0], e)
         except Exception:  # thread boundary: log, never kill the daemon
             log.exception("bulk channel: request from %s failed", addr[0])
         finally:
             conn.close()
-            self._slots.release()
+            self._release(addr[0])

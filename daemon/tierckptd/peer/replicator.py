@@ -195,9 +195,15 @@ class Replicator:
                       if p.up and (p.holds(st.man.key, st.man.generation) or st.acked_at.get(n, -2.0) > p.refreshed))
 
     def _targets(self, st: _Rep) -> list[str]:
+        """The placement, skipping peers that failed this rank repeatedly while others can take
+        the copy instead (with no alternative, a failing peer is tried again)."""
+        wanted = self.replicas_for(st.man)
+        up = self.cluster.up_ids()
         excluded = {n for n, c in st.fail_count.items() if c >= KNOBS.max_fails_per_peer}
-        return ring.placement(self.node_id, self.cluster.ids(), self.cluster.up_ids() - excluded,
-                              self.replicas_for(st.man))
+        targets = ring.placement(self.node_id, self.cluster.ids(), up - excluded, wanted)
+        if len(targets) < wanted:
+            targets = ring.placement(self.node_id, self.cluster.ids(), up, wanted)
+        return targets
 
     async def _replicate(self, st: _Rep) -> None:
         retry = KNOBS.replicate_retry
