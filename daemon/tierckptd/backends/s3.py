@@ -195,7 +195,7 @@ class S3Backend(Backend):
         threshold; an exception from ``src`` aborts the multipart upload, so nothing is published)."""
         name = self._key(key)
         with self._errors("put", key):
-            self._manager.upload(src, self.bucket, name).result()
+            self._manager.upload(src, self.bucket, name, extra_args=dict(self.write_args)).result()
 
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """See :meth:`Backend.put_bytes`."""
