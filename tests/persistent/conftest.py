@@ -4,7 +4,6 @@ break its objects); tests of the content layout opt out with the ``content_layou
 from collections.abc import Iterator
 
 import pytest
-
 from tierckptd.knobs import KNOBS
 
 

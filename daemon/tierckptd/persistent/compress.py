@@ -30,7 +30,6 @@ import threading
 from typing import Any
 
 import numpy as np
-
 from tierckpt.errors import DataLossError
 
 __all__ = ["CODECS", "SETTINGS", "choose", "encode", "decode", "LEVEL"]

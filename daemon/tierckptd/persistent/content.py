@@ -31,7 +31,6 @@ import time
 from typing import Any
 
 import xxhash
-
 from tierckpt.errors import DataLossError
 
 from ..backends import BackendError
