@@ -85,6 +85,10 @@ class DaemonConfig:
     """Drain to the persistent tier every step whose number is a multiple of N, and every save with persist=True (0 = only those)."""
     keep_persistent: int = 0
     """Newest steps per job kept in the persistent tier (0 = keep all)."""
+    codec: str = "auto"
+    """How the persistent tier compresses shards: "auto" (by dtype: float16/bfloat16/float32 byte
+    planes + zstd, zstd for the rest), "none", "zstd" (every shard) or "bg-zstd" (byte planes by
+    element size where the dtype has one); a chunk that does not shrink is stored raw."""
     s3_endpoint: str = ""
     """S3 endpoint URL for MinIO, Ceph RGW or another S3-compatible store, e.g.
     "https://minio.example:9000" (empty: AWS_ENDPOINT_URL or AWS's own)."""
@@ -264,6 +268,8 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError("metrics_port: must be <= 65535")
     if cfg.staging_timeout <= 0 or cfg.shutdown_timeout < 0:
         raise ConfigError("staging_timeout/shutdown_timeout: must be positive")
+    if cfg.codec not in ("auto", "none", "zstd", "bg-zstd"):
+        raise ConfigError(f"codec: {cfg.codec!r} must be auto, none, zstd or bg-zstd")
     if cfg.fsync not in ("auto", "always", "never"):
         raise ConfigError(f"fsync: {cfg.fsync!r} must be auto, always or never")
     if cfg.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

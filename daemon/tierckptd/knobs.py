@@ -104,6 +104,18 @@ class Knobs:
     catalog_retry: RetryPolicy = RetryPolicy(initial_delay=0.2, max_delay=1.0, max_attempts=3, deadline=5.0)
     """Retries of one catalog listing."""
 
+    chunk_bytes: int = 8 << 20
+    """Bytes per chunk of the persistent tier's content layout (the unit of deduplication)."""
+    per_shard_layout: int = 0
+    """1: drains write the per-shard layout of earlier versions instead of the content layout
+    (tests of that layout's reader and fault handling; both layouts are always read)."""
+    lease_ttl: float = 6 * 3600.0
+    """Seconds a drain's lease protects the chunks it names from collection (a drain that has
+    not published its manifest by half of this starts over with a new lease)."""
+    gc_window: float = 60.0
+    """Seconds a collection may delete chunks after it read the leases; a drain that finds a
+    collection marker waits until the marker is gone or twice this has passed."""
+
     inbound_idle_timeout: float = 30.0
     """Seconds an inbound replica may go without a byte before it is dropped (a dead sender's
     partial copy is also dropped as soon as one of its bulk connections breaks)."""

@@ -36,6 +36,8 @@ class ShardEntry:
     shape: tuple[int, ...] = ()
     file: str = ""  # data file name inside the rank directory (local/peer tiers)
     codec: str = ""  # persistent tier: the codec the object is stored with ("" = identity; omitted in JSON)
+    chunks: tuple[tuple[str, int, int], ...] = ()  # persistent tier, content layout: (xxh3-128 hex of the
+    # plain bytes, plain size, stored size) of each chunk in order (omitted in JSON when empty)
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ class Manifest:
                 dtype, shape = check_layout(name, size, s.get("dtype", ""), list(s.get("shape", [])))
                 shards.append(ShardEntry(name=name, size=size, checksum=_check_hex(s["checksum"]), dtype=dtype,
                                          shape=shape, file=_check_file(s.get("file", "")),
-                                         codec=_check_codec(s.get("codec", ""))))
+                                         codec=_check_codec(s.get("codec", "")),
+                                         chunks=_check_chunks(s.get("chunks", []), size)))
             rank, world = check_rank(doc["rank"], doc["world_size"])
             meta = doc.get("metadata_json", "{}")
             if not isinstance(meta, str):
@@ -117,7 +120,26 @@ def _shard_doc(s: ShardEntry) -> dict[str, Any]:
     doc = dict(asdict(s), shape=list(s.shape))
     if not s.codec:  # the identity: manifests stay byte for byte those written before codecs
         del doc["codec"]
+    if s.chunks:
+        doc["chunks"] = [list(c) for c in s.chunks]
+    else:
+        del doc["chunks"]
     return doc
+
+
+def _check_chunks(value: Any, size: int) -> tuple[tuple[str, int, int], ...]:
+    if not isinstance(value, list):
+        raise ValueError("manifest.shards.chunks must be a list")
+    out = []
+    for c in value:
+        if (not isinstance(c, list) or len(c) != 3 or not isinstance(c[0], str)
+                or not re.fullmatch(r"[0-9a-f]{32}", c[0])):
+            raise ValueError(f"manifest.shards.chunks: {c!r} is not [xxh3-128 hex, size, stored size]")
+        out.append((c[0], check_size(c[1], "manifest.shards.chunks.size"),
+                    check_size(c[2], "manifest.shards.chunks.stored")))
+    if out and sum(c[1] for c in out) != size:
+        raise ValueError("manifest.shards.chunks do not add up to the shard's size")
+    return tuple(out)
 
 
 def _check_codec(value: Any) -> str:

@@ -51,7 +51,7 @@ def _backlog(d) -> int:
 
 
 def _persistent(url: str, *more: str) -> tuple[str, ...]:
-    return ("--persistent", url, *more)
+    return ("--persistent", url, "--knobs", "per_shard_layout=1", *more)  # these tests look at its objects
 
 
 # --------------------------------------------------------------------------------- pure parts

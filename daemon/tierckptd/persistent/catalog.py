@@ -26,7 +26,7 @@ from ..manifest import Manifest
 from ..retry import RetryPolicy
 from ..tiers import RankCopy
 from .calls import BackendCalls
-from .layout import data_key, job_manifests_prefix, manifest_rank_prefix, parse_manifest_key
+from .layout import data_key, is_content, job_manifests_prefix, manifest_rank_prefix, parse_manifest_key
 from .ledger import Bounded, Key
 
 __all__ = ["Catalog", "count_checksum_failure"]
@@ -182,7 +182,8 @@ class Catalog:
             if man.key != want or man.world_size != world:
                 raise DataLossError(f"it describes {man.job} step {man.step} rank {man.rank}/{man.world_size}")
             for s in man.shards:
-                data_key(*want, s)
+                if not is_content(s):
+                    data_key(*want, s)
         except DataLossError as err:
             count_checksum_failure(self.metrics)
             log.error("persistent tier: manifest %s%s is corrupt: %s", self.url, key, err)

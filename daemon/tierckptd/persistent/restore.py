@@ -1,7 +1,8 @@
 """Restore (``fetch``): bring one rank from the object store into the local store, verified.
 
-The rank's manifest is read, the shards are downloaded in parallel (each large object in
-parallel ranges by its backend, each through the codec its manifest names) into staging files of
+The rank's manifest is read, the shards are downloaded in parallel (content layout: each chunk,
+decoded by the codec the manifest names, written at its offset; per-shard layout: each large
+object in parallel ranges by its backend, through the codec its manifest names) into staging files of
 the local store, and the local commit verifies every checksum; a copy that fails is discarded and
 counted, never returned. The node pins the step around a restore.
 """
@@ -28,7 +29,8 @@ from ..store import LocalStore
 from .calls import BackendCalls
 from .catalog import Catalog, count_checksum_failure
 from .codec import codec_named
-from .layout import data_key
+from .content import ContentStore
+from .layout import data_key, is_content
 from .ledger import Key
 
 __all__ = ["Restorer"]
@@ -51,10 +53,12 @@ class Restorer:
         catalog: reads the store's manifests and remembers what was restored.
         metrics: optional metrics (``checksum_failures``).
         announce: called with the local manifest of every rank committed by a fetch.
+        content: reads shards stored in the content layout.
     """
 
     def __init__(self, store: LocalStore, calls: BackendCalls, catalog: Catalog, metrics: Any,
-                 announce: Callable[[Manifest], None]) -> None:
+                 announce: Callable[[Manifest], None], content: ContentStore) -> None:
+        self.content = content
         self.store = store
         self.calls = calls
         self.catalog = catalog
@@ -122,9 +126,14 @@ class Restorer:
         return local
 
     async def _get_shard(self, st: Any, remote: Manifest, shard: ShardEntry, path: Path) -> None:
-        be, key, codec = self.calls.be, data_key(*remote.key, shard), codec_named(shard.codec)
         try:
-            await self.calls.read(functools.partial(codec.download_into, functools.partial(be.get_file, key), path))
+            if is_content(shard):
+                key = f"the chunks of {shard.name!r}"
+                await self.content.get_shard(remote.job, shard, path)
+            else:
+                be, key, codec = self.calls.be, data_key(*remote.key, shard), codec_named(shard.codec)
+                await self.calls.read(functools.partial(codec.download_into, functools.partial(be.get_file, key),
+                                                        path))
         except BackendError as err:
             raise UnavailableError(f"persistent tier {self.catalog.url}: {err}") from err
         got = await run_blocking(_size_of, path)

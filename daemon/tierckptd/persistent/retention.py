@@ -2,7 +2,8 @@
 
 After a drain, the steps that :func:`.selection.plan_retention` names (older than the N-th newest
 complete step) are deleted, manifests first, then data, so a reader never sees a manifest whose
-data is gone. One retention pass per job at a time; a failure postpones it to the next drain.
+data is gone; chunks of the content layout that no manifest names any more are then collected
+(:mod:`.gc`). One retention pass per job at a time; a failure postpones it to the next drain.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import collections
 import functools
 import logging
 
-from tierckpt.errors import UnavailableError
+from tierckpt.errors import DataLossError, UnavailableError
 
 from ..backends import BackendError
 from ..knobs import KNOBS
 from .calls import BackendCalls
 from .catalog import Catalog
+from .gc import collect
 from .layout import step_data_prefix, step_manifests_prefix
 from .selection import plan_retention
 
@@ -47,9 +49,12 @@ class Retention:
         async with self._locks[job]:
             try:
                 steps = await self.catalog.list_steps(job, KNOBS.catalog_retry)
-                for step in plan_retention(steps, self.keep):
+                doomed = plan_retention(steps, self.keep)
+                for step in doomed:
                     await self._delete_step(job, step)
-            except (BackendError, UnavailableError) as err:
+                if doomed:
+                    await collect(self.calls, job)
+            except (BackendError, UnavailableError, DataLossError) as err:
                 log.warning("persistent retention of %s postponed to the next drain: %s", job, err)
             finally:
                 self.catalog.invalidate(job)

@@ -29,6 +29,7 @@ from ..tiers import RankCopy, RemoteTier
 from .calls import BackendCalls
 from .catalog import Catalog
 from .codec import IDENTITY, ShardCodec
+from .content import ContentStore
 from .drainer import Drainer
 from .ledger import Ledger
 from .queue import QUEUE_DIR, DrainQueue, QueueWriter
@@ -57,7 +58,8 @@ class PersistentTier(RemoteTier):
         cluster: the cluster as this node sees it (the peer tier's membership), or None when
             there is no peer tier: then no copy is taken over.
         backend: an already opened backend (tests, benchmarks); default: ``open_backend(url)`` at start.
-        codec: how new shards are stored (default: as they are).
+        codec: a per-shard transform: new shards are stored whole through it (the per-shard layout);
+            default: the content layout, compressed per ``config.codec``.
     """
 
     name = "persistent"
@@ -75,14 +77,16 @@ class PersistentTier(RemoteTier):
         self.calls = BackendCalls(metrics, backend)
         self.ledger = Ledger()
         self.catalog_cache = Catalog(self.calls, self.url, metrics, self._spawn)
-        self.uploader = RankUploader(store, self.calls, self.catalog_cache, config.node_id, metrics, codec)
+        self.content = ContentStore(store, self.calls, config.codec, metrics)
+        self.uploader = RankUploader(store, self.calls, self.catalog_cache, config.node_id, metrics, codec,
+                                     self.content if codec is IDENTITY and not KNOBS.per_shard_layout else None)
         self.writer = QueueWriter(self.queue)
         self.drainer = Drainer(config, store, self.ledger, self.writer, self.uploader, self.catalog_cache,
                                Retention(self.calls, self.catalog_cache, config.keep_persistent), metrics,
                                self._spawn)
         self.takeover = TakeOver(config.node_id, config.persist_every, store, cluster, self.ledger,
                                  self.catalog_cache, self.drainer)
-        self.restorer = Restorer(store, self.calls, self.catalog_cache, metrics, self._announce)
+        self.restorer = Restorer(store, self.calls, self.catalog_cache, metrics, self._announce, self.content)
 
     # ----------------------------------------------------------------------------- lifecycle
 

@@ -1,8 +1,10 @@
-"""Draining one rank: its shards first (through the codec), its manifest last, then cleanup.
+"""Draining one rank: its shards first, its manifest last, then cleanup.
 
 A rank's upload reads its shards from the local store while the rank stays committed there
-(the step is pinned while queued), puts each as ``<job>/data/<step>/rank-<rank>/<file>`` unless
-an earlier attempt already stored that object (object names are per generation), checks that
+(the step is pinned while queued) and stores them in the content layout (chunks named by hash,
+compressed, deduplicated: :mod:`.content`), or, for a tier built with a per-shard
+:class:`~.codec.ShardCodec`, puts each as ``<job>/data/<step>/rank-<rank>/<file>`` unless an
+earlier attempt already stored that object (object names are per generation); it then checks that
 the rank is still the same save, uploads the manifest, and deletes what older saves of the rank
 left (other manifests first, then data no manifest names).
 
@@ -30,7 +32,8 @@ from ..store import LocalStore
 from .calls import BackendCalls
 from .catalog import Catalog
 from .codec import IDENTITY, ShardCodec
-from .layout import data_key, manifest_key, manifest_rank_prefix, rank_data_prefix
+from .content import ContentStore
+from .layout import data_key, is_content, manifest_key, manifest_rank_prefix, rank_data_prefix
 from .ledger import Entry
 from .verify import VerifyingReader
 
@@ -50,11 +53,13 @@ class RankUploader:
         catalog: reads the store's manifests (take-overs compare with them).
         node_id: this node (a rank owned elsewhere is uploaded in its owner's form).
         metrics: optional metrics (``drained_bytes``).
-        codec: the codec new shards are stored with (default: the identity).
+        codec: the codec new shards are stored with in the per-shard layout (default: the identity).
+        content: stores new shards in the content layout instead (the daemon's way).
     """
 
     def __init__(self, store: LocalStore, calls: BackendCalls, catalog: Catalog, node_id: str,
-                 metrics: Any = None, codec: ShardCodec = IDENTITY) -> None:
+                 metrics: Any = None, codec: ShardCodec = IDENTITY, content: ContentStore | None = None) -> None:
+        self.content = content
         self.store = store
         self.calls = calls
         self.catalog = catalog
@@ -79,8 +84,12 @@ class RankUploader:
         if held.generation != man.generation:
             return False
         local, man = man, self.stored_form(man)
-        await asyncio.gather(*(self._put_shard(e, data_key(job, step, rank, s), held, s.name)
-                               for s in man.shards))
+        lease, leased = "", 0.0
+        if self.content is not None:
+            man, lease, leased = await self.content.put_rank(held, man, lambda: e.cancelled)
+        else:
+            await asyncio.gather(*(self._put_shard(e, data_key(job, step, rank, s), held, s.name)
+                                   for s in man.shards))
         # Every byte above was read while the rank was still committed here (eviction removes it
         # from the catalog before touching its files), unless this check fails.
         current = self.store.get(job, step, rank)
@@ -94,9 +103,13 @@ class RankUploader:
             log.info("take-over of %s step %d rank %d: a newer save of it is in %s; not replacing it",
                      job, step, rank, self.catalog.url)
             return True
+        if lease:
+            ContentStore.check_lease(leased)
         await self.calls.write(functools.partial(self.calls.be.put_bytes,
                                                  manifest_key(job, step, rank, man.world_size), man.to_json()),
                                lambda: e.cancelled)
+        if lease and self.content is not None:
+            await self.content.release(lease, leased, lambda: e.cancelled)
         await self._remove_stale(e, man)
         return True
 
@@ -104,7 +117,7 @@ class RankUploader:
         """The manifest as uploaded: the owner's form (:meth:`owner_form`), each shard naming the
         codec when it is not the identity."""
         man = self.owner_form(man)
-        if self.codec is IDENTITY:
+        if self.codec is IDENTITY or self.content is not None:
             return man
         shards = tuple(dataclasses.replace(s, codec=self.codec.name) for s in man.shards)
         return dataclasses.replace(man, shards=shards)
@@ -178,7 +191,7 @@ class RankUploader:
         stale = [k for k in manifests if k != keep_manifest]
         if stale:
             await self.calls.write(functools.partial(be.delete, stale), cancelled)
-        keep = {data_key(job, step, rank, s) for s in man.shards}
+        keep = {data_key(job, step, rank, s) for s in man.shards if not is_content(s)}
         data = await self.calls.write(functools.partial(be.list, rank_data_prefix(job, step, rank)), cancelled)
         stale = [k for k in data if k not in keep]
         if stale:
@@ -190,7 +203,7 @@ class RankUploader:
         Nothing is deleted if the rank's manifest in the store names this very save (it was
         drained before a restart re-queued it), or if that cannot be checked.
         """
-        keys = [data_key(man.job, man.step, man.rank, s) for s in man.shards]
+        keys = [data_key(man.job, man.step, man.rank, s) for s in man.shards if s.file]  # chunks: see .gc
         try:
             try:
                 if (await self.catalog.read_manifest(*man.key)).generation == man.generation:

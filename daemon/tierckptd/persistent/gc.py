@@ -1,0 +1,102 @@
+"""Collection of chunks no manifest names (content layout), safe against concurrent drains.
+
+One pass over a job (:func:`collect`), run after retention deleted manifests:
+
+1. Mark: store ``<job>/gc/<ms>-<token>`` (drains that see it wait, :mod:`.content`).
+2. List every chunk of the job.
+3. Read the references: every key named by a manifest of the job and by a lease younger than
+   ``KNOBS.lease_ttl`` (a drain in flight); expired leases are deleted.
+4. Sweep: delete the chunks listed in 2 and referenced by nothing read in 3, in batches, and
+   stop when ``KNOBS.gc_window`` has passed since 3 (a drain waits at most twice that).
+5. Remove the marker.
+
+A crash at any point deletes nothing a manifest names (manifests are read before any delete,
+and a manifest published later names only chunks its lease protected or stored after the
+listing); what is left is swept by the next pass. A marker left by a crash expires for drains
+after twice ``KNOBS.gc_window``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import secrets
+import time
+
+from tierckpt.errors import DataLossError, NotFoundError
+
+from ..knobs import KNOBS
+from ..manifest import Manifest
+from .calls import BackendCalls
+from .layout import (
+    content_key,
+    content_prefix,
+    gc_prefix,
+    is_content,
+    job_manifests_prefix,
+    lease_prefix,
+    parse_manifest_key,
+    stamp_of,
+    stamped_key,
+)
+
+__all__ = ["collect"]
+
+log = logging.getLogger(__name__)
+
+_BATCH = 1000
+
+
+async def collect(calls: BackendCalls, job: str) -> int:
+    """One mark-and-sweep pass over ``job`` (see the module docstring); returns chunks deleted.
+
+    Raises:
+        BackendError, UnavailableError: the store failed (nothing unsafe was done; retry later).
+    """
+    be, policy = calls.be, KNOBS.catalog_retry
+    marker = stamped_key(gc_prefix(job), time.time(), secrets.token_hex(6))
+    await calls.read(functools.partial(be.put_bytes, marker, b""), policy)
+    try:
+        chunks = await calls.read(functools.partial(be.list, content_prefix(job)), policy)
+        referenced = await _references(calls, job)
+        marked = time.monotonic()
+        doomed = [k for k in chunks if k not in referenced]
+        deleted = 0
+        for i in range(0, len(doomed), _BATCH):
+            if time.monotonic() - marked > KNOBS.gc_window:
+                log.info("collection of %s: window over after %d chunks; the next pass goes on", job, deleted)
+                break
+            batch = doomed[i:i + _BATCH]
+            await calls.read(functools.partial(be.delete, batch), policy)
+            deleted += len(batch)
+        if deleted:
+            log.info("collected %d unreferenced chunks of %s", deleted, job)
+        return deleted
+    finally:
+        await calls.read(functools.partial(be.delete, [marker]), policy)
+
+
+async def _references(calls: BackendCalls, job: str) -> set[str]:
+    """Chunk keys named by the job's manifests and live leases."""
+    be, policy, out = calls.be, KNOBS.catalog_retry, set()
+    for key in await calls.read(functools.partial(be.list, lease_prefix(job)), policy):
+        stamp = stamp_of(lease_prefix(job), key)
+        if stamp is not None and time.time() - stamp > KNOBS.lease_ttl:
+            await calls.read(functools.partial(be.delete, [key]), policy)
+            continue
+        try:
+            out.update(json.loads(await calls.read(functools.partial(be.get_bytes, key), policy))["keys"])
+        except NotFoundError:
+            continue  # released meanwhile: its manifest is read below
+        except (ValueError, KeyError, TypeError) as err:
+            raise DataLossError(f"lease {key} is malformed; collection of {job} stopped: {err}") from err
+    for key in await calls.read(functools.partial(be.list, job_manifests_prefix(job)), policy):
+        if parse_manifest_key(job, key) is None:
+            continue
+        try:
+            man = Manifest.from_json(await calls.read(functools.partial(be.get_bytes, key), policy))
+        except NotFoundError:
+            continue  # deleted meanwhile (retention)
+        out.update(content_key(job, d, n, s.codec) for s in man.shards if is_content(s) for d, n, _ in s.chunks)
+    return out

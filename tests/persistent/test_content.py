@@ -1,0 +1,159 @@
+"""The content layout: compressed chunks named by hash, deduplicated across steps, collected
+when no manifest names them (safe against a crash mid-collection), old layout still readable."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tierckpt.errors import DataLossError
+from tierckptd.backends import BackendError
+from tierckptd.fakes import FaultyBackend, MemoryBackend
+from tierckptd.knobs import KNOBS
+from tierckptd.manifest import Manifest
+from tierckptd.persistent import compress, manifest_key
+from tierckptd.persistent.calls import BackendCalls
+from tierckptd.persistent.gc import collect
+
+from .rig import Rig
+
+pytestmark = pytest.mark.content_layout
+CHUNK = 4096
+
+
+def _floats(n: int, seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(n) * 0.02).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int64", ""])
+def test_every_codec_round_trips_and_floats_shrink(dtype: str) -> None:
+    x = _floats(10_001, 1)
+    data = {"float32": x.tobytes(), "float16": x.astype(np.float16).tobytes(),
+            "bfloat16": (x.view(np.uint32) >> 16).astype(np.uint16).tobytes(),
+            "int64": np.arange(5000, dtype=np.int64).tobytes(), "": b"abc" * 999 + b"\x01"}[dtype]
+    for setting in compress.SETTINGS:
+        codec = compress.choose(setting, dtype)
+        stored = compress.encode(codec, data)
+        assert compress.decode(codec, stored, len(data)) == data
+        if setting == "auto":
+            assert len(stored) < len(data) * (0.9 if dtype else 0.1)
+    noise = np.random.default_rng(2).bytes(4096)
+    assert compress.encode("zstd", noise) == b"\x00" + noise  # stored raw when it does not shrink
+    with pytest.raises(DataLossError):
+        compress.decode("bg4-zstd", b"\x01garbage", 16)
+
+
+def _save(rig: Rig, step: int, shards: dict[str, bytes]) -> None:
+    rig.save("job", step, 0, shards)
+
+
+async def _drain(rig: Rig, step: int) -> None:
+    await asyncio.wait_for(rig.tier.wait("job", step, 0, None), 10)
+
+
+async def _restores(memory: object, root: Path, name: str, step: int, want: dict[str, bytes]) -> None:
+    reader = Rig(root, node_id=name, memory=memory)  # type: ignore[arg-type]
+    await reader.tier.start()
+    local = await reader.tier.fetch("job", step, 0)
+    for shard, data in want.items():
+        assert reader.store.shard_path(local, shard).read_bytes() == data
+    await reader.tier.stop(1.0)
+
+
+def test_unchanged_chunks_are_not_uploaded_again_and_restore_is_byte_exact(tmp_path: Path) -> None:
+    base, head = _floats(8 * CHUNK, 3).tobytes(), _floats(CHUNK // 4, 4).tobytes()
+
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            _save(rig, 1, {"base": base, "head": head})
+            await _drain(rig, 1)
+            first = rig.tier.content.sent
+            head2 = _floats(CHUNK // 4, 5).tobytes()
+            _save(rig, 2, {"base": base, "head": head2})
+            await _drain(rig, 2)
+            assert 0 < rig.tier.content.sent - first < CHUNK  # only the changed head went up
+            assert first < len(base)  # compressed
+            man = Manifest.from_json(rig.memory.get_bytes(manifest_key("job", 2, 0, 1)))
+            assert {s.codec for s in man.shards} == {"zstd"} and all(not s.file for s in man.shards)
+            assert rig.memory.list("job/leases/") == [] and rig.memory.list("job/data/") == []
+            await rig.tier.stop(1.0)
+            await _restores(rig.memory, tmp_path, "r", 2, {"base": base, "head": head2})
+
+    asyncio.run(body())
+
+
+def test_the_per_shard_layout_stays_readable(tmp_path: Path) -> None:
+    async def body() -> None:
+        with KNOBS.overridden(per_shard_layout=1):
+            old = Rig(tmp_path, node_id="old")
+            await old.tier.start()
+            _save(old, 1, {"m": b"old layout " * 100})
+            await _drain(old, 1)
+            await old.tier.stop(1.0)
+        keys = list(old.memory.objects)
+        assert any("/data/" in k for k in keys) and not any("/content/" in k for k in keys)
+        await _restores(old.memory, tmp_path, "new", 1, {"m": b"old layout " * 100})
+
+    asyncio.run(body())
+
+
+class _CrashingDeletes(FaultyBackend):
+    """Deletes part of one batch of chunks, then fails as a crashed collector would."""
+
+    def __init__(self, inner: object, rng: random.Random) -> None:
+        super().__init__(inner)  # type: ignore[arg-type]
+        self.rng = rng
+
+    def delete(self, keys: list[str]) -> None:
+        chunks = [k for k in keys if "/content/" in k]
+        if chunks:
+            self.inner.delete(self.rng.sample(chunks, self.rng.randint(0, len(chunks))))
+            raise BackendError("crashed mid-sweep (injected)", retryable=False)
+        self.inner.delete(keys)
+
+
+def test_a_collection_crashing_anywhere_loses_nothing_a_manifest_names(tmp_path: Path) -> None:
+    steps = {s: {"w": _floats(4 * CHUNK // 4, 10 + s).tobytes(), "frozen": _floats(CHUNK, 0).tobytes()}
+             for s in (1, 2, 3, 4)}
+
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            for s, shards in steps.items():
+                _save(rig, s, shards)
+                await _drain(rig, s)
+            await rig.tier.stop(1.0)
+            memory = MemoryBackend(objects=rig.memory.objects)
+            for s in (1, 2):  # retention removed the manifests of steps 1 and 2
+                memory.delete([manifest_key("job", s, 0, 1)])
+            rng = random.Random(7)
+            for _ in range(5):  # crashes at random points of the sweep
+                calls = BackendCalls(backend=_CrashingDeletes(memory, rng))
+                with pytest.raises(BackendError):
+                    await collect(calls, "job")
+                for s in (3, 4):
+                    await _restores(memory, tmp_path, f"r{rng.random()}", s, steps[s])
+            assert await collect(BackendCalls(backend=memory), "job") > 0
+            assert memory.list("job/gc/") == []
+            await _restores(memory, tmp_path, "last", 4, steps[4])
+            assert await collect(BackendCalls(backend=memory), "job") == 0
+
+    asyncio.run(body())
+
+
+def test_chunks_named_by_a_live_lease_are_not_collected(tmp_path: Path) -> None:
+    async def body() -> None:
+        rig = Rig(tmp_path)
+        rig.memory.put_bytes("job/content/ab/orphan-1.raw", b"\x00x")
+        rig.memory.put_bytes("job/content/cd/leased-1.raw", b"\x00y")
+        rig.memory.put_bytes("job/leases/9999999999999-t.json", b'{"keys": ["job/content/cd/leased-1.raw"]}')
+        assert await collect(BackendCalls(backend=rig.memory), "job") == 1
+        assert rig.memory.list("job/content/") == ["job/content/cd/leased-1.raw"]
+
+    asyncio.run(body())
