@@ -85,8 +85,12 @@ class DaemonConfig:
     """Drain to the persistent tier every step whose number is a multiple of N, and every save with persist=True (0 = only those)."""
     keep_persistent: int = 0
     """Newest steps per job kept in the persistent tier (0 = keep all)."""
+    persistent_layout: str = "per-shard"
+    """Object layout of drained steps: "per-shard" (one object per shard and save) or "content"
+    (content-addressed chunks shared across steps: unchanged data is not uploaded again, and is
+    compressed by ``codec``). Both are always read."""
     codec: str = "auto"
-    """How the persistent tier compresses shards: "auto" (by dtype: float16/bfloat16/float32 byte
+    """How the persistent tier's content layout compresses chunks: "auto" (by dtype: float16/bfloat16/float32 byte
     planes + zstd, zstd for the rest), "none", "zstd" (every shard) or "bg-zstd" (byte planes by
     element size where the dtype has one); a chunk that does not shrink is stored raw."""
     s3_endpoint: str = ""
@@ -268,6 +272,8 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError("metrics_port: must be <= 65535")
     if cfg.staging_timeout <= 0 or cfg.shutdown_timeout < 0:
         raise ConfigError("staging_timeout/shutdown_timeout: must be positive")
+    if cfg.persistent_layout not in ("per-shard", "content"):
+        raise ConfigError(f"persistent_layout: {cfg.persistent_layout!r} must be per-shard or content")
     if cfg.codec not in ("auto", "none", "zstd", "bg-zstd"):
         raise ConfigError(f"codec: {cfg.codec!r} must be auto, none, zstd or bg-zstd")
     if cfg.fsync not in ("auto", "always", "never"):

@@ -107,8 +107,8 @@ class Knobs:
     chunk_bytes: int = 8 << 20
     """Bytes per chunk of the persistent tier's content layout (the unit of deduplication)."""
     per_shard_layout: int = 0
-    """1: drains write the per-shard layout of earlier versions instead of the content layout
-    (tests of that layout's reader and fault handling; both layouts are always read)."""
+    """1: drains write the per-shard layout even where ``persistent_layout = "content"`` is
+    configured (tests of that layout's reader and fault handling; both layouts are always read)."""
     lease_ttl: float = 6 * 3600.0
     """Seconds a drain's lease protects the chunks it names from collection (a drain that has
     not published its manifest by half of this starts over with a new lease)."""

@@ -65,7 +65,8 @@ class Rig:
         self.cluster = cluster
         self.host = Host()
         self.config = DaemonConfig(node_id=node_id, local_dir=str(store.root), persistent=URL,
-                                   persist_every=persist_every, keep_persistent=keep_persistent)
+                                   persist_every=persist_every, keep_persistent=keep_persistent,
+                                   persistent_layout="content")  # the conftest's knob picks per-shard
         self.tier = PersistentTier(self.config, store, cluster=cluster, backend=self.faulty, **tier_kw)
         self.tier.bind(self.host)
 

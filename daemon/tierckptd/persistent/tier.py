@@ -79,7 +79,7 @@ class PersistentTier(RemoteTier):
         self.catalog_cache = Catalog(self.calls, self.url, metrics, self._spawn)
         self.content = ContentStore(store, self.calls, config.codec, metrics)
         self.uploader = RankUploader(store, self.calls, self.catalog_cache, config.node_id, metrics, codec,
-                                     self.content if codec is IDENTITY and not KNOBS.per_shard_layout else None)
+                                     self.content if self._content_layout(codec) else None)
         self.writer = QueueWriter(self.queue)
         self.drainer = Drainer(config, store, self.ledger, self.writer, self.uploader, self.catalog_cache,
                                Retention(self.calls, self.catalog_cache, config.keep_persistent), metrics,
@@ -87,6 +87,9 @@ class PersistentTier(RemoteTier):
         self.takeover = TakeOver(config.node_id, config.persist_every, store, cluster, self.ledger,
                                  self.catalog_cache, self.drainer)
         self.restorer = Restorer(store, self.calls, self.catalog_cache, metrics, self._announce, self.content)
+
+    def _content_layout(self, codec: object) -> bool:
+        return self.config.persistent_layout == "content" and codec is IDENTITY and not KNOBS.per_shard_layout
 
     # ----------------------------------------------------------------------------- lifecycle
 

@@ -86,7 +86,13 @@ class RankUploader:
         local, man = man, self.stored_form(man)
         lease, leased = "", 0.0
         if self.content is not None:
-            man, lease, leased = await self.content.put_rank(held, man, lambda: e.cancelled)
+            try:
+                man, lease, leased = await self.content.put_rank(held, man, lambda: e.cancelled)
+            except DataLossError as err:
+                log.error("drain of %s step %d rank %d refused: %s", job, step, rank, err)
+                if self.metrics:
+                    self.metrics.checksum_failures.labels(tier="local").inc()
+                raise
         else:
             await asyncio.gather(*(self._put_shard(e, data_key(job, step, rank, s), held, s.name)
                                    for s in man.shards))
