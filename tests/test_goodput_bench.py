@@ -162,3 +162,28 @@ def test_proxy_relays_both_ways_at_the_limit() -> None:
     assert got == payload
     # 1 MiB up, then (the echo reads it all first) 1 MiB back, at 4 MiB/s each: about 0.5 s.
     assert elapsed >= 0.4
+
+
+def test_dcp_store_keeps_the_two_newest_complete_steps(tmp_path: Path) -> None:
+    for step, complete in ((10, True), (20, True), (30, False), (40, True), (50, False)):
+        d = tmp_path / f"step-{step:08d}"
+        d.mkdir()
+        if complete:
+            (d / ".metadata").write_bytes(b"x")
+    (tmp_path / "step-00000060.tmp").mkdir()  # a directory save cut short: never a step
+    store = gp.DcpStore(str(tmp_path))
+    assert store.steps() == [10, 20, 30, 40, 50]
+    assert store.complete() == [10, 20, 40]
+    store.prune()
+    assert store.steps() == [20, 30, 40, 50]  # 30 and 50 may still be uploading: kept
+    assert store.complete() == [20, 40]
+
+
+def test_extrapolation_multi_tier_ahead_where_the_store_is_slow() -> None:
+    slow = next(s for s in gp.SCALES if s.gpus == 16384 and s.store_gb_s == 25.0)
+    assert slow.nodes == 2048 and slow.store_s == pytest.approx(3.164e9 / (25e9 / 2048), rel=0.01)
+    r = gp.scale_case(slow, days=4, runs=1)
+    assert r["mtbi_s"] == pytest.approx(54 * 86400 / 466)
+    assert r["tck"].goodput > r["base"].goodput + 0.02
+    assert r["tck"].badput.lost_compute < r["base"].badput.lost_compute
+    assert r["base_iv"] >= slow.store_s  # one upload at a time
