@@ -94,3 +94,22 @@ def test_rejects_bad_input(kwargs: dict, field: str) -> None:
     args = {"intervals_s": {"persistent": 600.0}, "work_s": HOUR, **kwargs}
     with pytest.raises(InvalidArgumentError, match=field):
         simulate(COSTS, FAILURES, **args)
+
+
+def test_serial_uploads_stall_and_die_with_the_trainer() -> None:
+    calm = FailureModel(1e12, 0.6, 0.3, 0.1)
+    iv = {"persistent": 100.0}
+    # Upload 150 s from the end of a save; the next save starts 100 s of work later: it waits 50 s.
+    got = simulate(COSTS, calm, iv, work_s=1000.0, runs=1, lag_s={"persistent": 150.0}, serial=["persistent"])
+    assert got.wall_s == pytest.approx(1000 + 9 * 20 + 8 * 50)
+    free = simulate(COSTS, calm, iv, work_s=1000.0, runs=1, lag_s={"persistent": 150.0})
+    assert free.wall_s == pytest.approx(1000 + 9 * 20)
+    # A crash restores from local; the trainer's own upload in flight is lost with it, a daemon's
+    # drain lands anyway and serves a later cluster loss.
+    kw = {"work_s": 100 * HOUR, "runs": 3, "seed": 5, "lag_s": {"persistent": 300.0}}
+    ivs = {"local": 100.0, "persistent": 600.0}
+    own = simulate(COSTS, FAILURES, ivs, serial=["persistent"], **kw)
+    daemon = simulate(COSTS, FAILURES, ivs, **kw)
+    assert own.badput.lost_compute > daemon.badput.lost_compute
+    with pytest.raises(InvalidArgumentError, match="serial"):
+        simulate(COSTS, FAILURES, iv, work_s=HOUR, serial=["disk"])

@@ -18,6 +18,9 @@ they also strike during saves and restores. What the closed form leaves out, the
   earlier one hits one of the R nodes holding the first node's replicas with probability
   ``R / (nodes - 1)``; the peer tier is then incomplete and the job falls back to persistent.
 - **Failures during restore.** The restore starts again (and may need a more durable tier).
+- **One upload in flight** (``serial``): a save into such a tier first waits for the previous
+  one to land there (``dcp.async_save`` done right); the wait is a save stall. Such uploads are
+  the trainer's own, so any failure also loses the one in flight.
 
 Goodput is ``work_s`` over wall time; badput splits into save stalls, restores (each includes
 the process restart the caller folds into ``restore_s``) and lost compute (work redone and saves
@@ -63,8 +66,10 @@ class _Run:
 
     def __init__(self, cost: Mapping[str, TierCost], failures: FailureModel, schedule: Mapping[str, int],
                  base_s: float, lag: Mapping[str, float], nodes: int, replicas: int, rereplicate_s: float,
-                 rng: random.Random) -> None:
+                 rng: random.Random, serial: frozenset[str] = frozenset()) -> None:
         self.cost, self.failures, self.schedule, self.base = cost, failures, schedule, base_s
+        self.serial = serial
+        self.landing: dict[str, float] = {}
         self.lag, self.nodes, self.replicas, self.rereplicate = lag, nodes, replicas, rereplicate_s
         self.rng = rng
         self.t = 0.0
@@ -95,9 +100,15 @@ class _Run:
         for t in self.schedule:
             if TIERS.index(t) <= TIERS.index(top):
                 ready = self.t + self.lag.get(t, 0.0)
+                self.landing[t] = ready
                 kept = [(i, r) for i, r in self.held[t] if r > self.t]  # still in flight: keep
                 best_ready = max((e for e in self.held[t] if e[1] <= self.t), default=None)
                 self.held[t] = ([best_ready] if best_ready else []) + kept + [(index, ready)]
+
+    def _wait(self, top: str) -> float:
+        """Seconds a save reaching ``top`` waits for earlier uploads into ``serial`` tiers to land."""
+        return max((self.landing.get(t, 0.0) - self.t for t in self.serial if t in self.schedule
+                    and TIERS.index(t) <= TIERS.index(top)), default=0.0) if self.landing else 0.0
 
     def _source(self, kind: str) -> tuple[int, str | None]:
         """Newest checkpoint (index, tier) a failure of ``kind`` at ``self.t`` can restore from."""
@@ -111,6 +122,10 @@ class _Run:
         return best
 
     def _destroy(self, kind: str) -> None:
+        for t in self.serial:  # the trainer's own uploads die with it
+            if t in self.held:
+                self.held[t] = [e for e in self.held[t] if e[1] <= self.t]
+        self.landing.clear()
         if kind == "node":
             lost = ["local"]
             # An earlier node loss not yet re-replicated: this one may hold its replicas.
@@ -163,7 +178,7 @@ class _Run:
             top = self._due(index) if index < last else None
             if top is None:
                 continue
-            stall = self.cost[top].save_blocking_s
+            stall = self.cost[top].save_blocking_s + max(0.0, self._wait(top))
             if self.t + stall > self.next_fail:  # fails mid-save: the stall is lost work
                 self.lost_s += self.next_fail - self.t
                 self.t = self.next_fail
@@ -194,7 +209,7 @@ def _schedule(cost: Mapping[str, TierCost], intervals_s: Mapping[str, float | No
 
 def simulate(costs: Iterable[TierCost], failures: FailureModel, intervals_s: Mapping[str, float | None], *,
              work_s: float, runs: int = 100, lag_s: Mapping[str, float] | None = None, nodes: int = 1,
-             replicas: int = 1, rereplicate_s: float = 0.0, seed: int = 0) -> SimResult:
+             replicas: int = 1, rereplicate_s: float = 0.0, serial: Iterable[str] = (), seed: int = 0) -> SimResult:
     """Simulates training under failures, event by event.
 
     Args:
@@ -209,6 +224,8 @@ def simulate(costs: Iterable[TierCost], failures: FailureModel, intervals_s: Map
         nodes: Nodes in the job (only node-loss coincidences use it).
         replicas: Peer copies per shard.
         rereplicate_s: Seconds after a node loss until its replicas are restored elsewhere.
+        serial: Tiers that take one upload at a time: a save into one first waits for the
+            previous save to land there (its lag), stalling the trainer.
         seed: Random seed (same inputs and seed, same result).
 
     Returns:
@@ -231,13 +248,16 @@ def simulate(costs: Iterable[TierCost], failures: FailureModel, intervals_s: Map
         raise InvalidArgumentError(f"runs: must be an integer >= 1, got {runs!r}")
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise InvalidArgumentError(f"nodes: must be an integer >= 1, got {nodes!r}")
+    waits = frozenset(serial)
+    if not waits <= set(TIERS):
+        raise InvalidArgumentError(f"serial: unknown tiers {sorted(waits - set(TIERS))}")
     rng = random.Random(seed)
     wall = save = restore = lost = 0.0
     counts = dict.fromkeys(FAILURE_CLASSES, 0)
     restored: dict[str, int] = {}
     for _ in range(runs):
         r = _Run(cost, failures, schedule, base, lag, nodes, replicas, _number(rereplicate_s, "rereplicate_s",
-                                                                                positive=False), rng)
+                                                                                positive=False), rng, waits)
         r.run(work)
         wall, save, restore, lost = wall + r.t, save + r.save_s, restore + r.restore_s, lost + r.lost_s
         for k, v in r.counts.items():
