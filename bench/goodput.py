@@ -766,7 +766,8 @@ def scale_case(sc: Scale, days: float = 30.0, runs: int = 10, seed: int = 1) -> 
     kw = {"work_s": days * 86400, "runs": runs, "lag_s": lag, "nodes": sc.nodes, "replicas": 1,
           "rereplicate_s": peer, "seed": seed}
     return {"scale": sc, "mtbi_s": failures.mtbi_s, "base_iv": base_iv["persistent"], "iv": iv,
-            "base": simulate(costs, failures, base_iv, **kw), "tck": simulate(costs, failures, iv, **kw),
+            "base": simulate(costs, failures, base_iv, serial=["persistent"], **kw),  # the trainer's own upload
+            "tck": simulate(costs, failures, iv, **kw),
             "base_planner": evaluate(costs, failures, base_iv, 1.0).goodput,
             "tck_planner": evaluate(costs, failures, iv, 1.0).goodput}
 
