@@ -95,7 +95,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -631,6 +631,21 @@ def _load_train_module() -> Any:
     return tr
 
 
+def _dcp_resume(store: DcpStore, state: Callable[[], dict], apply: Callable[[dict], object],
+                jlog: Callable[..., None]) -> int:
+    """Loads the newest complete step into a fresh state dict and applies it; returns the step (0: none)."""
+    done = store.complete()
+    if not done:
+        jlog("restore", step=None)
+        return 0
+    t0 = time.perf_counter()
+    sd = state()
+    store.load(sd, done[-1])
+    apply(sd)
+    jlog("restore", step=done[-1], tier="dcp", seconds=time.perf_counter() - t0)
+    return done[-1]
+
+
 def dcp_worker(argv: list[str]) -> int:
     """The training loop of examples/train.py, checkpointing with DCP into --dcp-dir (a directory
     or an s3:// URL). With S3, saves are ``dcp.async_save`` (PyTorch's recommended way to hide a
@@ -657,21 +672,10 @@ def dcp_worker(argv: list[str]) -> int:
         return {"model": msd, "optim": osd, "sched": sched.state_dict(), "rng": tr.RNGState().state_dict(),
                 "data": data.state_dict(), "extra": dict(extra)}
 
-    done = store.complete()
-    start = 0
-    if done:
-        t0 = time.perf_counter()
-        sd = state()
-        store.load(sd, done[-1])
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        sched.load_state_dict(sd["sched"])
-        tr.RNGState().load_state_dict(sd["rng"])
-        data.load_state_dict(sd["data"])
-        extra.update(sd["extra"])
-        start = done[-1]
-        jlog("restore", step=start, tier="dcp", seconds=time.perf_counter() - t0)
-    else:
-        jlog("restore", step=None)
+    start = _dcp_resume(store, state, lambda sd: (
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"]),
+        sched.load_state_dict(sd["sched"]), tr.RNGState().load_state_dict(sd["rng"]),
+        data.load_state_dict(sd["data"]), extra.update(sd["extra"])), jlog)
     model.train()
     pending: tuple[int, Any] | None = None
 
