@@ -299,8 +299,14 @@ class ObjectStore:
     def url(self, prefix: str) -> str:
         return f"s3://{BUCKET}/{prefix}"
 
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self._procs)
+
     def delete_prefix(self, url: str) -> None:
         """Deletes every object under ``url`` (admin path: straight to moto, not through the limit)."""
+        if not self.alive():
+            sys.exit("moto_server or the throttle died (see moto.log; moto keeps objects in memory: the OOM "
+                     "killer?): the persistent tier is gone, the run is void")
         prefix = url.removeprefix(f"s3://{BUCKET}/").rstrip("/") + "/"
         s3 = self._admin()
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
@@ -331,8 +337,9 @@ class TierckptArm:
         peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
         self.env = store.env if store else None
         url = store.url(f"tck-{work.name}") if store else f"file://{work / 'persistent'}"
+        keep = "1" if store else "2"  # 512 MiB steps: one per node in RAM (tmpfs) is enough here
         self.daemons = {n: Daemon(sock_root, n, port=ports[n], env=self.env, args=(
-            "--peers", peers, "--replicas", "1", "--keep-local", "2", "--keep-persistent", "2",
+            "--peers", peers, "--replicas", "1", "--keep-local", keep, "--keep-persistent", "2",
             "--persistent", url, "--persist-every", str(persist_every),
             "--staging-timeout", "60", "--shutdown-timeout", "5")) for n in NODES}
         for d in self.daemons.values():
