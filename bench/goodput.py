@@ -1029,11 +1029,11 @@ def report(results: dict[str, dict], steps: int, calibration_step_s: float) -> N
             ("goodput", lambda a: f"{a['goodput']:.1%}"),
             ("  without start-up, exit", lambda a: f"{a['goodput_steady']:.1%}"),
             ("planner's prediction", lambda a: f"{a['predicted']:.1%}"),
-            ("simulator's prediction", lambda a: f"{a['simulated']:.1%}"),
-            ("  sim. at the realized MTBI", lambda a: "-" if a["simulated_realized"] is None
-             else f"{a['simulated_realized']:.1%}"),
             ("  at the realized MTBI", lambda a: "-" if a["predicted_realized"] is None
              else f"{a['predicted_realized']:.1%}"),
+            ("simulator's prediction", lambda a: f"{a['simulated']:.1%}"),
+            ("  at the realized MTBI", lambda a: "-" if a["simulated_realized"] is None
+             else f"{a['simulated_realized']:.1%}"),
             ("final loss", lambda a: f"{a['final_loss']:.6f}" if a["final_loss"] is not None else "-")]
     names = list(results)
     print(f"{'':<28}" + "".join(f" {'DCP' if n == 'dcp' else n:>22}" for n in names))
