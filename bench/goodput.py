@@ -1,4 +1,4 @@
-"""Measured goodput under injected failures: tierckpt (local + peer + persistent) vs DCP to a directory.
+"""Measured goodput under injected failures: tierckpt (local + peer + persistent) vs DCP (a directory or S3).
 
 Method
 ------
@@ -57,7 +57,27 @@ planner is built for barely exists here. Everything shares two CPU cores with ot
 arm meets only 3-5 failures, so whether one more failure lands before an arm finishes swings its
 goodput by several points: one run is an illustration, not a measurement of record.
 
-Usage: .venv/bin/python bench/goodput.py [--quick] [--steps 800] [--mtbi 30] [--seed 1] [--json FILE]
+``--s3``: the regime the product is for. 512 MiB of state per rank (``LARGE_MODEL``: one 44.7 M
+parameter tied embedding/head, weights + two AdamW moments, batch 1 x 16 tokens so that a step
+stays cheap on a CPU core). The only durable storage is S3: a ``moto_server`` reached through
+``bench/_throttle.py``, a token-bucket TCP proxy (``--s3-rate`` MiB/s per direction, default 64:
+the state in 8 s) standing for one node's share of object-store bandwidth; ``AWS_ENDPOINT_URL``
+points every client at the proxy. tierckpt: ``--persistent s3://...``, ``--keep-persistent 2``.
+DCP at PyTorch's best practice: ``dcp.async_save`` with fsspec/s3fs (``FsspecWriter``, two
+upload threads, 32 MiB parts) to the same server through the same limit; a save first waits for
+the previous upload (one in flight); ``.metadata``, written last by DCP, marks a complete step; a
+resume runs ``dcp.load`` (``FsspecReader``) from the newest one; the two newest are kept. Its
+interval is the planner's persistent-only (Daly) baseline for its measured effective save cost.
+The simulator (:func:`tierckpt.goodput.simulate`) is run on the same calibrated inputs, with
+the upload time measured on the DCP arm as the persistent lag of both arms, and on a sweep of
+DCP intervals; ``--sweep F,...`` runs the DCP arm again at those multiples of its interval.
+
+``--extrapolate``: no benchmark, only the simulator at 1,024 and 16,384 GPUs with Llama 3's
+interruption rate (see ``SCALES`` and bench/README.md).
+
+Usage: .venv/bin/python bench/goodput.py [--quick | --s3 [--s3-rate 64] [--sweep 0.5,2]] [--steps 800]
+       [--mtbi 30] [--seed 1] [--json FILE]
+       .venv/bin/python bench/goodput.py --extrapolate
 """
 
 from __future__ import annotations
@@ -65,6 +85,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -74,7 +95,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,12 +103,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tierckpt.goodput import FailureModel, TierCost, evaluate, plan
+from tierckpt.goodput import FailureModel, TierCost, evaluate, plan, simulate  # noqa: E402
 
 NODES = ("n0", "n1", "n2")
 KINDS = ("crash", "node", "cluster")
 JOB = "goodput"
+SIM_RUNS = 400  # runs of the simulator per prediction: its expectation, not one draw
+PEER_LAG_S = 1.0  # replication of the state to a peer on loopback (bench/replication.py: ~0.2-0.5 s/GiB)
 MODEL = ("--d-model", "256", "--layers", "4", "--heads", "4", "--seq-len", "32", "--batch-size", "8")
+# ~44.7 M parameters (one tied embedding/head, no blocks): weights + two AdamW moments = 512 MiB,
+# with a step cheap enough for one CPU core (batch 1 x 16 tokens).
+LARGE_MODEL = ("--vocab", "43690", "--d-model", "1024", "--layers", "0", "--heads", "4", "--seq-len", "16",
+               "--batch-size", "1")
 QUICK_MODEL = ("--d-model", "128", "--layers", "2", "--heads", "4", "--seq-len", "32", "--batch-size", "8")
 
 
@@ -148,7 +175,8 @@ def step_intervals(events: list[dict]) -> list[float]:
     """Seconds between consecutive step events of one process, leaving out those holding a save."""
     saved = {e["step"] for e in events if e["event"] == "save"}
     steps = [e for e in events if e["event"] == "step"]
-    return [b["t"] - a["t"] for a, b in itertools.pairwise(steps) if b["step"] == a["step"] + 1 and a["step"] not in saved]
+    return [b["t"] - a["t"] for a, b in itertools.pairwise(steps)
+            if b["step"] == a["step"] + 1 and a["step"] not in saved]
 
 
 def account(incs: list[Incarnation], n_steps: int) -> dict[str, Any]:
@@ -159,7 +187,8 @@ def account(incs: list[Incarnation], n_steps: int) -> dict[str, Any]:
     wall = incs[-1].end_t - incs[0].spawn_t
     step_s = statistics.median(x for inc in incs for x in step_intervals(inc.events()))
     out: dict[str, Any] = {"wall_s": wall, "useful_s": n_steps * step_s, "startup_s": 0.0, "restart_s": 0.0,
-                           "restore_s": 0.0, "save_s": 0.0, "replacement_s": 0.0, "partial_s": 0.0, "exit_s": 0.0, "saves": 0,
+                           "restore_s": 0.0, "save_s": 0.0, "replacement_s": 0.0, "partial_s": 0.0, "exit_s": 0.0,
+                           "saves": 0,
                            "executed_steps": 0, "restored_from": {}, "failures": dict.fromkeys(KINDS, 0),
                            "final_loss": None, "step_s": step_s}
     for i, inc in enumerate(incs):
@@ -218,21 +247,101 @@ def fstype(path: Path) -> str:
     return kind
 
 
+BUCKET = "goodput"
+S3FS_PATH = Path(os.environ.get("TIERCKPT_BENCH_S3FS", Path(sys.executable).parents[1] / "bench-s3fs"))
+"""Where s3fs and its aiobotocore live for the DCP worker (see bench/README.md: they pin a botocore
+older than the daemon's boto3 wants, so they are installed apart and put on the worker's path only)."""
+
+
+def _pythonpath(*extra: Path) -> str:
+    return os.pathsep.join([*map(str, extra), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+class ObjectStore:
+    """moto_server (S3) on loopback, reached through bench/_throttle.py at ``rate`` bytes/s per direction."""
+
+    def __init__(self, work: Path, rate: float) -> None:
+        from tierckptd.testing import free_port
+
+        port = free_port()
+        self.direct = f"http://127.0.0.1:{port}"
+        self._log = open(work / "moto.log", "ab")  # closed in close()
+        self._procs = [subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1",
+                                         "-p", str(port)], stdout=self._log, stderr=subprocess.STDOUT)]
+        wait_until(self._up, "moto_server", timeout=30)
+        self._admin().create_bucket(Bucket=BUCKET)
+        thr = subprocess.Popen([sys.executable, str(ROOT / "bench" / "_throttle.py"), "--target",
+                                f"127.0.0.1:{port}", "--rate", str(rate)], stdout=subprocess.PIPE, text=True)
+        self._procs.append(thr)
+        line = thr.stdout.readline() if thr.stdout else ""
+        if not line.startswith("listening "):
+            sys.exit("bench/_throttle.py did not start")
+        self.rate = rate
+        self.env = {"AWS_ENDPOINT_URL": "http://" + line.split()[1], "AWS_ACCESS_KEY_ID": "testing",
+                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                    "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+    def _up(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.direct + "/moto-api/", timeout=2):
+                return True
+        except OSError:
+            return False
+
+    def _admin(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.direct, aws_access_key_id="testing",
+                            aws_secret_access_key="testing", region_name="us-east-1")
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{BUCKET}/{prefix}"
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self._procs)
+
+    def delete_prefix(self, url: str) -> None:
+        """Deletes every object under ``url`` (admin path: straight to moto, not through the limit)."""
+        if not self.alive():
+            sys.exit("moto_server or the throttle died (see moto.log; moto keeps objects in memory: the OOM "
+                     "killer?): the persistent tier is gone, the run is void")
+        prefix = url.removeprefix(f"s3://{BUCKET}/").rstrip("/") + "/"
+        s3 = self._admin()
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                s3.delete_objects(Bucket=BUCKET, Delete={"Objects": keys})
+
+    def close(self) -> None:
+        for p in reversed(self._procs):
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self._log.close()
+
+
 class TierckptArm:
     """Three daemons on loopback; the trainer (one rank) on n0."""
 
     name = "tierckpt"
 
-    def __init__(self, work: Path, sock_root: Path, persist_every: int) -> None:
+    def __init__(self, work: Path, sock_root: Path, persist_every: int, store: ObjectStore | None = None) -> None:
         from tierckptd.testing import Daemon, free_port
 
         work.mkdir(parents=True, exist_ok=True)
         ports = {n: free_port() for n in NODES}
         peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
-        self.daemons = {n: Daemon(sock_root, n, port=ports[n], args=(
-            "--peers", peers, "--replicas", "1", "--keep-local", "2",
-            "--persistent", f"file://{work / 'persistent'}", "--persist-every", str(persist_every),
-            "--staging-timeout", "30", "--shutdown-timeout", "5")) for n in NODES}
+        self.env = store.env if store else None
+        url = store.url(f"tck-{work.name}") if store else f"file://{work / 'persistent'}"
+        keep = "1" if store else "2"  # 512 MiB steps: one per node in RAM (tmpfs) is enough here
+        self.daemons = {n: Daemon(sock_root, n, port=ports[n], env=self.env, args=(
+            "--peers", peers, "--replicas", "1", "--keep-local", keep, "--keep-persistent", "2",
+            "--persistent", url, "--persist-every", str(persist_every),
+            "--staging-timeout", "60", "--shutdown-timeout", "5")) for n in NODES}
         for d in self.daemons.values():
             d.log_path = work / f"{d.node_id}.log"
             d.start()
@@ -277,17 +386,26 @@ class TierckptArm:
 
 
 class DcpArm:
-    """DCP straight to a directory on disk; nothing to lose but the trainer."""
+    """DCP straight to the persistent store (a directory on disk, or S3 with async_save); nothing
+    to lose but the trainer."""
 
     name = "dcp"
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, store: ObjectStore | None = None) -> None:
         self.dir = work / "dcp"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.store = store
+        self.target = store.url(f"dcp-{work.name}") if store else str(self.dir)
+        self.env = {**store.env, "PYTHONPATH": _pythonpath(S3FS_PATH)} if store else None
+
+    def clear(self) -> None:
+        if self.store:
+            self.store.delete_prefix(self.target)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def command(self, steps: int, save_every: int, persist_every: int, log: Path, model: tuple[str, ...],
                 stop_after: int = 0) -> list[str]:
-        return [sys.executable, str(Path(__file__).resolve()), "--dcp-worker", "--dcp-dir", str(self.dir),
+        return [sys.executable, str(Path(__file__).resolve()), "--dcp-worker", "--dcp-dir", self.target,
                 "--job", JOB, "--steps", str(steps), "--save-every", str(save_every), "--log-json", str(log),
                 "--log-every", "100000", "--stop-after", str(stop_after), *model]
 
@@ -298,16 +416,16 @@ class DcpArm:
         pass
 
 
-def spawn(cmd: list[str], out: Path) -> subprocess.Popen:
+def spawn(cmd: list[str], out: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(out, "ab") as fh:
-        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
 
 def run_once(arm: Any, logs: Path, name: str, cmd_args: dict, timeout: float = 300) -> Incarnation:
     """One trainer run to its end (exit 0, or 3 from --stop-after)."""
     log = logs / f"{name}.jsonl"
     inc = Incarnation(time.time(), log)
-    p = spawn(arm.command(log=log, **cmd_args), logs / f"{name}.out")
+    p = spawn(arm.command(log=log, **cmd_args), logs / f"{name}.out", arm.env)
     rc = p.wait(timeout)
     inc.end_t = time.time()
     if rc not in (0, 3):
@@ -323,7 +441,7 @@ def run_arm(arm: Any, logs: Path, schedule: Iterator[Failure], cmd_args: dict, t
     while True:
         log = logs / f"{arm.name}-{len(incs)}.jsonl"
         inc = Incarnation(time.time(), log)
-        p = spawn(arm.command(log=log, **cmd_args), logs / f"{arm.name}-{len(incs)}.out")
+        p = spawn(arm.command(log=log, **cmd_args), logs / f"{arm.name}-{len(incs)}.out", arm.env)
         incs.append(inc)
         try:
             rc = p.wait(max(0.0, t0 + nxt.at_s - time.time()))
@@ -388,22 +506,28 @@ def save_costs(incs: list[Incarnation]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def calibrate_dcp(work: Path, logs: Path, model: tuple[str, ...], steps: int) -> dict[str, Any]:
-    arm = DcpArm(work / "calib")
-    a = {"steps": steps, "save_every": 5, "persist_every": 0, "model": model}
+def calibrate_dcp(work: Path, logs: Path, model: tuple[str, ...], steps: int, every: int = 5,
+                  store: ObjectStore | None = None) -> dict[str, Any]:
+    arm = DcpArm(work / "calib", store)
+    a = {"steps": steps, "save_every": every, "persist_every": 0, "model": model}
     first = run_once(arm, logs, "calib-dcp-0", {**a, "stop_after": steps - 28})
     resumed = run_once(arm, logs, "calib-dcp-1", {**a, "stop_after": steps - 23})
     restart, restore, _ = restore_cost(resumed)
-    shutil.rmtree(arm.dir, ignore_errors=True)
-    return {"step_s": statistics.median(step_intervals(first.events())), **save_costs([first]),
-            "restore_s": restore, "restarts_s": [restart]}
+    arm.clear()
+    ev = first.events()
+    saved = {e["step"]: e["t"] for e in ev if e["event"] == "save"}
+    uploads = [e["t"] - saved[e["step"]] for e in ev if e["event"] == "persisted" and e["step"] in saved]
+    return {"step_s": statistics.median(step_intervals(ev)), **save_costs([first]),
+            "restore_s": restore, "restarts_s": [restart],
+            "upload_s": statistics.median(uploads) if uploads else 0.0}
 
 
-def calibrate_tierckpt(work: Path, sock: Path, logs: Path, model: tuple[str, ...], steps: int) -> dict[str, Any]:
+def calibrate_tierckpt(work: Path, sock: Path, logs: Path, model: tuple[str, ...], steps: int,
+                       persist_every: int = 10, store: ObjectStore | None = None) -> dict[str, Any]:
     """Provokes a crash, a node loss and a cluster loss once each; measures every tier's restore."""
-    arm = TierckptArm(work / "calib", sock / "calib", persist_every=10)
+    arm = TierckptArm(work / "calib", sock / "calib", persist_every=persist_every, store=store)
     try:
-        a = {"steps": steps, "save_every": 5, "persist_every": 10, "model": model}
+        a = {"steps": steps, "save_every": 5, "persist_every": persist_every, "model": model}
         stops = [steps - 28, steps - 23, steps - 18, steps - 13]
         first = run_once(arm, logs, "calib-tck-0", {**a, "stop_after": stops[0]})
         crash = run_once(arm, logs, "calib-tck-1", {**a, "stop_after": stops[1]})
@@ -432,72 +556,247 @@ def calibrate_tierckpt(work: Path, sock: Path, logs: Path, model: tuple[str, ...
 # ---------------------------------------------------------------------------------------------- DCP trainer
 
 
-def dcp_worker(argv: list[str]) -> int:
-    """The training loop of examples/train.py, checkpointing with DCP into --dcp-dir."""
+# s3fs tuned for large sequential transfers: 32 MiB parts and reads (default 50 MiB / 5 MiB),
+# read-ahead caching; DCP's reader otherwise pays a round trip per 5 MiB.
+_S3FS_OPTIONS: dict[str, Any] = {"endpoint_url": os.environ.get("AWS_ENDPOINT_URL"),
+                                 "default_block_size": 32 * 2**20, "default_cache_type": "readahead"}
+
+
+class DcpStore:
+    """Where the DCP worker keeps ``step-N`` checkpoints: a directory (``dcp.save``, fsync, then a
+    rename) or an S3 prefix (``dcp.async_save`` through fsspec/s3fs; DCP writes ``.metadata``
+    last, so a step is complete once that object exists)."""
+
+    def __init__(self, target: str) -> None:
+        self.s3 = target.startswith("s3://")
+        self.target = target.rstrip("/")
+        if self.s3:
+            import s3fs
+
+            self.fs = s3fs.S3FileSystem(use_listings_cache=False, **_S3FS_OPTIONS)
+
+    def path(self, step: int) -> str:
+        return f"{self.target}/step-{step:08d}"
+
+    def steps(self) -> list[int]:
+        """Every step with a directory or prefix, complete or not, oldest first."""
+        if self.s3:
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.target, refresh=True)] \
+                if self.fs.exists(self.target) else []
+        else:
+            names = [p.name for p in Path(self.target).glob("step-*")]
+        return sorted(int(n[5:]) for n in names if n[5:].isdigit())
+
+    def complete(self) -> list[int]:
+        meta = (lambda s: self.fs.exists(f"{self.path(s)}/.metadata")) if self.s3 else \
+            (lambda s: (Path(self.path(s)) / ".metadata").exists())
+        return [s for s in self.steps() if meta(s)]
+
+    def prune(self, keep: int = 2) -> None:
+        """Removes all but the ``keep`` newest complete steps (and incomplete steps older than them)."""
+        done = self.complete()
+        for s in self.steps():
+            if done[-keep:] and s < done[-keep:][0]:
+                self.fs.rm(self.path(s), recursive=True) if self.s3 else shutil.rmtree(self.path(s), ignore_errors=True)
+
+    def save(self, state: dict, step: int) -> Any:
+        """Saves ``state``; returns the async_save future (S3) or None once written (directory)."""
+        import torch.distributed.checkpoint as dcp
+
+        if self.s3:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            writer = FsspecWriter(self.path(step), sync_files=False, thread_count=2, **_S3FS_OPTIONS)
+            return dcp.async_save(state, storage_writer=writer, no_dist=True)
+        tmp, final = Path(self.path(step) + ".tmp"), Path(self.path(step))
+        shutil.rmtree(tmp, ignore_errors=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        os.replace(tmp, final)  # complete: only now visible to a resume
+        fd = os.open(self.target, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        self.prune()
+        return None
+
+    def load(self, state: dict, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if self.s3:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            dcp.load(state, storage_reader=FsspecReader(self.path(step), **_S3FS_OPTIONS), no_dist=True)
+        else:
+            dcp.load(state, checkpoint_id=self.path(step))
+
+
+def _load_train_module() -> Any:
     import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tck_train", ROOT / "examples" / "train.py")
+    tr = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(tr)  # type: ignore[union-attr]
+    return tr
+
+
+def _dcp_resume(store: DcpStore, state: Callable[[], dict], apply: Callable[[dict], object],
+                jlog: Callable[..., None]) -> int:
+    """Loads the newest complete step into a fresh state dict and applies it; returns the step (0: none)."""
+    done = store.complete()
+    if not done:
+        jlog("restore", step=None)
+        return 0
+    t0 = time.perf_counter()
+    sd = state()
+    store.load(sd, done[-1])
+    apply(sd)
+    jlog("restore", step=done[-1], tier="dcp", seconds=time.perf_counter() - t0)
+    return done[-1]
+
+
+def dcp_worker(argv: list[str]) -> int:
+    """The training loop of examples/train.py, checkpointing with DCP into --dcp-dir (a directory
+    or an s3:// URL). With S3, saves are ``dcp.async_save`` (PyTorch's recommended way to hide a
+    slow store): a save waits for the previous one's upload first, and that wait is its stall."""
     import warnings
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--dcp-worker", action="store_true")
     ap.add_argument("--dcp-dir", required=True)
     own, rest = ap.parse_known_args(argv)
-    spec = importlib.util.spec_from_file_location("tck_train", ROOT / "examples" / "train.py")
-    tr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tr)  # type: ignore[union-attr]
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
+    tr = _load_train_module()
     warnings.filterwarnings("ignore")  # DCP warns that it runs without a process group
     args = tr.parse_args(rest)
     jlog = tr.JsonLog(args.log_json)
     jlog("start", job=args.job, rank=args.rank, world_size=args.world_size, pid=os.getpid())
     model, opt, sched, data = tr.build(args)
     extra = {"tokens_seen": 0}
-    root = Path(own.dcp_dir)
+    store = DcpStore(own.dcp_dir)
 
     def state() -> dict:
         msd, osd = get_state_dict(model, opt)
         return {"model": msd, "optim": osd, "sched": sched.state_dict(), "rng": tr.RNGState().state_dict(),
                 "data": data.state_dict(), "extra": dict(extra)}
 
-    done = sorted(int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit() and (p / ".metadata").exists())
-    start = 0
-    if done:
-        t0 = time.perf_counter()
-        sd = state()
-        dcp.load(sd, checkpoint_id=root / f"step-{done[-1]:08d}")
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        sched.load_state_dict(sd["sched"])
-        tr.RNGState().load_state_dict(sd["rng"])
-        data.load_state_dict(sd["data"])
-        extra.update(sd["extra"])
-        start = done[-1]
-        jlog("restore", step=start, tier="dcp", seconds=time.perf_counter() - t0)
-    else:
-        jlog("restore", step=None)
+    start = _dcp_resume(store, state, lambda sd: (
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"]),
+        sched.load_state_dict(sd["sched"]), tr.RNGState().load_state_dict(sd["rng"]),
+        data.load_state_dict(sd["data"]), extra.update(sd["extra"])), jlog)
     model.train()
+    pending: tuple[int, Any] | None = None
+
+    def settle(block: bool) -> None:
+        nonlocal pending
+        if pending and (block or pending[1].done()):
+            pending[1].result()
+            jlog("persisted", step=pending[0])
+            pending = None
+            store.prune()
+
     for step in range(start + 1, args.steps + 1):
         loss, tokens = tr.train_step(model, opt, sched, data, args.vocab)
         extra["tokens_seen"] += tokens
         jlog("step", step=step, loss=loss.item(), lr=sched.get_last_lr()[0])
+        settle(False)
         if args.save_every and step % args.save_every == 0:
             t0 = time.perf_counter()
-            tmp, final = root / f"step-{step:08d}.tmp", root / f"step-{step:08d}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            dcp.save(state(), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-            os.replace(tmp, final)  # complete: only now visible to a resume
-            fd = os.open(root, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-            for old in sorted(p for p in root.glob("step-*") if p.name[5:].isdigit())[:-2]:
-                shutil.rmtree(old, ignore_errors=True)
+            settle(True)  # one upload in flight at a time
+            fut = store.save(state(), step)
+            pending = (step, fut) if fut is not None else None
             jlog("save", step=step, persist=True, blocking_s=time.perf_counter() - t0)
         if args.stop_after and step >= args.stop_after:
             os._exit(3)
         if args.step_delay:
             time.sleep(args.step_delay)
+    settle(True)
     jlog("end")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- extrapolation
+
+# Llama 3 (Dubey et al., "The Llama 3 Herd of Models", 2024, sec. 3.3.4): 466 job interruptions in
+# a 54-day snapshot of pre-training on 16,384 H100 GPUs (47 planned, 419 unexpected, about 78% of
+# the unexpected ones hardware): one every 2.8 h. Assumed here: the rate is per GPU (so 1,024 GPUs
+# see one every 44 h); hardware faults lose the node (node loss 0.76), the rest restart in place
+# (crash 0.22), and 2% lose every node's local state (cluster loss; not in the paper, assumed).
+LLAMA3_MTBI_16K_S = 54 * 86400 / 466
+SCALE_FRACTIONS = {"crash": 0.22, "node": 0.76, "cluster": 0.02}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """One job size of the extrapolation and its assumed costs (see bench/README.md)."""
+
+    gpus: int
+    state_gb_per_node: float  # model + AdamW, sharded over the job's nodes (8 GPUs each)
+    restart_s: float  # job relaunch: scheduler, process start, NCCL init (both policies pay it)
+    store_gb_s: float = 100.0  # the job's aggregate object-store bandwidth
+    node_cap_gb_s: float = 2.0  # one node's cap on it
+    peer_gb_s: float = 12.5  # node to node (100 Gb/s of a 400 Gb/s NIC)
+    stage_gb_s: float = 20.0  # device -> host RAM per node: the blocking part of any save
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // 8
+
+    @property
+    def store_s(self) -> float:
+        """Seconds to move one node's state to or from the object store at its share."""
+        return self.state_gb_per_node / min(self.node_cap_gb_s, self.store_gb_s / self.nodes)
+
+
+# A 70B model over 128 nodes: 8.75 GB per node; 405B over 2,048 nodes: 3.2 GB per node; each with
+# 100 GB/s and 25 GB/s of object-store bandwidth for the job.
+SCALES = tuple(Scale(gpus, params * 16 / (gpus // 8) / 1e9, restart, store)
+               for gpus, params, restart in ((1024, 70e9, 60.0), (16384, 405e9, 180.0)) for store in (100.0, 25.0))
+
+
+def scale_case(sc: Scale, days: float = 30.0, runs: int = 10, seed: int = 1) -> dict[str, Any]:
+    """Persistent only (async upload, interval from the planner's baseline) vs tierckpt's plan."""
+    fr = SCALE_FRACTIONS
+    failures = FailureModel(LLAMA3_MTBI_16K_S * 16384 / sc.gpus, fr["crash"], fr["node"], fr["cluster"])
+    stage = sc.state_gb_per_node / sc.stage_gb_s
+    peer = sc.state_gb_per_node / sc.peer_gb_s
+    # Blocking cost: the device -> host copy for every policy (uploads, peer copies and drains run
+    # in the background); restore: relaunch + reading the state from the tier.
+    costs = [TierCost("local", stage, sc.restart_s + stage), TierCost("peer", stage, sc.restart_s + peer),
+             TierCost("persistent", stage, sc.restart_s + sc.store_s)]
+    lag = {"peer": peer, "persistent": sc.store_s}
+    base_plan = plan(costs[2:], failures, 1.0)
+    # One upload at a time: an interval shorter than the upload would stall on it.
+    base_iv = {"persistent": max(base_plan.baseline_interval_s, sc.store_s)}
+    # The planner sees no blocking increment for peer and persistent (background copies): it pools
+    # them with local. The drain, too, must keep up: persistent at least every upload time.
+    tplan = plan([TierCost("local", stage, costs[0].restore_s), TierCost("peer", stage * 1.01, costs[1].restore_s),
+                  TierCost("persistent", stage * 1.02, costs[2].restore_s)], failures, 1.0)
+    loc = min(v for v in tplan.intervals_s.values() if v)
+    persist = max(sc.store_s, tplan.intervals_s["persistent"] or 0.0)
+    iv = {"local": loc, "peer": loc, "persistent": loc * max(1, math.ceil(persist / loc))}
+    kw = {"work_s": days * 86400, "runs": runs, "lag_s": lag, "nodes": sc.nodes, "replicas": 1,
+          "rereplicate_s": peer, "seed": seed}
+    return {"scale": sc, "mtbi_s": failures.mtbi_s, "base_iv": base_iv["persistent"], "iv": iv,
+            "base": simulate(costs, failures, base_iv, serial=["persistent"], **kw),  # the trainer's own upload
+            "tck": simulate(costs, failures, iv, **kw),
+            "base_planner": evaluate(costs, failures, base_iv, 1.0).goodput,
+            "tck_planner": evaluate(costs, failures, iv, 1.0).goodput}
+
+
+def extrapolate(days: float = 30.0, runs: int = 10) -> None:
+    """Prints the simulator's goodput at 1,024 and 16,384 GPUs (markdown table)."""
+    print("| GPUs | MTBI | state/node | store (job) | store r/w per node | policy | intervals (s) | goodput (planner) "
+          "| save | restore | lost |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for sc in SCALES:
+        r = scale_case(sc, days, runs)
+        head = (f"| {sc.gpus:,} | {r['mtbi_s'] / 3600:.1f} h | {sc.state_gb_per_node:.2f} GB | {sc.store_gb_s:g} GB/s "
+                f"| {sc.store_s:.0f} s")
+        for name, res, ivs, pred in (("persistent only", r["base"], f"{r['base_iv']:.0f}", r["base_planner"]),
+                                     ("tierckpt", r["tck"], "{local:.0f} / {peer:.0f} / {persistent:.0f}".format(
+                                         **r["iv"]), r["tck_planner"])):
+            b = res.badput
+            print(f"{head} | {name} | {ivs} | **{res.goodput:.2%}** ({pred:.2%}) | {b.save_overhead:.2%} "
+                  f"| {b.restore:.2%} | {b.lost_compute:.2%} |")
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -510,104 +809,198 @@ def parse_fractions(text: str) -> dict[str, float]:
     return dict(zip(KINDS, vals))
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--dcp-worker" in argv:
-        return dcp_worker(argv)
+def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="training steps per arm (default 800; quick 500)")
-    ap.add_argument("--mtbi", type=float, default=None, help="mean seconds between failures (default 30; quick 10)")
+    ap.add_argument("--s3", action="store_true",
+                    help="large-state regime: 512 MiB per rank, persistent tier and DCP (async_save) on S3 (moto) "
+                         "behind a bandwidth limit")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per arm (default 800; quick 500; s3 500)")
+    ap.add_argument("--mtbi", type=float, default=None,
+                    help="mean seconds between failures (default 30; quick 10; s3 60)")
     ap.add_argument("--fractions", type=parse_fractions, default=parse_fractions("0.6,0.3,0.1"),
                     help="shares of crash,node,cluster failures (default 0.6,0.3,0.1)")
+    ap.add_argument("--s3-rate", type=float, default=64.0, metavar="MIB_S",
+                    help="object-store bandwidth per direction, MiB/s (default 64: the 512 MiB state in 8 s)")
+    ap.add_argument("--sweep", default="", metavar="F,F,...",
+                    help="also run the DCP arm at these multiples of its planned interval (same failure schedule)")
     ap.add_argument("--seed", type=int, default=1, help="failure schedule seed")
     ap.add_argument("--quick", action="store_true", help="smoke run: smaller model, fewer steps, MTBI 10 s")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
     ap.add_argument("--keep", action="store_true", help="keep the work dirs (logs) and print where")
     args = ap.parse_args(argv)
-    steps = args.steps or (500 if args.quick else 800)
-    mtbi = args.mtbi or (10.0 if args.quick else 30.0)
-    model = QUICK_MODEL if args.quick else MODEL
-    fr = args.fractions
-    failures = FailureModel(mtbi, fr["crash"], fr["node"], fr["cluster"])
+    args.steps = args.steps or (500 if args.quick or args.s3 else 800)
+    args.mtbi = args.mtbi or (10.0 if args.quick else 60.0 if args.s3 else 30.0)
+    args.model = LARGE_MODEL if args.s3 else QUICK_MODEL if args.quick else MODEL
+    args.sweep = [float(f) for f in args.sweep.split(",") if f]
+    return args
 
+
+def calibrate(args: argparse.Namespace, work: Path, sock: Path, logs: Path, store: ObjectStore | None) -> dict:
+    """Measures both arms' inputs and plans their intervals (before the arms run)."""
+    fr = args.fractions
+    failures = FailureModel(args.mtbi, fr["crash"], fr["node"], fr["cluster"])
+    # S3: saves far enough apart for one upload (8 s) to finish before the next starts.
+    cal_steps, every, persist = (80, 20, 20) if store else (60 if args.quick else 80, 5, 10)
+    cd = calibrate_dcp(work, logs, args.model, cal_steps, every, store)
+    ct = calibrate_tierckpt(work, sock, logs, args.model, cal_steps, persist, store)
+    step_s = cd["step_s"]
+    # The same process restart (python + torch import) in both arms: one figure from all samples.
+    restart = statistics.median(ct["restarts_s"] + cd["restarts_s"])
+    r = {k: restart + ct[f"{k}_restore_s"] for k in ("local", "peer", "persistent")}
+    r["peer"] += ct["node_replacement_s"]
+    r["persistent"] += ct["cluster_replacement_s"]
+    # Every local save is also copied to a peer: local and peer cost the same (effective, see
+    # save_costs); a persist save adds the drain.
+    save_cost = ct["local_cost_s"]
+    costs = [TierCost("local", save_cost, r["local"]), TierCost("peer", save_cost, r["peer"]),
+             TierCost("persistent", max(save_cost, ct["persist_cost_s"]), r["persistent"])]
+    tplan = plan(costs, failures, step_s)
+    iv = tplan.intervals_steps
+    dcp_costs = [TierCost("persistent", cd["persist_cost_s"], restart + cd["restore_s"])]
+    dplan = plan(dcp_costs, failures, step_s)
+    # A save is on the peer / persistent tier this long after it ends (the simulator's lag); the
+    # drain moves the same bytes through the same limit as DCP's upload, measured on the DCP arm.
+    lag = {"peer": PEER_LAG_S, "persistent": cd["upload_s"]}
+    # One upload in flight: a DCP interval shorter than the upload would stall on it, so the
+    # planner's baseline is floored at the measured upload time (a practitioner would do the same).
+    dcp_every = max(dplan.baseline_interval_steps, math.ceil(cd.get("upload_s", 0.0) / step_s))
+    return {"failures": failures, "ct": ct, "cd": cd, "step_s": step_s, "lag_s": lag, "restart": restart,
+            "costs": costs, "dcp_costs": dcp_costs, "tplan": tplan, "dplan": dplan, "iv": iv,
+            "save_every": min(s for s in iv.values() if s), "persist_every": iv["persistent"] or 0,
+            "dcp_every": dcp_every}
+
+
+def print_calibration(c: dict) -> None:
+    ct, cd, iv = c["ct"], c["cd"], c["iv"]
+    print(f"clean step {c['step_s'] * 1e3:.1f} ms; save stall / effective cost: tierckpt local+peer "
+          f"{ct['local_stall_s'] * 1e3:.0f} / {ct['local_cost_s'] * 1e3:.0f} ms, +persistent "
+          f"{ct['persist_stall_s'] * 1e3:.0f} / {ct['persist_cost_s'] * 1e3:.0f} ms, DCP "
+          f"{cd['persist_stall_s'] * 1e3:.0f} / {cd['persist_cost_s'] * 1e3:.0f} ms")
+    print(f"process restart {c['restart']:.2f} s (median of {len(ct['restarts_s']) + 1}); restore after it: "
+          f"local {ct['local_restore_s'] * 1e3:.0f} ms, peer {ct['peer_restore_s'] * 1e3:.0f} ms, persistent "
+          f"{ct['persistent_restore_s'] * 1e3:.0f} ms, DCP {cd['restore_s'] * 1e3:.0f} ms; daemon replacement: "
+          f"node {ct['node_replacement_s']:.2f} s, cluster {ct['cluster_replacement_s']:.2f} s")
+    print(f"planner: tierckpt local/peer/persistent every {iv['local']}/{iv['peer']}/{iv['persistent']} steps "
+          f"(--save-every {c['save_every']} --persist-every {c['persist_every']}); DCP every {c['dcp_every']} steps "
+          f"(Daly {c['dplan'].baseline_interval_steps}, upload {cd.get('upload_s', 0.0):.1f} s)")
+    dcp = evaluate(c["dcp_costs"], c["failures"], {"persistent": c["dcp_every"] * c["step_s"]}, c["step_s"]).goodput
+    print(f"planner's goodput: tierckpt {c['tplan'].goodput:.1%}, DCP (persistent only, every {c['dcp_every']} "
+          f"steps) {dcp:.1%}: predicted margin {(c['tplan'].goodput - dcp) * 100:+.1f} points", flush=True)
+
+
+def run_arms(args: argparse.Namespace, c: dict, work: Path, sock: Path, logs: Path,
+             store: ObjectStore | None) -> dict[str, list[Incarnation]]:
+    """The two arms, then the DCP interval sweep, each under the same failure schedule."""
+    runs = [("tierckpt", None), ("dcp", c["dcp_every"])]
+    runs += [(f"dcp-x{f:g}", max(1, round(f * c["dcp_every"]))) for f in args.sweep]
+    incs = {}
+    for name, every in runs:
+        print(f"arm {name}:" + (f" DCP every {every} steps" if every else ""), flush=True)
+        if every is None:
+            arm: Any = TierckptArm(work / name, sock / name, c["persist_every"], store)
+            cmd = {"steps": args.steps, "save_every": c["save_every"], "persist_every": c["persist_every"],
+                   "model": args.model}
+        else:
+            arm = DcpArm(work / name, store)
+            arm.name = name
+            cmd = {"steps": args.steps, "save_every": every, "persist_every": 0, "model": args.model}
+        try:
+            incs[name] = run_arm(arm, logs, failure_schedule(args.seed, args.mtbi, args.fractions), cmd,
+                                 timeout=20 * args.steps * c["step_s"] + 600)
+        finally:
+            arm.close()
+            if store:
+                store.delete_prefix(store.url(f"tck-{name}") if every is None else arm.target)
+    return incs
+
+
+def predict(results: dict[str, dict], c: dict, args: argparse.Namespace) -> None:
+    """Adds the planner's goodput for the intervals each arm used, at the planned and realized MTBI."""
+    fr, step_s = args.fractions, c["step_s"]
+    for name, res in results.items():
+        if name == "tierckpt":
+            cost, ivs = c["costs"], {t: (n * step_s if n else None) for t, n in c["iv"].items()}
+        else:
+            every = c["dcp_every"] if name == "dcp" else max(1, round(float(name[5:]) * c["dcp_every"]))
+            cost, ivs = c["dcp_costs"], {"persistent": every * step_s}
+            res["interval_steps"] = every
+        res["predicted"] = evaluate(cost, c["failures"], ivs, step_s).goodput
+        res["simulated"] = simulate(cost, c["failures"], ivs, work_s=args.steps * step_s, runs=SIM_RUNS,
+                                    lag_s=c["lag_s"], seed=args.seed,
+                                    serial=() if name == "tierckpt" else ["persistent"]).goodput
+        n = sum(res["failures"].values())
+        real = FailureModel((res["wall_s"] - res["startup_s"] - res["exit_s"]) / n, fr["crash"], fr["node"],
+                            fr["cluster"]) if n else None
+        res["predicted_realized"] = evaluate(cost, real, ivs, step_s).goodput if real else None
+        res["simulated_realized"] = simulate(cost, real, ivs, work_s=args.steps * step_s, runs=SIM_RUNS,
+                                             lag_s=c["lag_s"], seed=args.seed,
+                                             serial=() if name == "tierckpt" else ["persistent"]).goodput \
+            if real else None
+
+
+SWEEP_FACTORS = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3)
+
+
+def sim_sweep(c: dict, args: argparse.Namespace, factors: tuple[float, ...] = SWEEP_FACTORS) -> dict:
+    """The simulator's goodput for DCP at multiples of its planned interval (same inputs as the arms)."""
+    out = {}
+    for f in factors:
+        every = max(1, round(f * c["dcp_every"]))
+        out[every] = simulate(c["dcp_costs"], c["failures"], {"persistent": every * c["step_s"]},
+                              work_s=args.steps * c["step_s"], runs=SIM_RUNS, lag_s=c["lag_s"], seed=args.seed,
+                              serial=["persistent"]).goodput
+    best = max(out, key=out.__getitem__)
+    print("simulated DCP interval sweep (steps: goodput): " + ", ".join(f"{k}: {v:.1%}" for k, v in out.items())
+          + f"; best {best}, planned {c['dcp_every']}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--dcp-worker" in argv:
+        return dcp_worker(argv)
+    if "--extrapolate" in argv:
+        extrapolate()
+        return 0
+    args = parse_args(argv)
+    fr = args.fractions
     from tierckptd.testing import scratch_dir
 
     work = Path(tempfile.mkdtemp(prefix="tck-goodput-"))  # persistent tier and DCP: disk, not tmpfs
     sock = scratch_dir("tck-gp-")  # daemons' local dirs (tmpfs) and sockets
     logs = work / "logs"
     logs.mkdir()
-    print(f"model {' '.join(model)}; {steps} steps per arm; MTBI {mtbi:g} s (crash {fr['crash']:.0%}, "
+    print(f"model {' '.join(args.model)}; {args.steps} steps per arm; MTBI {args.mtbi:g} s (crash {fr['crash']:.0%}, "
           f"node {fr['node']:.0%}, cluster {fr['cluster']:.0%}); seed {args.seed}")
-    print(f"DCP dir and persistent tier on {fstype(work)} ({work}); local tier on {fstype(sock)} ({sock})")
+    store = ObjectStore(work, args.s3_rate * 2**20) if args.s3 else None
+    if store:
+        print(f"persistent tier and DCP: S3 (moto_server) through a {args.s3_rate:g} MiB/s limit per direction; "
+              f"local tier on {fstype(sock)} ({sock})")
+    else:
+        print(f"DCP dir and persistent tier on {fstype(work)} ({work}); local tier on {fstype(sock)} ({sock})")
     try:
         print("calibrating (clean steps, save stalls, a crash, a node loss and a cluster loss) ...", flush=True)
-        cal_steps = 60 if args.quick else 80
-        cd = calibrate_dcp(work, logs, model, cal_steps)
-        ct = calibrate_tierckpt(work, sock, logs, model, cal_steps)
-        step_s = cd["step_s"]  # plans are made before the arms run, from the calibration
-        # The same process restart (python + torch import) in both arms: one figure from all samples.
-        restart = statistics.median(ct["restarts_s"] + cd["restarts_s"])
-        r = {k: restart + ct[f"{k}_restore_s"] for k in ("local", "peer", "persistent")}
-        r["peer"] += ct["node_replacement_s"]
-        r["persistent"] += ct["cluster_replacement_s"]
-        # Every local save is also copied to a peer: local and peer cost the same (effective, see
-        # save_costs); a persist save adds the drain.
-        save_cost = ct["local_cost_s"]
-        costs = [TierCost("local", save_cost, r["local"]), TierCost("peer", save_cost, r["peer"]),
-                 TierCost("persistent", max(save_cost, ct["persist_cost_s"]), r["persistent"])]
-        tplan = plan(costs, failures, step_s)
-        iv = tplan.intervals_steps
-        save_every = min(s for s in iv.values() if s)
-        persist_every = iv["persistent"] or 0
-        dcp_costs = [TierCost("persistent", cd["persist_cost_s"], restart + cd["restore_s"])]
-        dplan = plan(dcp_costs, failures, step_s)
-        dcp_every = dplan.baseline_interval_steps
-        print(f"clean step {step_s * 1e3:.1f} ms; save stall / effective cost: tierckpt local+peer "
-              f"{ct['local_stall_s'] * 1e3:.0f} / {save_cost * 1e3:.0f} ms, +persistent "
-              f"{ct['persist_stall_s'] * 1e3:.0f} / {ct['persist_cost_s'] * 1e3:.0f} ms, DCP "
-              f"{cd['persist_stall_s'] * 1e3:.0f} / {cd['persist_cost_s'] * 1e3:.0f} ms")
-        print(f"process restart {restart:.2f} s (median of {len(ct['restarts_s']) + 1}); restore after it: "
-              f"local {ct['local_restore_s'] * 1e3:.0f} ms, peer {ct['peer_restore_s'] * 1e3:.0f} ms, persistent "
-              f"{ct['persistent_restore_s'] * 1e3:.0f} ms, DCP {cd['restore_s'] * 1e3:.0f} ms; daemon replacement: "
-              f"node {ct['node_replacement_s']:.2f} s, cluster {ct['cluster_replacement_s']:.2f} s")
-        print(f"planner: tierckpt local/peer/persistent every {iv['local']}/{iv['peer']}/{iv['persistent']} steps "
-              f"(--save-every {save_every} --persist-every {persist_every}); DCP every {dcp_every} steps")
-
-        incs = {}
-        for name in ("tierckpt", "dcp"):
-            print(f"arm {name}:", flush=True)
-            if name == "tierckpt":
-                arm: Any = TierckptArm(work / name, sock / name, persist_every)
-                cmd = {"steps": steps, "save_every": save_every, "persist_every": persist_every, "model": model}
-            else:
-                arm = DcpArm(work / name)
-                cmd = {"steps": steps, "save_every": dcp_every, "persist_every": 0, "model": model}
-            try:
-                incs[name] = run_arm(arm, logs, failure_schedule(args.seed, mtbi, fr), cmd,
-                                     timeout=20 * steps * step_s + 300)
-            finally:
-                arm.close()
+        c = calibrate(args, work, sock, logs, store)
+        print_calibration(c)
+        c["sim_sweep"] = sim_sweep(c, args)
+        incs = run_arms(args, c, work, sock, logs, store)
         # Useful step time: each arm's own median step (no save in it), which cancels drift in the
         # outside load between the arms; the wall-time ratio is printed too.
-        results = {name: account(incs[name], steps) for name in incs}
-        schedules = {"tierckpt": (costs, {t: (n * step_s if n else None) for t, n in iv.items()}),
-                     "dcp": (dcp_costs, {"persistent": dcp_every * step_s})}
-        for name, (c, ivs) in schedules.items():
-            res = results[name]
-            res["predicted"] = evaluate(c, failures, ivs, step_s).goodput
-            n = sum(res["failures"].values())
-            real = FailureModel((res["wall_s"] - res["startup_s"] - res["exit_s"]) / n, fr["crash"], fr["node"], fr["cluster"]) \
-                if n else None
-            res["predicted_realized"] = evaluate(c, real, ivs, step_s).goodput if real else None
-        report(results, steps, step_s)
+        results = {name: account(incs[name], args.steps) for name in incs}
+        predict(results, c, args)
+        report(results, args.steps, c["step_s"])
         if args.json:
             Path(args.json).write_text(json.dumps({
-                "steps": steps, "mtbi_s": mtbi, "fractions": fr, "seed": args.seed, "model": list(model),
-                "calibration": {"tierckpt": ct, "dcp": cd}, "plan": tplan.to_dict(), "dcp_plan": dplan.to_dict(),
-                "intervals_steps": {"save_every": save_every, "persist_every": persist_every, "dcp_every": dcp_every},
-                "calibration_step_s": step_s,
+                "steps": args.steps, "mtbi_s": args.mtbi, "fractions": fr, "seed": args.seed,
+                "model": list(args.model), "s3_rate_mib_s": args.s3_rate if store else None,
+                "calibration": {"tierckpt": c["ct"], "dcp": c["cd"]}, "plan": c["tplan"].to_dict(),
+                "dcp_plan": c["dplan"].to_dict(), "intervals_steps": {
+                    "save_every": c["save_every"], "persist_every": c["persist_every"], "dcp_every": c["dcp_every"]},
+                "calibration_step_s": c["step_s"], "lag_s": c["lag_s"], "sim_sweep": c["sim_sweep"],
                 "arms": results}, indent=2))
     finally:
+        if store:
+            store.close()
         if args.keep:
             print(f"work dir kept: {work} (logs/), {sock}")
         else:
@@ -638,10 +1031,25 @@ def report(results: dict[str, dict], steps: int, calibration_step_s: float) -> N
             ("planner's prediction", lambda a: f"{a['predicted']:.1%}"),
             ("  at the realized MTBI", lambda a: "-" if a["predicted_realized"] is None
              else f"{a['predicted_realized']:.1%}"),
+            ("simulator's prediction", lambda a: f"{a['simulated']:.1%}"),
+            ("  at the realized MTBI", lambda a: "-" if a["simulated_realized"] is None
+             else f"{a['simulated_realized']:.1%}"),
             ("final loss", lambda a: f"{a['final_loss']:.6f}" if a["final_loss"] is not None else "-")]
-    print(f"{'':<28} {'tierckpt':>22} {'DCP':>22}")
+    names = list(results)
+    print(f"{'':<28}" + "".join(f" {'DCP' if n == 'dcp' else n:>22}" for n in names))
     for label, fn in rows:
-        print(f"{label:<28} {fn(t):>22} {fn(d):>22}")
+        print(f"{label:<28}" + "".join(f" {fn(results[n]):>22}" for n in names))
+    print(f"goodput margin tierckpt - DCP: measured {(t['goodput'] - d['goodput']) * 100:+.1f} points "
+          f"(without start-up and exit {(t['goodput_steady'] - d['goodput_steady']) * 100:+.1f}); planner "
+          f"{(t['predicted'] - d['predicted']) * 100:+.1f} points, simulator "
+          f"{(t['simulated'] - d['simulated']) * 100:+.1f}")
+    sweep = {n: r for n, r in results.items() if n.startswith("dcp")}
+    if len(sweep) > 1:
+        best = max(sweep, key=lambda n: sweep[n]["goodput_steady"])
+        print("DCP interval sweep (steps: goodput without start-up/exit): " + ", ".join(
+            f"{r['interval_steps']}: {r['goodput_steady']:.1%}" for r in sorted(sweep.values(),
+                                                                               key=lambda r: r["interval_steps"]))
+              + f"; best {sweep[best]['interval_steps']}, planned {d['interval_steps']}")
     print(f"goodput ratio tierckpt/DCP: {t['goodput'] / d['goodput']:.2f}x "
           f"(without start-up and exit {t['goodput_steady'] / d['goodput_steady']:.2f}x; "
           f"wall-time ratio DCP/tierckpt {d['wall_s'] / t['wall_s']:.2f}x; "

@@ -10,7 +10,6 @@ import math
 import sys
 
 import pytest
-
 from tierckpt import goodput as gp
 from tierckpt.errors import InvalidArgumentError
 from tierckpt.goodput import FailureModel, Policy, TierCost
@@ -297,7 +296,7 @@ def test_policy_rounds_to_steps_and_accepts_new_step_time() -> None:
 
 @pytest.mark.parametrize("step", [-1, 1.5, "3", True])
 def test_policy_rejects_bad_steps(step) -> None:
-    with pytest.raises(InvalidArgumentError, match="^step"):
+    with pytest.raises(InvalidArgumentError, match=r"^step"):
         Policy(gp.plan(COSTS, FAILURES, 1.0)).should_save(step)
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("bench_goodput", Path(__file__).resolve().parents[1] / "bench" / "goodput.py")
+_BENCH = Path(__file__).resolve().parents[1] / "bench"
+_SPEC = importlib.util.spec_from_file_location("bench_goodput", _BENCH / "goodput.py")
 gp = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = gp  # dataclasses look their module up
 _SPEC.loader.exec_module(gp)  # type: ignore[union-attr]
@@ -57,11 +58,11 @@ def test_account_splits_wall_time(tmp_path: Path) -> None:
     # Run 0: spawned at 0, first line at 3, steps 1..25 from 3.2 (saves at 10 and 20 stall 0.3 s),
     # killed by a node loss 0.05 s after its last step; the daemon is replaced in 0.4 s. Run 1:
     # spawned then, first line 3 s later, restores step 20 in 0.5 s, steps 21..30, exits 1 s later.
-    ev0 = [("start", 3.0), ("restore", 3.1, {"step": None})] + _steps(1, 25, 3.2, dt, {10: 0.3, 20: 0.3})
+    ev0 = [("start", 3.0), ("restore", 3.1, {"step": None}), *_steps(1, 25, 3.2, dt, {10: 0.3, 20: 0.3})]
     run0 = gp.Incarnation(0.0, _log(tmp_path / "0.jsonl", ev0), end_t=ev0[-1][1] + 0.05, killed_by="node",
                           replacement_s=0.4)
     t1 = run0.end_t + 0.4
-    ev1 = [("start", t1 + 3.0), ("restore", t1 + 3.5, {"step": 20, "tier": "peer"})] + _steps(21, 30, t1 + 3.6, dt, {})
+    ev1 = [("start", t1 + 3.0), ("restore", t1 + 3.5, {"step": 20, "tier": "peer"}), *_steps(21, 30, t1 + 3.6, dt, {})]
     run1 = gp.Incarnation(t1, _log(tmp_path / "1.jsonl", ev1), end_t=ev1[-1][1] + 1.0)
     a = gp.account([run0, run1], 30)
 
@@ -85,7 +86,7 @@ def test_account_splits_wall_time(tmp_path: Path) -> None:
 
 
 def test_save_costs_charge_slow_steps_after_a_save(tmp_path: Path) -> None:
-    ev = [("start", 0.0), ("restore", 0.1, {"step": None})] + _steps(1, 31, 1.0, 0.1, {})
+    ev = [("start", 0.0), ("restore", 0.1, {"step": None}), *_steps(1, 31, 1.0, 0.1, {})]
     # Saves at 5, 15, 25 (local) and 10, 20 (persist): 10 ms stall; each local save's next step is
     # 50 ms slower, each persist save's next two steps are.
     at = {e[2]["step"]: e[1] for e in ev if e[0] == "step"}
@@ -103,3 +104,86 @@ def test_save_costs_charge_slow_steps_after_a_save(tmp_path: Path) -> None:
     assert costs["local_stall_s"] == pytest.approx(0.01)
     assert costs["local_cost_s"] == pytest.approx(0.05)
     assert costs["persist_cost_s"] == pytest.approx(0.10)
+
+
+# ---------------------------------------------------------------------------------------------- throttle
+
+_TSPEC = importlib.util.spec_from_file_location("bench_throttle", _BENCH / "_throttle.py")
+thr = importlib.util.module_from_spec(_TSPEC)
+_TSPEC.loader.exec_module(thr)  # type: ignore[union-attr]
+
+
+def test_token_bucket_spends_the_burst_then_paces() -> None:
+    now = [0.0]
+    b = thr.TokenBucket(rate=100.0, burst=50.0, clock=lambda: now[0])
+    assert b.delay(50) == 0.0  # the burst is free
+    assert b.delay(100) == pytest.approx(1.0)  # then rate-limited, in debt
+    now[0] = 1.0
+    assert b.delay(100) == pytest.approx(1.0)  # the debt was repaid, this one waits its own second
+    now[0] = 100.0
+    assert b.delay(0) == 0.0 and b.tokens == pytest.approx(50.0)  # refills no deeper than the burst
+
+
+def test_proxy_relays_both_ways_at_the_limit() -> None:
+    import asyncio
+    import time
+
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    rate = 4 * 2**20
+
+    async def scenario() -> tuple[float, bytes]:
+        async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            w.write(await r.readexactly(len(payload)))
+            await w.drain()
+            w.close()
+
+        target = await asyncio.start_server(echo, "127.0.0.1", 0)
+        tport = target.sockets[0].getsockname()[1]
+        # serve()'s relay, with its two shared buckets, in this event loop.
+        up, down = thr.TokenBucket(rate, rate * 0.01), thr.TokenBucket(rate, rate * 0.01)
+
+        async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+            tr, tw = await asyncio.open_connection("127.0.0.1", tport)
+            await asyncio.gather(thr._pipe(cr, tw, up), thr._pipe(tr, cw, down))
+
+        proxy = await asyncio.start_server(handle, "127.0.0.1", 0)
+        r, w = await asyncio.open_connection("127.0.0.1", proxy.sockets[0].getsockname()[1])
+        t0 = time.monotonic()
+        w.write(payload)
+        await w.drain()
+        got = await r.readexactly(len(payload))
+        elapsed = time.monotonic() - t0
+        w.close()
+        proxy.close()
+        target.close()
+        return elapsed, got
+
+    elapsed, got = asyncio.run(scenario())
+    assert got == payload
+    # 1 MiB up, then (the echo reads it all first) 1 MiB back, at 4 MiB/s each: about 0.5 s.
+    assert elapsed >= 0.4
+
+
+def test_dcp_store_keeps_the_two_newest_complete_steps(tmp_path: Path) -> None:
+    for step, complete in ((10, True), (20, True), (30, False), (40, True), (50, False)):
+        d = tmp_path / f"step-{step:08d}"
+        d.mkdir()
+        if complete:
+            (d / ".metadata").write_bytes(b"x")
+    (tmp_path / "step-00000060.tmp").mkdir()  # a directory save cut short: never a step
+    store = gp.DcpStore(str(tmp_path))
+    assert store.steps() == [10, 20, 30, 40, 50]
+    assert store.complete() == [10, 20, 40]
+    store.prune()
+    assert store.steps() == [20, 30, 40, 50]  # 30 and 50 may still be uploading: kept
+    assert store.complete() == [20, 40]
+
+
+def test_extrapolation_multi_tier_ahead_where_the_store_is_slow() -> None:
+    slow = next(s for s in gp.SCALES if s.gpus == 16384 and s.store_gb_s == 25.0)
+    assert slow.nodes == 2048 and slow.store_s == pytest.approx(3.164e9 / (25e9 / 2048), rel=0.01)
+    r = gp.scale_case(slow, days=4, runs=1)
+    assert r["mtbi_s"] == pytest.approx(54 * 86400 / 466)
+    assert r["tck"].goodput > r["base"].goodput + 0.02
+    assert r["tck"].badput.lost_compute < r["base"].badput.lost_compute
+    assert r["base_iv"] >= slow.store_s  # one upload at a time

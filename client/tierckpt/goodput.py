@@ -67,8 +67,8 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
 
 from .errors import InvalidArgumentError
 
@@ -86,6 +86,8 @@ __all__ = [
     "plan",
     "evaluate",
     "metrics_inputs",
+    "simulate",
+    "SimResult",
 ]
 
 TIERS = ("local", "peer", "persistent")
@@ -508,7 +510,7 @@ def evaluate(costs: Iterable[TierCost], failures: FailureModel, intervals_s: Map
         if iv is not None:
             intervals[t] = _number(iv, f"intervals_s[{t}]")
     used = [t for t in TIERS if t in intervals]
-    for lo, hi in zip(used, used[1:]):
+    for lo, hi in itertools.pairwise(used):
         if intervals[hi] < intervals[lo]:
             raise InvalidArgumentError(f"intervals_s[{hi}]: {intervals[hi]:g} s is shorter than "
                                        f"intervals_s[{lo}] ({intervals[lo]:g} s); saves are nested")
@@ -575,8 +577,8 @@ _LABEL_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 def _samples_fallback(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
     """Minimal exposition-format parser: ``name{labels} value`` lines, comments skipped."""
-    for line in text.splitlines():
-        line = line.strip()
+    for raw in text.splitlines():
+        line = raw.strip()
         m = _SAMPLE_RE.match(line) if line and not line.startswith("#") else None
         if m is None:
             continue
@@ -633,3 +635,6 @@ def metrics_inputs(text: str) -> dict[str, float]:
         acc = sums if kind == "sum" else counts
         acc[key] = acc.get(key, 0.0) + value
     return {k: sums.get(k, 0.0) / counts[k] for k in sorted(counts) if counts[k] > 0}
+
+
+from .goodput_sim import SimResult, simulate  # noqa: E402  (the simulator builds on the definitions above)
