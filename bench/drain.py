@@ -43,7 +43,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import boto3
-
     import tierckpt
     from tierckptd.backends.s3 import default_transfer_config
 

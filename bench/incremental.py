@@ -29,12 +29,11 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import train  # noqa: E402
-
-from tierckptd.knobs import KNOBS  # noqa: E402
-from tierckptd.persistent import compress, manifest_key  # noqa: E402
-from tierckptd.persistent.calls import BackendCalls  # noqa: E402
-from tierckptd.persistent.gc import collect  # noqa: E402
+import train
+from tierckptd.knobs import KNOBS
+from tierckptd.persistent import compress, manifest_key
+from tierckptd.persistent.calls import BackendCalls
+from tierckptd.persistent.gc import collect
 
 
 def _state(steps: int) -> dict[str, tuple[bytes, str]]:

@@ -7,7 +7,6 @@ import time
 from tierckptd.testing import _BIN_DIR, Daemon, free_port, scratch_dir  # noqa: F401
 
 
-
 def wait_until(pred, timeout: float = 20.0, what: str = "condition", interval: float = 0.1):
     """Poll ``pred()`` until it returns something truthy (returned), or fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

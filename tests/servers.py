@@ -54,8 +54,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import pytest
 
@@ -119,7 +120,8 @@ class ServerProcess:
         deadline = time.monotonic() + _START_TIMEOUT
         while True:
             with open(self.log_path, "ab") as log:
-                self._proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                self._proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL)
             while time.monotonic() < deadline and self._proc.poll() is None:
                 if self._ready():
                     self._paused = False

@@ -12,11 +12,11 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from tierckpt.errors import InvalidArgumentError, NotFoundError
 from tierckptd.backends import Backend, BackendError, MissingExtraError, open_backend
 from tierckptd.config import ConfigError
@@ -27,7 +27,8 @@ from .servers import BackendTarget, make_backend_target
 
 MiB = 1 << 20
 # Fail fast while a server is down: the SDKs' own retries would only slow the outage tests.
-_FAST: dict[str, dict[str, Any]] = {"file": {}, "s3": {"sdk_max_attempts": 1, "connect_timeout": 2.0, "read_timeout": 10.0},
+_FAST: dict[str, dict[str, Any]] = {"file": {},
+                                    "s3": {"sdk_max_attempts": 1, "connect_timeout": 2.0, "read_timeout": 10.0},
          "gs": {"sdk_retry_timeout": 0, "timeout": (2.0, 10.0)}}
 
 
@@ -208,7 +209,7 @@ def test_server_outage_is_retryable_and_recovers(backend_target) -> None:
         server.stop()
         try:
             for call in (lambda: backend.put_bytes("during", b"2"), lambda: backend.get_bytes("before"),
-                         lambda: backend.list(), lambda: backend.exists("before")):
+                         backend.list, lambda: backend.exists("before")):
                 with pytest.raises(BackendError) as exc:
                     call()
                 assert exc.value.retryable, exc.value

@@ -5,7 +5,6 @@ from __future__ import annotations
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
-
 from tierckptd.metrics import Metrics
 
 EXPECTED = {

@@ -20,7 +20,8 @@ def test_base_dependencies_have_no_cloud_sdk_or_daemon_stack():
 def test_importing_the_client_loads_no_cloud_sdk_torch_or_daemon():
     code = ("import sys, tierckpt, tierckpt.cli, tierckpt.goodput\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('boto3', 'botocore', 'torch', 'tierckptd', 'uvloop', 'prometheus_client') or m.startswith('google.cloud')]\n"
+            "('boto3', 'botocore', 'torch', 'tierckptd', 'uvloop', 'prometheus_client') "
+            "or m.startswith('google.cloud')]\n"
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""

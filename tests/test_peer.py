@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import tierckpt
 from tierckpt.common import checksum as _checksum
-from tierckptd.peer.bulk import OrderedHasher, runs
 from tierckptd.cluster.ring import placement as ring_placement
 from tierckptd.peer import plan_pieces
+from tierckptd.peer.bulk import OrderedHasher, runs
 
 from .harness import Cluster, Daemon, free_port, wait_until
 
@@ -84,7 +84,8 @@ def test_node_replacement_restores_every_rank_byte_for_byte(daemon_factory):
     cl = Cluster(daemon_factory, 4)
     job, world = "train", 4
     big = 130 << 20  # > 2 * MIN_PIECE: travels as two pieces, verified after arrival
-    data = {(s, r): {"w": shard(100 * s + r, 3_000_000 + r), "opt": shard(7 + r, 1000)} for s in (1, 2) for r in range(4)}
+    data = {(s, r): {"w": shard(100 * s + r, 3_000_000 + r), "opt": shard(7 + r, 1000)}
+            for s in (1, 2) for r in range(4)}
     data[(2, 1)]["w"] = shard(99, big)
     for step in (1, 2):
         for rank, node in enumerate(cl.ids):  # rank i is saved on node i
@@ -204,8 +205,8 @@ def test_peers_dns_discovers_node_ids_by_asking_each_address(daemon_factory):
                                                 f"{hosts[other[n]]}:{port}", "--replicas", "1"))
          for n, h in hosts.items()}
     with d["n0"].client() as c:
-        wait_until(lambda: [(p.node_id, p.address, p.up) for p in c.status().peers] == [("n1", f"127.0.0.2:{port}", True)],
-                   what="n0 discovers n1")
+        want = [("n1", f"127.0.0.2:{port}", True)]
+        wait_until(lambda: [(p.node_id, p.address, p.up) for p in c.status().peers] == want, what="n0 discovers n1")
         fut = c.save("dns", 1, 0, 1, {"a": b"dns" * 1000})
         assert fut.wait("peer", timeout=60) == ["n1"]
 

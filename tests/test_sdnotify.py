@@ -10,7 +10,6 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-
 from tierckptd.sdnotify import Notifier, watchdog_loop
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sd_notify is Linux-only")

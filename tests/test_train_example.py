@@ -94,7 +94,7 @@ def test_daemon_loss_fails_saves_but_not_training_unless_asked(daemon_factory, s
     commits = [e for e in events(soft_log) if e["event"] == "commit"]
     failed = [e for e in commits if not e["ok"]]
     assert commits[0]["ok"] and failed and all("UnavailableError" in e["error"] for e in failed)
-    end = [e for e in events(soft_log) if e["event"] == "end"][0]
+    end = next(e for e in events(soft_log) if e["event"] == "end")
     assert end["failed"] == len(failed) and end["committed"] == len(commits) - len(failed)
     assert "failed" in soft_out and "UnavailableError" in soft_out
 

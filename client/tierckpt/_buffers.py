@@ -79,7 +79,7 @@ def torch_dtype_numpy(dtype: str) -> np.dtype | None:
 
 def to_array(buf: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """A numpy view of stored bytes: typed where numpy knows the dtype, else flat uint8."""
-    raw = np.frombuffer(buf, dtype=np.uint8) if len(memoryview(buf)) else np.empty(0, np.uint8)
+    raw = np.frombuffer(buf, dtype=np.uint8) if memoryview(buf) else np.empty(0, np.uint8)
     if not dtype:
         return raw
     npdt = torch_dtype_numpy(dtype) if dtype.startswith(_TORCH_PREFIX) else np.dtype(dtype)
@@ -94,7 +94,7 @@ def to_tensor(buf: Any, dtype: str, shape: tuple[int, ...]):
     use is up to the caller)."""
     import torch
 
-    raw = np.frombuffer(buf, dtype=np.uint8) if len(memoryview(buf)) else np.empty(0, np.uint8)
+    raw = np.frombuffer(buf, dtype=np.uint8) if memoryview(buf) else np.empty(0, np.uint8)
     if dtype.startswith(_TORCH_PREFIX):
         tdt = getattr(torch, dtype.removeprefix(_TORCH_PREFIX))
     elif dtype:

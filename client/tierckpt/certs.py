@@ -27,9 +27,10 @@ import datetime
 import ipaddress
 import os
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterable, TextIO
+from typing import Any, TextIO
 
 from .common.names import check_node
 from .errors import AlreadyExistsError, InvalidArgumentError, TierckptError
@@ -146,7 +147,7 @@ def make_ca(out_dir: str | os.PathLike, *, name: str = "tierckpt cluster CA", da
     _refuse_existing_key(key_path, force)
     key = c.ec.generate_private_key(c.ec.SECP256R1())
     subject = c.x509.Name([c.x509.NameAttribute(c.NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     x = c.x509
     cert = (x.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
             .serial_number(x.random_serial_number())

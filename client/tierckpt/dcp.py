@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -59,8 +60,6 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
-
-import torch.distributed as dist
 
 from .agree import agree_restore_step
 from .client import Checkpoint, Client

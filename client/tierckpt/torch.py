@@ -48,9 +48,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .common.names import check_job
 from .agree import agree_restore_step
 from .client import Checkpoint, Client, SaveFuture
+from .common.names import check_job
 from .errors import InvalidArgumentError, TierckptError
 
 __all__ = ["Checkpointer", "RNGState", "Restored", "SaveStats"]

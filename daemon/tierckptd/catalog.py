@@ -6,7 +6,7 @@ to evict live in :mod:`tierckptd.retention`; this class only answers from its st
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from . import retention
 from .manifest import Manifest

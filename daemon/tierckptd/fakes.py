@@ -16,8 +16,9 @@ from __future__ import annotations
 import collections
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import BinaryIO, Sequence
+from typing import BinaryIO
 
 from tierckpt.errors import NotFoundError
 

@@ -25,10 +25,11 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
-__all__ = ["LocalDir", "Rel", "FILE_MODE", "DIR_MODE", "STAGING_MODE", "fs_is_tmpfs", "UnsafeFileError", "check_regular", "digest_fd"]
+__all__ = ["LocalDir", "Rel", "FILE_MODE", "DIR_MODE", "STAGING_MODE", "fs_is_tmpfs", "UnsafeFileError",
+           "check_regular", "digest_fd"]
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750

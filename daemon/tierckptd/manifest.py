@@ -75,7 +75,7 @@ class Manifest:
         return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> "Manifest":
+    def from_json(cls, data: bytes | str) -> Manifest:
         """Parse and validate a manifest. Raises DataLossError if it is malformed."""
         try:
             doc = json.loads(data)

@@ -20,7 +20,6 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-
 from tierckpt.common import status as _status
 from tierckpt.errors import InvalidArgumentError, TierckptError
 

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import os
 import socket
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 __all__ = ["Notifier", "watchdog_loop"]
 
@@ -145,7 +145,7 @@ async def watchdog_loop(notifier: Notifier, status_fn: Callable[[], str] | None 
         if status_fn is not None:
             try:
                 fields["STATUS"] = _line(status_fn())
-            except Exception:  # noqa: BLE001 - task boundary: a broken status must not stop the pings
+            except Exception:
                 log.exception("watchdog status callback failed")
         if fields:
             notifier.notify(**fields)

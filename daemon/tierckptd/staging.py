@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from tierckpt.common.names import MAX_SHARDS_PER_RANK, check_shard, check_size
 from tierckpt.errors import InvalidArgumentError

@@ -20,8 +20,8 @@ import fcntl
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from tierckpt.errors import DataLossError
 

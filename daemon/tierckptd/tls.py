@@ -186,7 +186,7 @@ class TlsReloader:
         """
         with self._lock:
             sig = self._stat()
-            if sig == self._signature or sig == self._failed:
+            if sig in (self._signature, self._failed):
                 return False
             try:
                 files, server, client = self._load(self._files.generation + 1)
@@ -229,7 +229,7 @@ class TlsReloader:
                     return None  # no change
                 self._fetched = files.generation
                 return config_for(files)
-            except Exception:  # noqa: BLE001 - a callback boundary: keep serving with the old files
+            except Exception:
                 log.exception("TLS credential fetch failed; keeping the current certificate")
                 return None
 
@@ -265,9 +265,8 @@ class TlsReloader:
             current = self.server_ssl_context()
             if current is not ctx:
                 sslobj.context = current
-        except Exception:  # noqa: BLE001 - a callback boundary: the handshake goes on with ctx
+        except Exception:
             log.exception("TLS context switch failed; handshake uses the previous files")
-        return None
 
 
 _reloaders: dict[tuple[Any, ...], TlsReloader] = {}

@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-
 from tierckpt.agree import newest_common_step
 from tierckptd.testing import free_port
 

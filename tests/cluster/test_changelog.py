@@ -27,5 +27,5 @@ def test_a_version_from_the_future_or_past_the_horizon_gets_a_snapshot(monkeypat
     for s in range(4):
         del held[("j", s, 0)]
         log.since(0)
-    version, delta, entries, removed = log.since(v1)
+    _, delta, entries, removed = log.since(v1)
     assert not delta and entries == ["g4"] and removed == []  # tombstones forgotten: full snapshot

@@ -1,7 +1,6 @@
 """Membership without daemons: who is watched, completeness with a partial view, the peer guard."""
 
 import pytest
-
 from tierckpt.errors import PermissionDeniedError
 from tierckptd.cluster.membership import Held, Membership
 from tierckptd.config import load_config

@@ -8,7 +8,6 @@ import time
 import urllib.request
 
 import pytest
-
 from tierckptd.cluster import ring
 
 from ..harness import Cluster, wait_until

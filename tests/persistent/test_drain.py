@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import tierckpt
 from tierckptd.backends import open_backend
+from tierckptd.manifest import Manifest, ShardEntry
 from tierckptd.persistent import (
     DrainQueue,
     data_key,
@@ -22,7 +22,6 @@ from tierckptd.persistent import (
     plan_retention,
     selected,
 )
-from tierckptd.manifest import Manifest, ShardEntry
 
 from ..harness import free_port, wait_until
 
@@ -172,7 +171,7 @@ def test_kill9_mid_drain_resumes_and_never_shows_a_partial_rank(daemon_factory, 
                               for r in range(world)]:
                         f.result(30)
                 prefix = f"job/data/{step:020d}/"
-                _until(lambda: be.list(prefix), 30, "a first data object")  # noqa: B023
+                _until(lambda: be.list(prefix), 30, "a first data object")
                 a.kill()
                 done = len(be.list(f"job/manifests/{step:020d}/"))
                 if done < world:

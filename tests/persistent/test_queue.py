@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from tierckpt.errors import TierError
 from tierckptd.knobs import KNOBS
 from tierckptd.persistent import DrainQueue, manifest_key

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from tierckptd.fakes import FaultyBackend
 
@@ -39,7 +39,7 @@ def test_keep_persistent_deletes_old_steps_manifests_first_then_data(tmp_path: P
         for step in (1, 2):
             kinds = [keys[0].split("/")[1] for keys in retained if f"/{step:020d}/" in keys[0]]
             assert kinds == ["manifests", "data"], (step, retained)
-        assert sorted((await rig.tier.catalog("job"))) == [3, 4]
+        assert sorted(await rig.tier.catalog("job")) == [3, 4]
         await rig.tier.stop(1.0)
 
     asyncio.run(body())

@@ -7,7 +7,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-
 from tierckpt.errors import DataLossError, TierError
 from tierckptd.knobs import KNOBS
 from tierckptd.retry import RetryPolicy

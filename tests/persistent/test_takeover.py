@@ -23,7 +23,7 @@ def _holder(tmp_path: Path, node_id: str = "n1", **kw) -> tuple[Rig, Manifest]:
 
 def test_owner_down_past_grace_the_first_holder_drains_it_in_the_owners_form(tmp_path: Path) -> None:
     async def body() -> None:
-        rig, man = _holder(tmp_path)
+        rig, _man = _holder(tmp_path)
         await rig.tier.start()
         with KNOBS.overridden(takeover_grace=10.0):
             rig.cluster.down["n0"] = 9.9
@@ -44,7 +44,7 @@ def test_owner_down_past_grace_the_first_holder_drains_it_in_the_owners_form(tmp
 
 def test_a_holder_that_is_not_first_after_the_owner_waits(tmp_path: Path) -> None:
     async def body() -> None:
-        rig, man = _holder(tmp_path, node_id="n2")
+        rig, _man = _holder(tmp_path, node_id="n2")
         rig.cluster.holders[KEY] = ["n1"]  # n1 comes first after n0 on the ring
         rig.cluster.down["n0"] = 60.0
         await rig.tier.takeover.check()
@@ -81,7 +81,7 @@ def test_nothing_is_taken_over_when_the_owner_is_up_drained_it_or_there_is_no_cl
 
 def test_the_watcher_takes_over_on_its_own(tmp_path: Path) -> None:
     async def body() -> None:
-        rig, man = _holder(tmp_path)
+        rig, _man = _holder(tmp_path)
         rig.cluster.down["n0"] = 1.0
         with KNOBS.overridden(takeover_grace=0.5, takeover_check_interval=0.01):
             await rig.tier.start()

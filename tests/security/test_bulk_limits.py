@@ -8,7 +8,6 @@ import socket
 import time
 
 import grpc
-
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 

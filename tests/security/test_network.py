@@ -15,7 +15,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from tierckptd import tls
 from tierckptd.config import ConfigError, is_loopback_host, load_config
 

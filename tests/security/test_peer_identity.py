@@ -8,14 +8,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 from tierckptd.manifest import Manifest, ShardEntry
 from tierckptd.testing import free_port
 
 from ..harness import wait_until
-
 from ._util import snapshot
 
 pytest.importorskip("cryptography")

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tierckpt.errors import AlreadyExistsError, InvalidArgumentError
 from tierckptd.backends import open_backend, parse_url
 from tierckptd.config import ConfigError, load_config

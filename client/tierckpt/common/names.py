@@ -35,7 +35,8 @@ def check_shard(name: object, field: str = "shard") -> str:
 
 def check_node(node: object, field: str = "node_id") -> str:
     if not isinstance(node, str) or not NODE_RE.fullmatch(node) or ".." in node:
-        raise InvalidArgumentError(f"{field}: {node!r} is not a valid node id (pattern [A-Za-z0-9][A-Za-z0-9._-]{{0,252}})")
+        raise InvalidArgumentError(
+            f"{field}: {node!r} is not a valid node id (pattern [A-Za-z0-9][A-Za-z0-9._-]{{0,252}})")
     return node
 
 

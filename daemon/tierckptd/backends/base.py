@@ -11,7 +11,8 @@ import abc
 import contextlib
 import os
 import secrets
-from typing import BinaryIO, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import BinaryIO
 
 from tierckpt.errors import InvalidArgumentError, TierckptError
 
@@ -234,7 +235,7 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release clients, pools and threads. The backend is unusable afterwards."""
 
-    def __enter__(self) -> "Backend":
+    def __enter__(self) -> Backend:
         return self
 
     def __exit__(self, *exc: object) -> None:

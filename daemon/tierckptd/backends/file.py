@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import builtins
-
 import contextlib
 import errno
 import os
@@ -11,7 +10,8 @@ import secrets
 import shutil
 import stat
 import time
-from typing import BinaryIO, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import BinaryIO
 
 from tierckpt.errors import NotFoundError, TierckptError
 
@@ -102,7 +102,8 @@ class FileBackend(Backend):
                     nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
                 except OSError as e:
                     if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise _LinkRefused(e.errno, f"{name!r} below the root is a symlink or not a directory") from None
+                        raise _LinkRefused(e.errno,
+                                           f"{name!r} below the root is a symlink or not a directory") from None
                     raise
                 if made:
                     os.fchmod(nxt, _DIR_MODE)

@@ -12,8 +12,9 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Any, BinaryIO, Sequence
+from typing import Any, BinaryIO
 
 from tierckpt.errors import NotFoundError, TierckptError
 
@@ -29,11 +30,11 @@ _RETRYABLE_STATUS = frozenset({408, 429})
 def _load_sdk() -> SimpleNamespace:
     """Import google-cloud-storage now (not when tierckptd is imported), or say what to install."""
     try:
-        import google.cloud.storage as storage
-        import google.cloud.storage.transfer_manager as transfer_manager
         import requests.exceptions
         from google.api_core import exceptions as gexc
         from google.auth import exceptions as aexc
+        from google.cloud import storage
+        from google.cloud.storage import transfer_manager
         from google.cloud.storage.retry import DEFAULT_RETRY
     except ImportError as e:
         raise MissingExtraError(

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import grpc
-
 from tierckpt.common.status import error_from_rpc
 from tierckpt.errors import DeadlineExceededError, FailedPreconditionError, TierckptError
 from tierckpt.v1 import peer_pb2 as ppb

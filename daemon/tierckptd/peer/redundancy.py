@@ -30,8 +30,8 @@ from ..cluster.membership import Membership
 from ..knobs import KNOBS
 from ..manifest import Manifest
 from ..offload import run_blocking
-from ..store import Eviction, LocalStore
 from ..retention import retention_floor
+from ..store import Eviction, LocalStore
 from .replicator import Pusher, Replicator
 
 __all__ = ["Redundancy"]

@@ -205,7 +205,8 @@ class PeerTier(RemoteTier):
                 if j == job and r == rank:
                     old = out.get(step)
                     nodes = tuple(sorted(set(old.nodes if old else ()) | {n}))
-                    out[step] = RankCopy(h.world_size, nodes, h.nbytes, min(old.created, h.created) if old else h.created)
+                    created = min(old.created, h.created) if old else h.created
+                    out[step] = RankCopy(h.world_size, nodes, h.nbytes, created)
         return out
 
     async def fetch(self, job: str, step: int, rank: int) -> Manifest:

@@ -110,7 +110,7 @@ class Catalog:
                 inflight = self._listings[job] = (epoch, self._spawn(self._refresh(job, epoch)))
             try:
                 await asyncio.wait_for(asyncio.shield(inflight[1]), KNOBS.catalog_wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("persistent catalog of %s: listing %s takes longer than %.0fs; answering without it",
                             job, self.url, KNOBS.catalog_wait)
                 stale = True

@@ -167,7 +167,7 @@ class Drainer:
                       if not e.running and e.not_before > now]
             try:
                 await asyncio.wait_for(self._wake.wait(), min(delays) if delays else None)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _attempt_done(self, task: asyncio.Task) -> None:

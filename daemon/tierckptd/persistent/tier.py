@@ -160,7 +160,7 @@ class PersistentTier(RemoteTier):
             t.cancel()
         try:
             await asyncio.wait_for(self.writer.flush(), max(1.0, timeout))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("shutdown: the drain queue directory %s does not answer", self.queue.root)
         log.info("persistent tier stopped: %d ranks left in the drain queue", len(self.ledger.pending))
         self.calls.stop()
