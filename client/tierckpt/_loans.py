@@ -33,9 +33,9 @@ class Loans:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
-    def track(self, key: tuple[str, int, int, str], bufs: list[Any]) -> list[weakref.finalize]:
-        """Release ``key`` once every map among ``bufs`` is gone; returns their finalizers."""
-        maps = [b for b in bufs if isinstance(b, mmap.mmap)]
+    def track(self, key: tuple[str, int, int, str], bufs: dict[str, Any]) -> dict[str, weakref.finalize]:
+        """Release ``key`` once every map among ``bufs`` (by shard) is gone; returns their finalizers."""
+        maps = {n: b for n, b in bufs.items() if isinstance(b, mmap.mmap)}
         self._ensure_thread()
         with self._start_lock:
             self._next += 1
@@ -43,7 +43,7 @@ class Loans:
         self._q.put(("open", loan, len(maps), key))
         if not maps:
             self._q.put(("drop", loan))
-        return [weakref.finalize(m, self._q.put, ("drop", loan)) for m in maps]
+        return {n: weakref.finalize(m, self._q.put, ("drop", loan)) for n, m in maps.items()}
 
     def release_now(self, key: tuple[str, int, int, str]) -> None:
         """End a loan whose maps were never handed to the caller (a failed restore)."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
 from ._loans import Loans
-from ._transfer import StagingMaps, copy_into, hash_staged, map_verified, read_stream
+from ._transfer import StagingMaps, copy_into, hash_staged, map_verified, read_stream, run_batched
 from .common import checksum as _checksum
 from .common.names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
 from .common.status import error_from_rpc
@@ -80,7 +80,7 @@ class Checkpoint:
     dtypes: dict[str, str] = field(default_factory=dict, repr=False)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     _buffers: dict[str, Any] = field(default_factory=dict, repr=False)
-    _finalizers: list = field(default_factory=list, repr=False)
+    _finalizers: dict = field(default_factory=dict, repr=False)
     _loans: Any = field(default=None, repr=False)
 
     def close(self) -> None:
@@ -90,20 +90,19 @@ class Checkpoint:
         keeps its map (its bytes never change); the daemon is told once it is collected.
         Idempotent.
         """
-        bufs = list(self._buffers.values())
+        bufs = dict(self._buffers)
         self.shards.clear()
         self._buffers.clear()
-        for b in bufs:
+        for name, b in bufs.items():
             if not isinstance(b, mmap.mmap):
                 continue
             try:
                 b.close()
             except BufferError:  # still exported by an array the caller holds: released when collected
                 continue
-            for fin in self._finalizers:
-                held = fin.peek()
-                if held is not None and held[0] is b:
-                    fin()
+            fin = self._finalizers.get(name)
+            if fin is not None:
+                fin()
         del bufs
         if self._loans is not None:
             self._loans.flush(timeout=5.0)
@@ -234,6 +233,7 @@ class Client:
         self._committer.shutdown(wait=True)
         self._loans.stop(timeout=5.0)
         self._io.shutdown(wait=True)
+        self._maps.close()
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -349,7 +349,7 @@ class Client:
             return
         try:
             if digests is None:
-                hashes = list(self._io.map(lambda p: hash_staged(p[1], p[2]), paths_sizes))
+                hashes = run_batched(self._io, lambda p: hash_staged(p[1], p[2]), paths_sizes, lambda p: p[2])
                 digests = {name: h for (name, _, _), h in zip(paths_sizes, hashes)}
             req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist,
                                        digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
@@ -483,16 +483,16 @@ class Client:
 
         shared = self.transfer != "stream" and self._sees(resp.local_dir, resp.fs_token)
         key = (job, resp.step, rank, resp.generation)
-        finalizers: list = []
+        finalizers: dict = {}
         if shared:
             verify = self.verify == "always" or (self.verify is True and resp.tier == pb.TIER_LOCAL)
             try:
-                bufs = list(self._io.map(lambda s: map_verified(job, resp.step, rank, s, advance, verify),
-                                         resp.shards))
+                bufs = run_batched(self._io, lambda s: map_verified(job, resp.step, rank, s, advance, verify),
+                                   list(resp.shards), lambda s: s.size)
             except BaseException:
                 self._loans.release_now(key)  # nothing was handed out
                 raise
-            finalizers = self._loans.track(key, bufs)
+            finalizers = self._loans.track(key, {s.name: b for s, b in zip(resp.shards, bufs)})
         else:
             if self.transfer != "stream":
                 self._loans.release_now(key)  # asked for paths (and a loan), but reads over gRPC

@@ -73,3 +73,16 @@ def test_release_of_an_unknown_copy_is_answered_not_released(daemon):
             raise AssertionError("an empty generation was accepted")
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "generation" in e.details()
+
+
+def test_many_small_shards_round_trip_through_batched_copies(daemon_factory):
+    from tierckpt._transfer import batches
+
+    assert batches([3, 3, 3, 3, 3], lambda x: x, limit=6) == [[3, 3], [3, 3], [3]]
+    d = daemon_factory(args=("--keep-local", "1"))
+    with tierckpt.Client(d.address) as c:
+        for step in (1, 2, 3):  # the third save writes into recycled files
+            shards = {f"s{i:03d}": np.full(1000 + i, (i + step) % 251, np.uint8) for i in range(300)}
+            c.save("j", step, 0, 1, shards).result()
+            with c.restore("j", 0, step=step) as ck:
+                assert all(np.array_equal(ck.shards[n], a) for n, a in shards.items())
