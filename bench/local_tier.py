@@ -9,8 +9,12 @@ warm-up), all on the same tmpfs. Printed:
 - DCP (FileSystemWriter/Reader): dcp.save, dcp.load, dcp.async_save blocking time
 - the ratios the issue targets: save blocking vs async_save blocking (<= 0.5x), commit vs
   dcp.save (>= 2x faster), restore vs dcp.load (>= 5x faster)
+- save series: every save's blocking time, for keep_local 1 and 2, with and without a restore
+  (mapped, then released) after each save; worst/first (target <= 1.5x) and the steady state
+  (median from the first save that can reuse an evicted step's files, save keep_local + 2)
 
-Usage: python bench/local_tier.py [--runs 5] [--arrays 16] [--mib 64]
+Usage: python bench/local_tier.py [--runs 5] [--arrays 16] [--mib 64] [--saves 8] [--series-only]
+       python bench/local_tier.py --saves 0 --layout 16x64MiB,512x1MiB,4000x128KiB
 """
 
 from __future__ import annotations
@@ -44,38 +48,111 @@ def median_time(fn, runs: int, warmup: int = 1, setup=None) -> float:
     return statistics.median(times)
 
 
+def save_series(state: dict, work: Path, keep_local: int, restore: bool, saves: int) -> list[float]:
+    """Blocking time of each of ``saves`` saves into a fresh daemon; with ``restore``, the step is
+    restored (mapped, checked, then released) after each commit, as an evaluation reader would."""
+    import tierckpt
+
+    daemon = Daemon(work, f"k{keep_local}{'r' if restore else ''}", args=("--keep-local", str(keep_local))).start()
+    blocking = []
+    try:
+        with tierckpt.Client(daemon.address) as c:
+            for step in range(1, saves + 1):
+                t0 = time.perf_counter()
+                f = c.save("series", step, 0, 1, state)
+                blocking.append(time.perf_counter() - t0)
+                f.result()
+                if restore:
+                    ck = c.restore("series", 0, step=step)
+                    first = next(iter(ck.shards))
+                    assert ck.shards[first].nbytes == state[first].nbytes
+                    release = getattr(ck, "close", None)
+                    if release is not None:
+                        release()
+                    del ck
+    finally:
+        daemon.terminate()
+        shutil.rmtree(daemon.local_dir, ignore_errors=True)
+    return blocking
+
+
+def print_series(state: dict, work: Path, saves: int) -> None:
+    print(f"\nsave series ({saves} saves each; blocking seconds per save; steady = median from save keep_local+2):")
+    steady_of: dict[tuple[int, bool], float] = {}
+    for keep_local in (1, 2):
+        for restore in (False, True):
+            b = save_series(state, work, keep_local, restore, saves)
+            steady = statistics.median(b[keep_local + 1:]) if len(b) > keep_local + 1 else float("nan")
+            steady_of[(keep_local, restore)] = steady
+            ratio = max(b) / b[0]
+            label = f"keep_local {keep_local}, {'restore after each save' if restore else 'no reader'}"
+            print(f"  {label:<42} " + " ".join(f"{x:.3f}" for x in b))
+            print(f"  {'':<42} worst/first {ratio:.2f}x [<= 1.5x] {'OK' if ratio <= 1.5 else 'MISS'}; "
+                  f"steady {steady:.3f}s (first {b[0]:.3f}s)")
+    for keep_local in (1, 2):
+        r = steady_of[(keep_local, True)] / steady_of[(keep_local, False)]
+        print(f"  keep_local {keep_local}: steady with a reader / without = {r:.2f}x [<= 1.2x] "
+              f"{'OK' if r <= 1.2 else 'MISS'}")
+
+
+def parse_layout(text: str) -> list[tuple[int, int]]:
+    """``16x64MiB,4000x128KiB`` -> [(count, bytes), ...]."""
+    out = []
+    for part in text.split(","):
+        count, size = part.strip().lower().split("x")
+        unit = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}[size[-3:]]
+        out.append((int(count), int(size[:-3]) * unit))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--arrays", type=int, default=16)
     ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--layout", default="", help="comma-separated COUNTxSIZE states, e.g. 16x64MiB,4000x128KiB "
+                    "(default: ARRAYSxMIBMiB); each is compared with DCP in turn")
+    ap.add_argument("--saves", type=int, default=8, help="saves per series, on the first layout (0: no series)")
+    ap.add_argument("--series-only", action="store_true", help="only the save series")
     args = ap.parse_args()
+    layouts = parse_layout(args.layout or f"{args.arrays}x{args.mib}MiB")
+    rng = np.random.default_rng(0)
+    work = scratch_dir("tck-bench-")
+    try:
+        for i, (count, size) in enumerate(layouts):
+            state = {f"layer{j:04d}": rng.standard_normal(size // 4, dtype=np.float32) for j in range(count)}
+            total = sum(a.nbytes for a in state.values())
+            print(f"\n=== state: {count} float32 arrays of {size / 2**20:g} MiB, {total / 2**30:.2f} GiB; "
+                  f"tmpfs dir {work}; median of {args.runs} runs")
+            if args.saves and i == 0:
+                print_series(state, work, args.saves)
+            if not args.series_only:
+                compare(state, work, args.runs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
+
+def compare(state: dict, work: Path, runs: int) -> None:
+    """tierckpt vs the floor, torch.save and DCP on one state (see the module docstring)."""
+    import tierckpt
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    import tierckpt
-
-    n = (args.mib << 20) // 4
-    rng = np.random.default_rng(0)
-    state = {f"layer{i:02d}": rng.standard_normal(n, dtype=np.float32) for i in range(args.arrays)}
     total = sum(a.nbytes for a in state.values())
     tensors = {k: torch.from_numpy(v) for k, v in state.items()}
-    work = scratch_dir("tck-bench-")
     results: dict[str, float] = {}
-    print(f"state: {len(state)} float32 arrays, {total / 2**30:.2f} GiB; tmpfs dir {work}; median of {args.runs} runs")
 
     # ---- physical floor
     dst = {k: np.empty_like(v) for k, v in state.items()}
-    for k in dst:
-        dst[k][:] = 1  # pre-fault
+    for v in dst.values():
+        v[:] = 1  # pre-fault
 
     def memcpy():
         for k, v in state.items():
             np.copyto(dst[k], v)
 
-    results["memcpy (pre-faulted)"] = median_time(memcpy, args.runs)
+    results["memcpy (pre-faulted)"] = median_time(memcpy, runs)
     dst = None  # free the 1 GiB
     raw_dir = work / "raw"
 
@@ -85,7 +162,7 @@ def main() -> None:
             with open(raw_dir / k, "wb") as fh:
                 fh.write(memoryview(v))
 
-    results["write() new tmpfs files"] = median_time(raw_write, args.runs,
+    results["write() new tmpfs files"] = median_time(raw_write, runs,
                                                      setup=lambda: shutil.rmtree(raw_dir, ignore_errors=True))
     shutil.rmtree(raw_dir, ignore_errors=True)
 
@@ -101,29 +178,34 @@ def main() -> None:
             # Blocking time: the caller waits for save() only; commits finish in the background
             # before the next run starts (as between training steps).
             blocking = []
-            for i in range(args.runs + 2):
+            for _i in range(runs + 2):
                 step[0] += 1
                 t0 = time.perf_counter()
                 f = c.save("bench", step[0], 0, 1, tensors)
                 blocking.append(time.perf_counter() - t0)
                 f.result()
             results["tierckpt save() blocking"] = statistics.median(blocking[2:])
-            results["tierckpt save -> committed"] = median_time(ck_commit, args.runs, warmup=1)
+            results["tierckpt save -> committed"] = median_time(ck_commit, runs, warmup=1)
             last = step[0]
 
             def ck_restore():
                 ck = c.restore("bench", 0, step=last)
-                assert float(ck.shards["layer00"][0]) == float(state["layer00"][0])
+                first = next(iter(state))
+                assert float(ck.shards[first][0]) == float(state[first][0])
+                release = getattr(ck, "close", None)  # tierckpt before Checkpoint.close() had none
+                if release is not None:
+                    release()
 
-            results["tierckpt restore"] = median_time(ck_restore, args.runs)
+            results["tierckpt restore"] = median_time(ck_restore, runs)
     finally:
         daemon.terminate()
     shutil.rmtree(daemon.local_dir, ignore_errors=True)
 
     # ---- torch.save / torch.load
     pt = work / "state.pt"
-    results["torch.save"] = median_time(lambda: torch.save(tensors, pt), args.runs, setup=lambda: pt.unlink(missing_ok=True))
-    results["torch.load"] = median_time(lambda: torch.load(pt, weights_only=True), args.runs)
+    results["torch.save"] = median_time(lambda: torch.save(tensors, pt), runs,
+                                        setup=lambda: pt.unlink(missing_ok=True))
+    results["torch.load"] = median_time(lambda: torch.load(pt, weights_only=True), runs)
     pt.unlink()
 
     # ---- DCP
@@ -140,14 +222,14 @@ def main() -> None:
         shutil.rmtree(dcp_dir, ignore_errors=True)
 
     results["dcp.save"] = median_time(lambda: dcp.save(tensors, storage_writer=dcp.FileSystemWriter(dcp_path())),
-                                      args.runs, setup=clean)
+                                      runs, setup=clean)
     saved = dcp_path()
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(saved))
     target = {k: torch.empty_like(v) for k, v in tensors.items()}
-    results["dcp.load"] = median_time(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(saved)), args.runs)
+    results["dcp.load"] = median_time(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(saved)), runs)
     target = None
     blocking = []
-    for i in range(args.runs + 1):
+    for _i in range(runs + 1):
         clean()
         t0 = time.perf_counter()
         f = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(dcp_path()))
@@ -155,7 +237,6 @@ def main() -> None:
         f.result()
     results["dcp.async_save blocking"] = statistics.median(blocking[1:])
     dist.destroy_process_group()
-    shutil.rmtree(work, ignore_errors=True)
 
     width = max(map(len, results))
     print(f"\n{'operation':<{width}}  {'median s':>9}  {'GB/s':>7}")

@@ -25,10 +25,47 @@ from .common.status import error_from_rpc
 from .errors import CapacityError, DataLossError, NotFoundError, TierckptError
 from .v1 import tierckpt_pb2 as pb
 
-__all__ = ["StagingMaps", "copy_into", "map_verified", "read_stream", "hash_staged"]
+__all__ = ["StagingMaps", "copy_into", "map_verified", "read_stream", "hash_staged", "batches", "run_batched"]
 
 _COPY_PIECE = 64 << 20
 """Bytes per copy task: large shards are split so that several I/O threads copy them."""
+_BATCH = 16 << 20
+"""Bytes per task for small shards: thousands of them are copied, hashed or mapped in batches,
+not one executor task each."""
+_MAP_MIN = 1 << 20
+"""Smaller recycled files are written with pwrite: a kept map (and its warming) per small file
+costs more than it saves."""
+
+
+def batches(items: list, size_of: Callable[[Any], int], limit: int = _BATCH) -> list[list]:
+    """Consecutive items grouped into lists of about ``limit`` bytes (each item in one list)."""
+    out: list[list] = []
+    cur: list = []
+    n = 0
+    for it in items:
+        cur.append(it)
+        n += size_of(it)
+        if n >= limit:
+            out.append(cur)
+            cur, n = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def run_batched(io: cf.Executor, fn: Callable[[Any], Any], items: list, size_of: Callable[[Any], int]) -> list:
+    """``[fn(x) for x in items]`` on the I/O threads, small items batched; in order."""
+    parts = io.map(lambda batch: [fn(x) for x in batch], batches(items, size_of))
+    return [r for part in parts for r in part]
+
+
+def _write_files(batch: list[tuple[str, memoryview]]) -> None:
+    for path, view in batch:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            pwrite_all(fd, view, 0)
+        finally:
+            os.close(fd)
 
 
 class StagingMaps:
@@ -46,6 +83,13 @@ class StagingMaps:
         self._maps: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
         self._warming: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
+        # One background thread maps (MAP_POPULATE) the files of a save in turn: a thread per
+        # file would start hundreds at once for a save of many shards.
+        self._warmer = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-map")
+
+    def close(self) -> None:
+        """Stop warming (maps already kept stay until collected)."""
+        self._warmer.shutdown(wait=False, cancel_futures=True)
 
     def new_save(self) -> None:
         with self._lock:
@@ -56,7 +100,7 @@ class StagingMaps:
     def get(self, path: str, size: int) -> mmap.mmap | None:
         """The kept writable map of the file at ``path`` (by inode), or None.
 
-        On a miss the file is mapped in the background (MAP_POPULATE, on a thread of its own) and
+        On a miss the file is mapped in the background (MAP_POPULATE, on the warming thread) and
         kept for the next save: populating a map of a large file costs about as much as writing
         it, so doing it in the caller's save() made the first save that reused a file stall
         (several times a cold save); this save writes with pwrite into the file's existing pages.
@@ -73,8 +117,7 @@ class StagingMaps:
                 if key in self._warming:
                     return None
                 self._warming.add(key)
-            threading.Thread(target=self._warm, args=(os.dup(fd), key, size, self._save), daemon=True,
-                             name="tierckpt-map").start()
+            self._warmer.submit(self._warm, os.dup(fd), key, size, self._save)
             return None
         finally:
             os.close(fd)
@@ -107,9 +150,14 @@ def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer],
     maps: dict[str, Any] = {}
     try:
         pieces: list[tuple] = []
+        small: list[tuple[str, memoryview]] = []
         for b in buffers:
             s = staged[b.name]
-            mm = kept.get(s.path, b.nbytes) if s.recycled and b.nbytes else None
+            if b.nbytes < _MAP_MIN:
+                if b.nbytes:
+                    small.append((s.path, b.view))
+                continue
+            mm = kept.get(s.path, b.nbytes) if s.recycled else None
             if mm is not None:
                 maps[b.name] = mm
                 dst = np.frombuffer(mm, dtype=np.uint8)
@@ -120,6 +168,7 @@ def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer],
             fds[b.name] = os.open(s.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             for off in range(0, b.nbytes, _COPY_PIECE):
                 pieces.append((pwrite_all, fds[b.name], b.view[off : off + _COPY_PIECE], off))
+        pieces.extend((_write_files, batch) for batch in batches(small, lambda x: len(x[1])))
         futs = [io.submit(*p) for p in pieces]
         try:
             for f in futs:

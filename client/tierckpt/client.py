@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import mmap
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import grpc
 import numpy as np
 
-from .common import checksum as _checksum
-from ._transfer import StagingMaps, copy_into, hash_staged, map_verified, read_stream
 from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
+from ._loans import Loans
+from ._transfer import StagingMaps, copy_into, hash_staged, map_verified, read_stream, run_batched
+from .common import checksum as _checksum
 from .common.names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
 from .common.status import error_from_rpc
 from .errors import (
@@ -58,7 +61,13 @@ class SaveResult:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One restored rank. ``shards`` are read-only numpy arrays (zero-copy maps on the same node)."""
+    """One restored rank. ``shards`` are read-only numpy arrays (zero-copy maps on the same node).
+
+    On the same node the arrays map the daemon's files, which it keeps out of its recycle pool
+    (so saves write fresh pages) until the maps are gone: call :meth:`close` (or use the
+    checkpoint as a context manager) once the state is loaded, or drop every reference to it and
+    its arrays; either way the daemon is told in the background.
+    """
 
     job: str
     step: int
@@ -71,6 +80,38 @@ class Checkpoint:
     dtypes: dict[str, str] = field(default_factory=dict, repr=False)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     _buffers: dict[str, Any] = field(default_factory=dict, repr=False)
+    _finalizers: dict = field(default_factory=dict, repr=False)
+    _loans: Any = field(default=None, repr=False)
+
+    def close(self) -> None:
+        """Unmap the shards and tell the daemon, so that later saves may reuse the files' pages.
+
+        ``shards`` is emptied. An array or tensor taken from this checkpoint that is still alive
+        keeps its map (its bytes never change); the daemon is told once it is collected.
+        Idempotent.
+        """
+        bufs = dict(self._buffers)
+        self.shards.clear()
+        self._buffers.clear()
+        for name, b in bufs.items():
+            if not isinstance(b, mmap.mmap):
+                continue
+            try:
+                b.close()
+            except BufferError:  # still exported by an array the caller holds: released when collected
+                continue
+            fin = self._finalizers.get(name)
+            if fin is not None:
+                fin()
+        del bufs
+        if self._loans is not None:
+            self._loans.flush(timeout=5.0)
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def tensor(self, name: str):
         """The shard as a torch tensor of its saved dtype (shares the read-only memory)."""
@@ -114,7 +155,7 @@ class SaveFuture(cf.Future):
     ``wait("peer" | "persistent")`` additionally waits for a background tier.
     """
 
-    def __init__(self, client: "Client", job: str, step: int, rank: int) -> None:
+    def __init__(self, client: Client, job: str, step: int, rank: int) -> None:
         super().__init__()
         self._client = client
         self.job, self.step, self.rank = job, step, rank
@@ -177,6 +218,7 @@ class Client:
         self._shared_fs: dict[tuple[str, str], bool] = {}
         self._plans: dict[tuple, list[pb.ShardSpec]] = {}
         self._maps = StagingMaps()
+        self._loans = Loans(self._release)
         self._node_id: str | None = None
         self._fs_hidden = False
         self._closed = False
@@ -189,10 +231,12 @@ class Client:
             return
         self._closed = True
         self._committer.shutdown(wait=True)
+        self._loans.stop(timeout=5.0)
         self._io.shutdown(wait=True)
+        self._maps.close()
         self._channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -305,7 +349,7 @@ class Client:
             return
         try:
             if digests is None:
-                hashes = list(self._io.map(lambda p: hash_staged(p[1], p[2]), paths_sizes))
+                hashes = run_batched(self._io, lambda p: hash_staged(p[1], p[2]), paths_sizes, lambda p: p[2])
                 digests = {name: h for (name, _, _), h in zip(paths_sizes, hashes)}
             req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist,
                                        digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
@@ -321,6 +365,14 @@ class Client:
             self._stub.AbortSave(pb.AbortSaveRequest(save_id=save_id), timeout=self.timeout)
         except grpc.RpcError:
             pass  # best effort: the daemon reclaims expired staging anyway
+
+    def _release(self, job: str, step: int, rank: int, generation: str) -> None:
+        """End one loan of restored files (from the release thread; best effort)."""
+        try:
+            self._stub.Release(pb.ReleaseRequest(job=job, step=step, rank=rank, generation=generation),
+                               timeout=self.timeout)
+        except (grpc.RpcError, ValueError):  # daemon gone or channel closed: the files just stay out of the pool
+            pass
 
     def _wait_tier(self, job: str, step: int, rank: int, tier: str, timeout: float | None) -> list[str]:
         req = pb.WaitTierRequest(job=job, step=step, rank=rank, tier=_TIER_ENUM[tier], timeout_seconds=timeout or 0)
@@ -430,11 +482,20 @@ class Client:
                     progress(done, total)
 
         shared = self.transfer != "stream" and self._sees(resp.local_dir, resp.fs_token)
+        key = (job, resp.step, rank, resp.generation)
+        finalizers: dict = {}
         if shared:
             verify = self.verify == "always" or (self.verify is True and resp.tier == pb.TIER_LOCAL)
-            bufs = list(self._io.map(lambda s: map_verified(job, resp.step, rank, s, advance, verify),
-                                     resp.shards))
+            try:
+                bufs = run_batched(self._io, lambda s: map_verified(job, resp.step, rank, s, advance, verify),
+                                   list(resp.shards), lambda s: s.size)
+            except BaseException:
+                self._loans.release_now(key)  # nothing was handed out
+                raise
+            finalizers = self._loans.track(key, {s.name: b for s, b in zip(resp.shards, bufs)})
         else:
+            if self.transfer != "stream":
+                self._loans.release_now(key)  # asked for paths (and a loan), but reads over gRPC
             bufs = [read_stream(self._stub, self.address, job, resp.step, rank, s, advance) for s in resp.shards]
         arrays, buffers, dtypes, shapes = {}, {}, {}, {}
         for s, buf in zip(resp.shards, bufs):
@@ -445,7 +506,8 @@ class Client:
         return Checkpoint(job=job, step=resp.step, rank=rank, world_size=resp.world_size,
                           tier=_TIER_NAMES.get(resp.tier, "local"), source_node=resp.source_node,
                           metadata=json.loads(resp.metadata_json or "{}"), shards=arrays,
-                          dtypes=dtypes, shapes=shapes, _buffers=buffers)
+                          dtypes=dtypes, shapes=shapes, _buffers=buffers, _finalizers=finalizers,
+                          _loans=self._loans)
 
 def _encode_metadata(metadata: Mapping[str, Any] | None) -> str:
     if metadata is None:

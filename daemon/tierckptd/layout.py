@@ -91,21 +91,36 @@ class StoreLayout:
             DataLossError: with ``digests``, a file does not hash to its digest.
         """
         stats: dict[str, os.stat_result] = {}
-        for f in st.files.values():
-            fd = self.open_staged(st, f, os.O_RDONLY)
-            try:
-                os.fchmod(fd, FILE_MODE)  # the socket group wrote it; committed bytes are read-only to it
-                stats[f.name] = os.fstat(fd)
-                if digests is not None:
-                    actual = digest_fd(fd, f.size)
-                    if actual != digests[f.name]:
-                        raise DataLossError(f"checksum mismatch for {st.job}/{st.step}/rank {st.rank}/{f.name}: "
-                                            f"expected {digests[f.name]}, got {actual}")
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+        try:
+            with self.fs.dir(self.staging_rel(st.save_id)) as dfd:  # opened once: a rank may have thousands
+                for f in st.files.values():
+                    stats[f.name] = self._check_one(st, dfd, f, digests, fsync=fsync)
+        except (FileNotFoundError, UnsafeFileError) as e:
+            raise FailedPreconditionError(f"save {st.save_id}: the staging directory was replaced or removed "
+                                          f"({e.strerror or e}); the save is refused") from None
         return stats
+
+    def _check_one(self, st: Staging, dfd: int, f: StagedFile, digests: dict[str, str] | None, *,
+                   fsync: bool) -> os.stat_result:
+        try:
+            fd = self.fs.open_regular(dfd, f.name, os.O_RDONLY, f"staging file of shard {f.name!r}", size=f.size,
+                                      single_link=True)
+        except (FileNotFoundError, UnsafeFileError) as e:
+            raise FailedPreconditionError(f"shards[{f.name}]: the staging file was replaced or removed "
+                                          f"({e.strerror or e}); the save is refused") from None
+        try:
+            os.fchmod(fd, FILE_MODE)  # the socket group wrote it; committed bytes are read-only to it
+            ident = os.fstat(fd)
+            if digests is not None:
+                actual = digest_fd(fd, f.size)
+                if actual != digests[f.name]:
+                    raise DataLossError(f"checksum mismatch for {st.job}/{st.step}/rank {st.rank}/{f.name}: "
+                                        f"expected {digests[f.name]}, got {actual}")
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return ident
 
     def place(self, st: Staging, man: Manifest, stats: dict[str, os.stat_result], *, fsync: bool) -> str:
         """Rename the staged files into the rank directory (checking each is the file that was

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from tierckpt.common import checksum as _checksum
@@ -62,13 +63,16 @@ class Manifest:
         return (self.job, self.step, self.rank)
 
     def shard(self, name: str) -> ShardEntry:
-        for s in self.shards:
-            if s.name == name:
-                return s
-        raise KeyError(name)
+        return self._by_name[name]
+
+    @cached_property
+    def _by_name(self) -> dict[str, ShardEntry]:
+        # Built once per manifest: a rank may hold thousands of shards, and every commit,
+        # restore and eviction looks each one up.
+        return {s.name: s for s in self.shards}
 
     def to_json(self) -> bytes:
-        doc: dict[str, Any] = asdict(self)
+        doc: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         doc["format"] = FORMAT
         doc["checksum_algorithm"] = _checksum.ALGORITHM
         doc["shards"] = [_shard_doc(s) for s in self.shards]
@@ -117,7 +121,8 @@ class Manifest:
 
 
 def _shard_doc(s: ShardEntry) -> dict[str, Any]:
-    doc = dict(asdict(s), shape=list(s.shape))
+    doc = {f.name: getattr(s, f.name) for f in fields(s)}
+    doc["shape"] = list(s.shape)
     if not s.codec:  # the identity: manifests stay byte for byte those written before codecs
         del doc["codec"]
     if s.chunks:

@@ -11,9 +11,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from tierckpt.common.names import check_job, check_step
 from tierckpt.errors import (
@@ -100,7 +99,7 @@ class Node:
         deadline = time.monotonic() + timeout
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("shutdown: %d saves still in flight after %.0fs", self._inflight, timeout)
         for t in self.tiers:
             await t.stop(max(0.0, deadline - time.monotonic()))
@@ -230,7 +229,7 @@ class Node:
             raise NotFoundError(f"{job} step {step} rank {rank} is not committed on node {self.node_id}")
         try:
             return await asyncio.wait_for(t.wait(job, step, rank, timeout), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise DeadlineExceededError(
                 f"{job} step {step} rank {rank} did not reach the {tier} tier within {timeout}s"
             ) from None
@@ -240,7 +239,9 @@ class Node:
     # ------------------------------------------------------------------------- restore
 
     async def restore(self, job: str, rank: int, step: int | None, *, local_corrupt: bool = False,
-                      corrupt_generation: str = "") -> RestoreResult:
+                      corrupt_generation: str = "", lend: bool = True) -> RestoreResult:
+        """Bring one rank into the local tier and describe it; with ``lend`` (the client maps the
+        files) the answer opens a loan that the client ends with :meth:`release`."""
         check_job(job)
         t0 = time.perf_counter()
         if step is None:
@@ -281,12 +282,17 @@ class Node:
                 raise NotFoundError(f"{job} step {step} rank {rank} is not held by any tier")
         if rank >= man.world_size:
             raise InvalidArgumentError(f"rank: {rank} is outside world_size {man.world_size}")
-        paths = [str(p) for p in self.store.lend(man)]
+        paths = [str(p) for p in (self.store.lend(man) if lend
+                                  else (self.store.shard_path(man, s.name) for s in man.shards))]
         if self.metrics:
             self.metrics.restores.labels(tier=tier, result="ok").inc()
             self.metrics.restored_bytes.labels(tier=tier).inc(man.nbytes)
             self.metrics.restore_latency.labels(tier=tier).observe(time.perf_counter() - t0)
         return RestoreResult(man, tier, paths, source)
+
+    async def release(self, job: str, step: int, rank: int, generation: str) -> bool:
+        """A client unmapped the files of one Restore (see :meth:`.store.LocalStore.release`)."""
+        return await run_blocking(self.store.release, job, step, rank, generation)
 
     async def repair_local(self, man: Manifest) -> bool:
         """Replace a corrupt local copy of ``man``'s save with a verified peer copy (the drain

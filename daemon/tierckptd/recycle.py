@@ -2,9 +2,17 @@
 
 First-touch page faults make writing a fresh tmpfs file 3-5x slower than overwriting one whose
 pages exist. Data files of evicted steps move to ``recycle/<size>.<id>`` and a later save with
-a shard of exactly the same size reuses one. Files ever handed to a reader (restore maps them)
-are never recycled, since a reader's mapping would see the new bytes; after a restart every
-file counts as lent (the pool starts empty and nothing is recyclable).
+a shard of exactly the same size reuses one.
+
+Readers: a restore on the node maps the committed files (copy-on-write; a page it never wrote
+shows the file's current bytes), so a file must not be rewritten while any reader maps it. Each
+Restore that hands out paths is a *loan* (:meth:`RecyclePool.lend`), ended by the client's
+Release (:meth:`RecyclePool.unlend`); a file counts its open loans. A file evicted while lent is
+moved to the pool directory but *held*: it joins the pool only when its last loan ends. Held
+files are charged like pooled ones and are dropped first when room is needed (unlinking never
+changes what a reader's map shows), so a client that dies without releasing costs at most
+those pages until the next make-room. After a restart every file counts as lent forever (the
+pool starts empty and nothing committed before is recyclable).
 
 A pooled file is handed out again only after a check on the open file: a regular file with one
 link and exactly the expected size (someone with write access to the local dir may have swapped
@@ -18,8 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from .localfs import STAGING_MODE, LocalDir, UnsafeFileError
 
@@ -43,6 +51,9 @@ class RecyclePool:
         self._charge = charge
         self._by_size: dict[int, list[str]] = {}
         self._recyclable: set[Path] = set()
+        self._readers: dict[Path, int] = {}  # open loans per recyclable file
+        self._loans: dict[tuple, tuple[tuple[Path, ...], int]] = {}  # key -> (counted files, open loans)
+        self._held: dict[Path, tuple[str, int]] = {}  # evicted while lent: pool name, size
         self.bytes = 0  # charged bytes of the pooled files
         self.data_bytes = 0
 
@@ -52,9 +63,39 @@ class RecyclePool:
         """A freshly committed file that no reader has mapped yet."""
         self._recyclable.add(path)
 
-    def lent(self, paths: Iterable[Path]) -> None:
-        """Files handed to a reader: never recycled afterwards."""
-        self._recyclable.difference_update(paths)
+    def lend(self, key: tuple, paths: Iterable[Path]) -> None:
+        """One more reader maps ``paths`` (the files of loan ``key``: one committed copy)."""
+        counted, n = self._loans.get(key, ((), 0))
+        if not n:
+            counted = tuple(p for p in paths if p in self._recyclable)
+        for p in counted:
+            self._readers[p] = self._readers.get(p, 0) + 1
+        self._loans[key] = (counted, n + 1)
+
+    def unlend(self, key: tuple) -> bool:
+        """A reader of loan ``key`` unmapped its files; a held file whose last loan ended joins the
+        pool. Returns False when no loan of ``key`` is open."""
+        counted, n = self._loans.get(key, ((), 0))
+        if not n:
+            return False
+        if n == 1:
+            del self._loans[key]
+        else:
+            self._loans[key] = (counted, n - 1)
+        for p in counted:
+            left = self._readers.get(p, 0) - 1
+            if left > 0:
+                self._readers[p] = left
+                continue
+            self._readers.pop(p, None)
+            held = self._held.pop(p, None)
+            if held is not None:
+                self._by_size.setdefault(held[1], []).append(held[0])
+        return True
+
+    @property
+    def loans(self) -> int:
+        return sum(n for _, n in self._loans.values())
 
     # -- the pool
 
@@ -70,7 +111,10 @@ class RecyclePool:
             except OSError:
                 self.fs.unlink(dir_fd, name)
                 return
-            self._by_size.setdefault(size, []).append(target)
+            if self._readers.get(path):
+                self._held[path] = (target, size)  # joins the pool when its last reader releases it
+            else:
+                self._by_size.setdefault(size, []).append(target)
             self.bytes += self._charge(size)
             self.data_bytes += size
         else:
@@ -119,10 +163,20 @@ class RecyclePool:
                 self.fs.remove_tree(rfd, name)
 
     def drop(self, need: int) -> None:
-        """Remove pooled files, largest first, until ``need`` charged bytes are freed (or the pool is empty)."""
-        if need <= 0 or not self._by_size:
+        """Remove pooled files, held ones first, then largest first, until ``need`` charged bytes are
+        freed (or the pool is empty). A held file's readers keep their maps (unlinking never
+        changes the mapped pages); it just never joins the pool."""
+        if need <= 0 or not (self._by_size or self._held):
             return
         with self.fs.dir(RECYCLE_DIR) as rfd:
+            for path in list(self._held):
+                if need <= 0:
+                    break
+                name, size = self._held.pop(path)
+                self.fs.remove_tree(rfd, name)
+                self.bytes -= self._charge(size)
+                self.data_bytes -= size
+                need -= self._charge(size)
             for size in sorted(self._by_size, reverse=True):
                 pool = self._by_size[size]
                 while pool and need > 0:

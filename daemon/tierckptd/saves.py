@@ -125,6 +125,22 @@ class OpenSaves:
         pwrite_all(fd, memoryview(data), offset)
         f.written += len(data)
 
+    def check_staged(self, st: Staging, digests: dict[str, str], *, verify: bool,
+                     fsync: bool) -> dict[str, os.stat_result]:
+        """Stream transfers must be whole; every file regular and of its size; with ``verify``,
+        hashed. A save that fails is aborted. Returns each file's identity (see
+        :meth:`.layout.StoreLayout.check_staged`)."""
+        if st.stream:
+            short = [f.name for f in st.files.values() if f.written < f.size]
+            if short:
+                self.abort(st.save_id)
+                raise InvalidArgumentError(f"shard: {short} received fewer bytes than their declared size")
+        try:
+            return self._layout.check_staged(st, digests if verify else None, fsync=fsync)
+        except BaseException:
+            self.abort(st.save_id)
+            raise
+
     def take_for_commit(self, st: Staging) -> None:
         """Move the save from the open ones to the committing ones (its bytes stay counted)."""
         with self._lock:

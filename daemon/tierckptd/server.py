@@ -150,10 +150,10 @@ class TierckptServicer(pb_grpc.TierckptServicer):
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreResponse:
         check_job(request.job)
         step = request.step if request.has_step else None
-        res = await self.node.restore(request.job, request.rank, step, local_corrupt=request.local_corrupt,
-                                      corrupt_generation=request.corrupt_generation)
-        man = res.manifest
         shared = request.transfer != pb.TRANSFER_STREAM
+        res = await self.node.restore(request.job, request.rank, step, local_corrupt=request.local_corrupt,
+                                      corrupt_generation=request.corrupt_generation, lend=shared)
+        man = res.manifest
         return pb.RestoreResponse(
             step=man.step, tier=TIER_ENUM[res.tier], world_size=man.world_size,
             metadata_json=man.metadata_json, fs_token=self.node.fs_token, source_node=res.source_node,
@@ -162,6 +162,15 @@ class TierckptServicer(pb_grpc.TierckptServicer):
                                      shape=list(s.shape), path=p if shared else "")
                     for s, p in zip(man.shards, res.paths)],
         )
+
+    @rpc
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        check_job(request.job)
+        check_step(request.step)
+        if not request.generation or len(request.generation) > 64:
+            raise InvalidArgumentError("generation: the RestoreResponse.generation of the released copy is required")
+        return pb.ReleaseResponse(released=await self.node.release(request.job, request.step, request.rank,
+                                                                   request.generation))
 
     @rpc_stream
     async def ReadShard(self, request: pb.ReadShardRequest, context) -> AsyncIterator[pb.ReadShardResponse]:

@@ -40,23 +40,23 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 from tierckpt.common.names import MAX_METADATA_BYTES
 from tierckpt.errors import FailedPreconditionError, InvalidArgumentError
 
 from .catalog import Catalog, CompletenessFn
+from .eviction import Evictor, charge
 from .knobs import KNOBS
 from .layout import StoreLayout
 from .localfs import LocalDir, UnsafeFileError, fs_is_tmpfs
 from .manifest import Manifest, ShardEntry
 from .recycle import RecyclePool
-from .eviction import Evictor, charge
 from .retention import Eviction, charge_file
-from .staging import ShardSpec, StagedFile, Staging
 from .saves import OpenSaves
+from .staging import ShardSpec, StagedFile, Staging
 from .startup import QUARANTINE_DIR, reclaim_staging, scan_jobs, take_dir_lock
 
 __all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
@@ -271,7 +271,7 @@ class LocalStore:
         """
         st = self.get_staging(save_id)
         _check_digests(save_id, st.files, digests, metadata_json)
-        stats = self._check_staged(st, digests, verify=verify or st.stream)
+        stats = self._saves.check_staged(st, digests, verify=verify or st.stream, fsync=self.fsync)
         self._saves.take_for_commit(st)
         man = Manifest(
             job=st.job, step=st.step, rank=st.rank, world_size=st.world_size,
@@ -290,19 +290,6 @@ class LocalStore:
             self._layout.fsync_rank(st.job, st.step, st.rank)
         self._notify(evictions)
         return man, evictions
-
-    def _check_staged(self, st: Staging, digests: dict[str, str], *, verify: bool) -> dict[str, os.stat_result]:
-        """Stream transfers must be whole; every file regular and of its size; with ``verify``, hashed."""
-        if st.stream:
-            short = [f.name for f in st.files.values() if f.written < f.size]
-            if short:
-                self.abort(st.save_id)
-                raise InvalidArgumentError(f"shard: {short} received fewer bytes than their declared size")
-        try:
-            return self._layout.check_staged(st, digests if verify else None, fsync=self.fsync)
-        except BaseException:
-            self.abort(st.save_id)
-            raise
 
     def _place_files(self, st: Staging, man: Manifest, stats: dict[str, os.stat_result]) -> str:
         """Rename the staged files into the rank directory and write the manifest under a temporary name."""
@@ -356,11 +343,17 @@ class LocalStore:
             return self._catalog.get(job, step, rank)
 
     def lend(self, man: Manifest) -> list[Path]:
-        """Paths of a rank's data files for a reader to map; they are never recycled afterwards."""
+        """Paths of a rank's data files for a reader to map: one loan, ended by :meth:`release`;
+        the files are not recycled while a loan is open (see :mod:`.recycle`)."""
         paths = [self.shard_path(man, s.name) for s in man.shards]
         with self._lock:
-            self._recycle.lent(paths)
+            self._recycle.lend((man.job, man.step, man.rank, man.generation), paths)
         return paths
+
+    def release(self, job: str, step: int, rank: int, generation: str) -> bool:
+        """End one loan of :meth:`lend`; False when none of that copy is open."""
+        with self._lock:
+            return self._recycle.unlend((job, step, rank, generation))
 
     def jobs(self) -> list[str]:
         with self._lock:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from tierckpt.common import checksum as _checksum
 from tierckpt.errors import CapacityError, DataLossError, InvalidArgumentError
 from tierckptd.retention import charge_file, charge_rank
@@ -39,12 +38,50 @@ def test_evicted_files_are_recycled_for_same_size_shards(store):
     assert not st1.files["a"].recycled
 
 
-def test_lent_files_are_never_recycled(store):
+def test_a_lent_file_joins_the_pool_only_when_its_last_reader_releases_it(store):
     _save(store, "j", 1, {"a": b"1" * 100})
-    store.lend(store.get("j", 1, 0))  # a reader maps it
+    man = store.get("j", 1, 0)
+    inode = os.stat(store.shard_path(man, "a")).st_ino
+    store.lend(man)  # two readers map it
+    store.lend(man)
+    _save(store, "j", 2, {"a": b"2" * 100})  # evicts step 1 while it is mapped: held, not pooled
+    st = store.begin("j", 3, 0, 1, [("a", 100, "", ())])
+    assert not st.files["a"].recycled
+    store.abort(st.save_id)
+    assert store.release("j", 1, 0, man.generation)
+    assert not store.begin("j", 3, 0, 1, [("a", 100, "", ())]).files["a"].recycled  # one reader left
+    assert store.release("j", 1, 0, man.generation)
+    assert not store.release("j", 1, 0, man.generation)  # no loan left
+    st = store.begin("j", 4, 0, 1, [("a", 100, "", ())])
+    assert st.files["a"].recycled and os.stat(st.files["a"].path).st_ino == inode
+
+
+def test_a_file_released_before_eviction_is_recycled(store):
+    _save(store, "j", 1, {"a": b"1" * 100})
+    man = store.get("j", 1, 0)
+    store.lend(man)
+    assert store.release("j", 1, 0, man.generation)
     _save(store, "j", 2, {"a": b"2" * 100})
-    assert store.usage().recycle == 0
-    assert not store.begin("j", 3, 0, 1, [("a", 100, "", ())]).files["a"].recycled
+    assert store.usage().recycle == 100
+    assert store.begin("j", 3, 0, 1, [("a", 100, "", ())]).files["a"].recycled
+
+
+def test_held_files_are_dropped_first_when_room_is_needed(scratch):
+    s = LocalStore(scratch / "data", "n0", capacity=2 * charge_rank([1000]) + charge_file(1000) // 2, keep_local=1)
+    s.open()
+    _save(s, "j", 1, {"a": b"1" * 1000})
+    man = s.get("j", 1, 0)
+    path = s.shard_path(man, "a")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        s.lend(man)  # never released (a client that died)
+        _save(s, "j", 2, {"a": b"2" * 1000})
+        _save(s, "j", 3, {"b": b"3" * 1500})  # needs the held file's room: it is unlinked
+        assert os.pread(fd, 4, 0) == b"1111"  # what the reader holds never changes
+        assert not s.release("j", 2, 0, "nope")
+        assert s.release("j", 1, 0, man.generation)  # a late release of a dropped file is harmless
+    finally:
+        os.close(fd)
 
 
 def test_pinned_step_survives_retention_until_unpinned(store):
@@ -152,7 +189,7 @@ def test_a_second_store_on_the_same_dir_is_refused(store):
     from tierckptd.config import ConfigError
 
     other = LocalStore(store.root, "n1")
-    with pytest.raises(ConfigError, match="local_dir.*in use"):
+    with pytest.raises(ConfigError, match=r"local_dir.*in use"):
         other.open()
 
 

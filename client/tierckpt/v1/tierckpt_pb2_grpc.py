@@ -86,6 +86,11 @@ class TierckptStub:
                 request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.ReadShardRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.ReadShardResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/tierckpt.v1.Tierckpt/Release',
+                request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/tierckpt.v1.Tierckpt/Status',
                 request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.StatusRequest.SerializeToString,
@@ -173,6 +178,16 @@ class TierckptServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """The client unmapped the files of one Restore (TRANSFER_SHARED_FS) of (job, step, rank,
+        generation): the daemon may recycle them once no other reader holds them. Each Restore
+        that handed out paths is released once; a client that dies without releasing keeps the
+        files out of the recycle pool. Not idempotent (each call ends one loan).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Node status: tiers, capacity, backlog, peers. Idempotent.
         """
@@ -232,6 +247,11 @@ def add_TierckptServicer_to_server(servicer, server):
                     servicer.ReadShard,
                     request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.ReadShardRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.ReadShardResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.ReleaseRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.ReleaseResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -511,6 +531,33 @@ class Tierckpt:
             '/tierckpt.v1.Tierckpt/ReadShard',
             tierckpt_dot_v1_dot_tierckpt__pb2.ReadShardRequest.SerializeToString,
             tierckpt_dot_v1_dot_tierckpt__pb2.ReadShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Tierckpt/Release',
+            tierckpt_dot_v1_dot_tierckpt__pb2.ReleaseRequest.SerializeToString,
+            tierckpt_dot_v1_dot_tierckpt__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
