@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import itertools
 import re
 import tomllib
 import urllib.parse
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, cast
+from typing import Any, cast
 
 from tierckpt.common.names import check_node
 from tierckpt.errors import InvalidArgumentError
@@ -46,9 +48,11 @@ class DaemonConfig:
     node_id: str = "node0"
     """Identity of this node among its peers; a replacement node reuses the id of the node it replaces."""
     listen: str = "127.0.0.1:7070"
-    """TCP listener HOST:PORT for remote clients and peers (port 0 picks a free port). Empty disables it. A non-loopback address needs tls_cert/tls_key/tls_ca or insecure_listen."""
+    """TCP listener HOST:PORT for remote clients and peers (port 0 picks a free port). Empty disables it. A 
+    non-loopback address needs tls_cert/tls_key/tls_ca or insecure_listen."""
     insecure_listen: bool = False
-    """Accept a non-loopback listen address without mTLS: anyone who can reach it may read and write checkpoints and act as a peer. Logged as a warning at start-up."""
+    """Accept a non-loopback listen address without mTLS: anyone who can reach it may read and write checkpoints and
+    act as a peer. Logged as a warning at start-up."""
     socket: str = "/run/tierckpt/tierckptd.sock"
     """Unix socket for clients on this node. Empty disables it."""
     socket_mode: int = 0o660
@@ -82,7 +86,8 @@ class DaemonConfig:
     persistent: str = ""
     """Object store URL: file:///dir, s3://bucket/prefix or gs://bucket/prefix (empty: no persistent tier)."""
     persist_every: int = 0
-    """Drain to the persistent tier every step whose number is a multiple of N, and every save with persist=True (0 = only those)."""
+    """Drain to the persistent tier every step whose number is a multiple of N, and every save with persist=True (0 =
+    only those)."""
     keep_persistent: int = 0
     """Newest steps per job kept in the persistent tier (0 = keep all)."""
     persistent_layout: str = "per-shard"
@@ -119,11 +124,14 @@ class DaemonConfig:
     tls_key: str = ""
     """PEM private key matching tls_cert; refused if readable by group or others (chmod 600)."""
     tls_ca: str = ""
-    """PEM CA bundle that signs every peer's certificate. The three files are re-read when they change (rotation without restart)."""
+    """PEM CA bundle that signs every peer's certificate. The three files are re-read when they change (rotation
+    without restart)."""
     tls_key_group_readable: bool = False
-    """Accept a tls_key readable by its group (never by others): for Kubernetes Secret volumes, which the kubelet makes 0440 for the pod's fsGroup. Refused when that group is socket_group."""
+    """Accept a tls_key readable by its group (never by others): for Kubernetes Secret volumes, which the kubelet makes
+    0440 for the pod's fsGroup. Refused when that group is socket_group."""
     tls_bind_node_id: bool = True
-    """Require a peer's certificate to name the node id it claims (CN or DNS SAN). False only where every node shares one certificate (see SECURITY.md)."""
+    """Require a peer's certificate to name the node id it claims (CN or DNS SAN). False only where every node shares
+    one certificate (see SECURITY.md)."""
     log_level: str = "INFO"
     """DEBUG, INFO, WARNING or ERROR."""
     log_format: str = "plain"
@@ -131,7 +139,8 @@ class DaemonConfig:
     shutdown_timeout: float = 30.0
     """Seconds SIGTERM waits for in-flight commits and replication before exiting."""
     knobs: str = ""
-    """Tuning overrides NAME=VALUE,... of tierckptd.knobs (grace periods, intervals, stream counts); for tests and experts, not needed in production."""
+    """Tuning overrides NAME=VALUE,... of tierckptd.knobs (grace periods, intervals, stream counts); for tests and
+    experts, not needed in production."""
 
     @property
     def tls_enabled(self) -> bool:
@@ -354,7 +363,8 @@ def _validate_s3(cfg: DaemonConfig) -> None:
                           "such as STANDARD_IA")
 
 
-def load_config(file_values: Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
+def load_config(file_values: Mapping[str, Any] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
     """Build a validated config from TOML values and flag overrides (both keyed by field name)."""
     values: dict[str, Any] = {}
     for source in (file_values or {}, overrides or {}):
@@ -375,7 +385,7 @@ def field_docs() -> dict[str, str]:
     tree = ast.parse(inspect.getsource(DaemonConfig))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for prev, node in zip(body, body[1:]):
+    for prev, node in itertools.pairwise(body):
         if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name) and isinstance(node, ast.Expr)
                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
             docs[prev.target.id] = " ".join(node.value.value.split())
@@ -394,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     # What each value is, for --help: by the kind of value, not by the option's last word.
     metavars = {"node_id": "ID", "listen": "HOST:PORT", "socket": "PATH", "socket_mode": "MODE",
                 "socket_group": "GROUP", "local_dir": "DIR", "local_capacity": "BYTES", "fsync": "auto|always|never",
-                "staging_timeout": "SECONDS", "max_shard_bytes": "BYTES", "max_open_saves": "N", "max_message_bytes": "BYTES",
+                "staging_timeout": "SECONDS", "max_shard_bytes": "BYTES", "max_open_saves": "N",
+                "max_message_bytes": "BYTES",
                 "peers": "ID=HOST:PORT,...", "peers_dns": "NAME:PORT", "persistent": "URL", "metrics_port": "PORT",
                 "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem",
                 "log_level": "LEVEL", "log_format": "plain|json", "shutdown_timeout": "SECONDS",
@@ -435,7 +446,7 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
     if cfg.tls_enabled:
         # Read and check the TLS files now, before anything touches the disk: a missing file, a
         # key that does not match, or a key readable by group or others stops start-up here.
-        from . import tls  # noqa: PLC0415 - needs grpc, which only the daemon loads
+        from . import tls
 
         tls.reloader(cfg)
     return cfg

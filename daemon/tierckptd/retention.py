@@ -21,8 +21,8 @@ Rules (DESIGN.md, Policies):
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Collection, Iterable, Mapping, Sequence
 
 __all__ = ["Eviction", "retention_floor", "retention_victims", "capacity_order", "RoomPlan", "plan_room",
            "MIN_CHARGE", "charge_file", "charge_rank"]

@@ -86,7 +86,7 @@ class CatalogViews:
     async def _tier_catalog(self, t: RemoteTier, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
         try:
             return await asyncio.wait_for(t.catalog_with_gaps(job), KNOBS.fanout_deadline + KNOBS.rpc_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise DeadlineExceededError(f"no answer within {KNOBS.fanout_deadline + KNOBS.rpc_timeout:.0f}s") from None
 
     async def latest(self, job: str) -> int | None:
@@ -106,7 +106,8 @@ class CatalogViews:
         for step, local in self.store.steps(job).items():
             man = local.get(rank)
             if man is not None:
-                _add(views, job, step, rank, "local", RankCopy(man.world_size, (self.node_id,), man.nbytes, man.created))
+                copy = RankCopy(man.world_size, (self.node_id,), man.nbytes, man.created)
+                _add(views, job, step, rank, "local", copy)
         gaps: list[str] = []
         results = await asyncio.gather(*(asyncio.wait_for(t.rank_catalog(job, rank), KNOBS.fanout_deadline
                                                           + KNOBS.rpc_timeout) for t in self.tiers),

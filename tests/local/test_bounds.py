@@ -6,7 +6,6 @@ import os
 import stat
 
 import pytest
-
 from tierckpt.common import checksum as _checksum
 from tierckpt.errors import CapacityError, DataLossError, FailedPreconditionError
 from tierckptd.retention import MIN_CHARGE

@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-
 import tierckpt
 from tierckpt import _transfer as transfer_mod
 from tierckpt._buffers import as_buffer

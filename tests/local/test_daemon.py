@@ -12,7 +12,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-
 import tierckpt
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc

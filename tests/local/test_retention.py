@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from tierckptd.retention import (MIN_CHARGE, capacity_order, charge_file, charge_rank, plan_room, retention_floor,
-                                 retention_victims)
+from tierckptd.retention import (
+    MIN_CHARGE,
+    capacity_order,
+    charge_file,
+    charge_rank,
+    plan_room,
+    retention_floor,
+    retention_victims,
+)
 
 
 def test_retention_floor_is_the_oldest_step_in_the_window():

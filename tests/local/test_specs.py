@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from tierckpt._buffers import as_buffer
 from tierckpt.errors import InvalidArgumentError
 from tierckptd.staging import MAX_SHARD_NAME, check_layout, check_specs, dtype_itemsize

@@ -8,7 +8,6 @@ import os
 import threading
 
 import pytest
-
 from tierckpt.common import checksum as _checksum
 from tierckpt.errors import CapacityError
 from tierckptd import store as store_mod
@@ -45,7 +44,8 @@ def test_bytes_being_committed_still_count_against_capacity(scratch, monkeypatch
     finally:
         release.set()
         t.join(10)
-    assert store.usage().charged == charge_rank([6000]) and store.usage().used == 6000 and store.get("a", 1, 0) is not None
+    usage = store.usage()
+    assert usage.charged == charge_rank([6000]) and usage.used == 6000 and store.get("a", 1, 0) is not None
 
 
 def test_concurrent_resaves_of_one_rank_keep_disk_and_catalog_in_agreement(scratch, monkeypatch):
@@ -102,7 +102,7 @@ def _bytes_on_disk(root) -> int:
 def _charged_on_disk(root) -> int:
     """What the files on disk are charged: each data file at least MIN_CHARGE, each rank (committed
     or staging) one manifest."""
-    from tierckptd.retention import MIN_CHARGE, charge_file
+    from tierckptd.retention import MIN_CHARGE
 
     files = [p for sub in ("jobs", "staging", "recycle") for p in (root / sub).rglob("*") if p.is_file()]
     ranks = {p.parent for p in files if p.name == "manifest.json"} | set((root / "staging").iterdir())
