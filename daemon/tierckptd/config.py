@@ -48,7 +48,7 @@ class DaemonConfig:
     node_id: str = "node0"
     """Identity of this node among its peers; a replacement node reuses the id of the node it replaces."""
     listen: str = "127.0.0.1:7070"
-    """TCP listener HOST:PORT for remote clients and peers (port 0 picks a free port). Empty disables it. A 
+    """TCP listener HOST:PORT for remote clients and peers (port 0 picks a free port). Empty disables it. A
     non-loopback address needs tls_cert/tls_key/tls_ca or insecure_listen."""
     insecure_listen: bool = False
     """Accept a non-loopback listen address without mTLS: anyone who can reach it may read and write checkpoints and
@@ -293,6 +293,25 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"log_format: {cfg.log_format!r} must be plain or json")
     if not cfg.local_dir:
         raise ConfigError("local_dir: must not be empty")
+    _validate_network(cfg)
+    _validate_persistent(cfg)
+    _validate_s3(cfg)
+    if cfg.knobs:
+        from .knobs import Knobs, parse_knobs
+
+        try:
+            Knobs().apply(parse_knobs(cfg.knobs))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.peers_dns:
+        name, colon, port = cfg.peers_dns.rpartition(":")
+        if not colon or not name or not port.isdigit():
+            raise ConfigError(f"peers_dns: {cfg.peers_dns!r} is not NAME:PORT")
+    return cfg
+
+
+def _validate_network(cfg: DaemonConfig) -> None:
+    """Listeners and TLS: default deny on the network (a non-loopback listener needs mTLS)."""
     if not cfg.listen and not cfg.socket:
         raise ConfigError("listen/socket: at least one listener is required")
     if cfg.listen:
@@ -307,31 +326,23 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
         if not is_loopback_host(host):
             raise ConfigError(f"listen: {cfg.listen!r} refuses to listen on a non-loopback address without mTLS; "
                               "set tls_cert/tls_key/tls_ca, or insecure_listen to accept the risk")
-    if cfg.persistent:
-        shown = redact_url(cfg.persistent)  # never echo credentials (DESIGN: no secret in a log or an error)
-        if not re.match(r"^(file|s3|gs)://", cfg.persistent):
-            raise ConfigError(f"persistent: {shown!r} must start with file://, s3:// or gs://")
-        try:
-            parts = urllib.parse.urlsplit(cfg.persistent)
-            secret = bool(parts.username or parts.password or parts.query or parts.fragment)
-        except ValueError:
-            raise ConfigError(f"persistent: {shown!r} is not a URL") from None
-        if secret:
-            raise ConfigError(f"persistent: {shown!r} must not carry credentials, a query or a fragment; "
-                              "credentials come from the SDK's environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS)")
-    _validate_s3(cfg)
-    if cfg.knobs:
-        from .knobs import Knobs, parse_knobs
 
-        try:
-            Knobs().apply(parse_knobs(cfg.knobs))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    if cfg.peers_dns:
-        name, colon, port = cfg.peers_dns.rpartition(":")
-        if not colon or not name or not port.isdigit():
-            raise ConfigError(f"peers_dns: {cfg.peers_dns!r} is not NAME:PORT")
-    return cfg
+
+def _validate_persistent(cfg: DaemonConfig) -> None:
+    """The persistent URL: a known scheme, and no credentials in it (they would reach logs)."""
+    if not cfg.persistent:
+        return
+    shown = redact_url(cfg.persistent)  # never echo credentials (DESIGN: no secret in a log or an error)
+    if not re.match(r"^(file|s3|gs)://", cfg.persistent):
+        raise ConfigError(f"persistent: {shown!r} must start with file://, s3:// or gs://")
+    try:
+        parts = urllib.parse.urlsplit(cfg.persistent)
+        secret = bool(parts.username or parts.password or parts.query or parts.fragment)
+    except ValueError:
+        raise ConfigError(f"persistent: {shown!r} is not a URL") from None
+    if secret:
+        raise ConfigError(f"persistent: {shown!r} must not carry credentials, a query or a fragment; "
+                          "credentials come from the SDK's environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS)")
 
 
 _S3_SSE = ("", "AES256", "aws:kms")
