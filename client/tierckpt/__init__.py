@@ -21,6 +21,7 @@ from .errors import (
     TierError,
     UnavailableError,
 )
+from ._admin import CopyCheck, DeleteResult, JobPolicy, VerifyResult
 from .manager import CheckpointManager
 
 __version__ = "0.1.0"
@@ -29,5 +30,5 @@ __all__ = [
     "Client", "CheckpointManager", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation",
     "StepAvailability", "TierckptError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
     "CapacityError", "UnavailableError", "DataLossError", "FailedPreconditionError", "DeadlineExceededError",
-    "PermissionDeniedError", "TierError",
+    "PermissionDeniedError", "TierError", "JobPolicy", "CopyCheck", "DeleteResult", "VerifyResult",
 ]
