@@ -583,7 +583,7 @@ def test_plan_measures_restore_times_from_a_real_daemon(daemon, metrics_port, tm
 def test_readme_documents_every_json_command():
     block = README[README.index("## The CLI"):]
     block = block[:block.index("\n## ", 4)]
-    for command in ("status", "ls", "latest", "restore", "plan"):
+    for command in ("status", "ls", "latest", "restore", "plan", "policy", "rm", "verify", "persist"):
         assert f"`tierckpt {command}" in block and "--json" in block
     for key in ("peer_tier", "complete_in", "world_size", "source_node", "interval_steps", "defaulted"):
         assert key in block, key

@@ -117,7 +117,8 @@ def register(command: Callable[[str, str], argparse.ArgumentParser],
     s = command("rm", "delete a step from every tier (or one): persistent manifests go before any data")
     s.add_argument("job", metavar="JOB", help="job name")
     s.add_argument("--step", metavar="N", type=_nonneg, required=True, help="step to delete")
-    s.add_argument("--tier", choices=("local", "peer", "persistent"), help="only this tier (default: all)")
+    s.add_argument("--tier", metavar="TIER", choices=("local", "peer", "persistent"), help="local, peer or persistent; "
+                   "only this tier (default: all)")
     s.add_argument("--json", action="store_true", help="print the counts as one JSON document")
     add_connection(s, sub=True)
     s.set_defaults(fn=cmd_rm)
