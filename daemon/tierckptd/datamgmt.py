@@ -125,7 +125,7 @@ class DataManagement:
         check_job(job)
         check_step(step)
         out = DeleteCounts()
-        pt = self.node.tier("persistent")
+        pt: Any = self.node.tier("persistent")
         if "persistent" in tiers and pt is not None:
             try:
                 out.persistent, out.persistent_objects = await pt.drainer.retention.delete_step(job, step)
@@ -159,7 +159,7 @@ class DataManagement:
         for node, resp in answers:
             checks += [Check(c.step, c.rank, "peer", node, states.get(c.state, "missing"), c.detail)
                        for c in resp.copies]
-        pt = self.node.tier("persistent")
+        pt: Any = self.node.tier("persistent")
         if pt is not None:
             try:
                 checks += await verify_persistent(pt, self.store, job, step)
@@ -185,7 +185,7 @@ class DataManagement:
         """
         check_job(job)
         check_step(step)
-        pt = self.node.tier("persistent")
+        pt: Any = self.node.tier("persistent")
         if pt is None:
             raise FailedPreconditionError(f"tier: no persistent tier is configured on node {self.node.node_id}")
         owned = [m for _, m in sorted(self.store.steps(job).get(step, {}).items()) if m.node == self.node.node_id]

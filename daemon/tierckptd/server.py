@@ -20,8 +20,8 @@ from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
 from . import __version__
 from .config import ConfigError, DaemonConfig
 from .datamgmt import TIERS, DataManagement
-from .policies import JobPolicy
 from .node import Node
+from .policies import JobPolicy
 from .rpc import add_service, check_decoded, rpc, rpc_stream
 from .tierhealth import TierHealth
 from .unixsock import SocketClaim, claim_socket, resolve_group
@@ -212,7 +212,8 @@ class TierckptServicer(pb_grpc.TierckptServicer):
 
     def _policy_response(self, job: str) -> pb.JobPolicyResponse:
         pols = self.node.store.policies
-        return pb.JobPolicyResponse(job=job, policy=policy_to_pb(pols.get(job)), effective=policy_to_pb(pols.effective(job)))
+        return pb.JobPolicyResponse(job=job, policy=policy_to_pb(pols.get(job)),
+                                    effective=policy_to_pb(pols.effective(job)))
 
     @rpc
     async def DeleteStep(self, request: pb.DeleteStepRequest, context) -> pb.DeleteStepResponse:

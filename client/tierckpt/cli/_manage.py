@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from .._admin import JobPolicy
 from ..errors import InvalidArgumentError
@@ -14,7 +15,8 @@ from ._daemon import Session
 __all__ = ["register", "EXAMPLES"]
 
 EXAMPLES = {
-    "policy": "examples:\n  tierckpt policy llama-70b\n  tierckpt policy llama-70b --keep-local 3 --persist-every 1000\n"
+    "policy": "examples:\n  tierckpt policy llama-70b\n"
+              "  tierckpt policy llama-70b --keep-local 3 --persist-every 1000\n"
               "  tierckpt policy llama-70b --reset --json",
     "rm": "examples:\n  tierckpt rm llama-70b --step 1200\n  tierckpt rm llama-70b --step 1200 --tier persistent",
     "verify": "examples:\n  tierckpt verify llama-70b\n  tierckpt verify llama-70b --step 1200 --json",
@@ -108,7 +110,8 @@ def register(command: Callable[[str, str], argparse.ArgumentParser],
     s.add_argument("--keep-local", metavar="N", type=_nonneg, help="newest complete steps kept locally (>= 1)")
     s.add_argument("--keep-persistent", metavar="N", type=_nonneg,
                    help="newest complete steps kept in the persistent tier (0 = all)")
-    s.add_argument("--persist-every", metavar="N", type=_nonneg, help="every Nth step to the persistent tier (0 = none)")
+    s.add_argument("--persist-every", metavar="N", type=_nonneg,
+                   help="every Nth step to the persistent tier (0 = none)")
     s.add_argument("--reset", action="store_true", help="drop the job's overrides (the daemon's flags apply)")
     s.add_argument("--json", action="store_true", help="print one JSON document")
     add_connection(s, sub=True)
