@@ -95,3 +95,27 @@ def test_rm_and_verify_reach_peers(daemon_factory) -> None:
         r = c0.delete_step("p", 5)
         assert (r.local, r.peer) == (2, 2) and not r.unreachable
         assert c1.list("p") == [] and c0.list("p") == []
+
+
+def test_policy_files_survive_and_bad_ones_are_ignored(tmp_path: Path) -> None:
+    from tierckptd.localfs import LocalDir
+    from tierckptd.policies import JobPolicies
+    from tierckptd.policies import JobPolicy as DaemonPolicy
+
+    fs = LocalDir(tmp_path)
+    fs.open()
+    pols = JobPolicies(DaemonPolicy(2, 0, 0))
+    pols.load(fs)
+    pols.update("a", DaemonPolicy(keep_local=4))
+    pols.update("a", DaemonPolicy(persist_every=10))
+    (tmp_path / "policies" / "bad.json").write_text("{not json")
+    (tmp_path / "policies" / "worse.json").write_text('{"keep_local": 0}')
+    again = JobPolicies(DaemonPolicy(2, 0, 0))
+    again.load(fs)
+    assert again.get("a") == DaemonPolicy(keep_local=4, persist_every=10)
+    assert again.effective("bad") == DaemonPolicy(2, 0, 0) and again.keep_local("worse") == 2
+    again.update("a", DaemonPolicy(), reset=True)
+    assert not (tmp_path / "policies" / "a.json").exists() and again.get("a") == DaemonPolicy()
+    with pytest.raises(tierckpt.InvalidArgumentError, match=r"policy\.keep_local"):
+        again.update("a", DaemonPolicy(keep_local=0))
+    fs.close()
