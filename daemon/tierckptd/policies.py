@@ -107,11 +107,15 @@ class JobPolicies:
     def keep_local(self, job: str) -> int:
         return int(self.effective(job).keep_local or 1)
 
-    def keep_persistent(self, job: str) -> int:
-        return int(self.effective(job).keep_persistent or 0)
+    def keep_persistent(self, job: str, default: int | None = None) -> int:
+        """The job's override, else ``default`` (the persistent tier's flag), else the defaults."""
+        v = self.get(job).keep_persistent
+        return int(v if v is not None else default if default is not None else self.defaults.keep_persistent or 0)
 
-    def persist_every(self, job: str) -> int:
-        return int(self.effective(job).persist_every or 0)
+    def persist_every(self, job: str, default: int | None = None) -> int:
+        """The job's override, else ``default`` (the persistent tier's flag), else the defaults."""
+        v = self.get(job).persist_every
+        return int(v if v is not None else default if default is not None else self.defaults.persist_every or 0)
 
     def update(self, job: str, policy: JobPolicy, *, reset: bool = False) -> JobPolicy:
         """Apply ``policy``'s set fields to the job's overrides (after dropping them all with

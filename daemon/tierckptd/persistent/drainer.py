@@ -77,7 +77,8 @@ class Drainer:
 
     def select(self, manifest: Manifest) -> None:
         """Queue ``manifest``'s rank if selected; an unselected re-save fails the queued one."""
-        if not selected(manifest, self.store.policies.persist_every(manifest.job)) and not self.forced(manifest):
+        every = self.store.policies.persist_every(manifest.job, self.config.persist_every)
+        if not selected(manifest, every) and not self.forced(manifest):
             e = self.ledger.pending.get(manifest.key)
             if e is not None:  # a re-save that is not selected supersedes the queued one
                 self.fail(e, "superseded by a re-save that is not selected for the persistent tier")
@@ -273,7 +274,7 @@ class Drainer:
         self.update_gauges()
         await self._unpin(man.job, man.step)  # before waiters return: retention has run when they look
         self.ledger.broadcast()
-        if self.store.policies.keep_persistent(man.job):
+        if self.store.policies.keep_persistent(man.job, self.config.keep_persistent):
             self._spawn(self.retention.retain(man.job))
 
     async def _unpin(self, job: str, step: int) -> None:

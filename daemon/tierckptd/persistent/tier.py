@@ -78,11 +78,19 @@ class PersistentTier(RemoteTier):
         self.uploader = RankUploader(store, self.calls, self.catalog_cache, config.node_id, metrics, codec)
         self.writer = QueueWriter(self.queue)
         self.drainer = Drainer(config, store, self.ledger, self.writer, self.uploader, self.catalog_cache,
-                               Retention(self.calls, self.catalog_cache, store.policies.keep_persistent), metrics,
+                               Retention(self.calls, self.catalog_cache, self.keep_persistent), metrics,
                                self._spawn)
-        self.takeover = TakeOver(config.node_id, store.policies.persist_every, store, cluster, self.ledger,
+        self.takeover = TakeOver(config.node_id, self.persist_every, store, cluster, self.ledger,
                                  self.catalog_cache, self.drainer)
         self.restorer = Restorer(store, self.calls, self.catalog_cache, metrics, self._announce)
+
+    def persist_every(self, job: str) -> int:
+        """``persist_every`` of ``job``: its policy, else the daemon's flag."""
+        return self.store.policies.persist_every(job, self.config.persist_every)
+
+    def keep_persistent(self, job: str) -> int:
+        """``keep_persistent`` of ``job``: its policy, else the daemon's flag."""
+        return self.store.policies.keep_persistent(job, self.config.keep_persistent)
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -168,7 +176,7 @@ class PersistentTier(RemoteTier):
 
     def commit_pin(self, job: str, step: int, persist: bool) -> str | None:
         """Pin a selected step at commit time, so retention cannot evict it before it is queued."""
-        return "drain" if step_selected(step, persist, self.store.policies.persist_every(job)) else None
+        return "drain" if step_selected(step, persist, self.persist_every(job)) else None
 
     def on_commit(self, manifest: Manifest, *, ingested: bool) -> None:
         """Queue the rank if this node owns it and it is selected; remember a selected copy of
@@ -221,7 +229,7 @@ class PersistentTier(RemoteTier):
                 return [self.url]
             if failed and failed[0] == local.generation:
                 raise TierError(f"{job} step {step} rank {rank}: drain to {self.url} failed: {failed[1]}")
-            every = self.store.policies.persist_every(job)
+            every = self.persist_every(job)
             if not selected(local, every) and not self.drainer.forced(local):
                 raise TierError(not_selected_reason(local, every))
         elif failed:
