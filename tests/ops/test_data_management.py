@@ -119,3 +119,28 @@ def test_policy_files_survive_and_bad_ones_are_ignored(tmp_path: Path) -> None:
     with pytest.raises(tierckpt.InvalidArgumentError, match=r"policy\.keep_local"):
         again.update("a", DaemonPolicy(keep_local=0))
     fs.close()
+
+
+def test_bad_requests_name_the_field_and_change_nothing(daemon_factory) -> None:
+    import grpc
+    from tierckpt.v1 import tierckpt_pb2 as pb
+    from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
+
+    d = daemon_factory()
+    with d.client() as c:
+        _save(c, "k", 1)
+    with grpc.insecure_channel(d.address) as ch:
+        stub = pb_grpc.TierckptStub(ch)
+        for call, req, field in [
+            (stub.DeleteStep, pb.DeleteStepRequest(job="../k", step=1), "job"),
+            (stub.DeleteStep, pb.DeleteStepRequest(job="k", step=1, tiers=pb.TierSelection(tiers=[9])), "tiers"),
+            (stub.SetJobPolicy, pb.SetJobPolicyRequest(job="k", policy=pb.JobPolicy(keep_local=0)), "keep_local"),
+            (stub.PersistStep, pb.PersistStepRequest(job="k", step=1, timeout_seconds=-1), "timeout_seconds"),
+            (stub.Verify, pb.VerifyRequest(job=""), "job"),
+        ]:
+            with pytest.raises(grpc.RpcError) as ei:
+                call(req, timeout=10)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in ei.value.details()
+    with d.client() as c:
+        assert [i.step for i in c.list("k")] == [1]
+        assert c.get_job_policy("k")[0] == JobPolicy()
