@@ -100,6 +100,13 @@ BAD_INPUT = [
     (["frobnicate"], "COMMAND"),
     (["ls"], "JOB"),
     (["completion", "fish"], "SHELL"),
+    (["policy", "bad/job"], "JOB"),
+    (["policy", "job", "--keep-local", "0"], "--keep-local"),
+    (["policy", "job", "--persist-every", "-1"], "--persist-every"),
+    (["rm", "job"], "--step"),
+    (["rm", "job", "--step", "1", "--tier", "disk"], "--tier"),
+    (["verify", "job", "--step", "x"], "--step"),
+    (["persist", "job"], "--step"),
     (["plan", "--step-time", "1", "--persistent-save", "30"], "--mtbi"),
     (["plan", "--mtbi", "4x", "--step-time", "1", "--persistent-save", "30"], "--mtbi"),
     (["plan", "--mtbi", "4h", "--step-time", "1"], "--persistent-save"),
@@ -576,7 +583,39 @@ def test_plan_measures_restore_times_from_a_real_daemon(daemon, metrics_port, tm
 def test_readme_documents_every_json_command():
     block = README[README.index("## The CLI"):]
     block = block[:block.index("\n## ", 4)]
-    for command in ("status", "ls", "latest", "restore", "plan"):
+    for command in ("status", "ls", "latest", "restore", "plan", "policy", "rm", "verify", "persist"):
         assert f"`tierckpt {command}" in block and "--json" in block
     for key in ("peer_tier", "complete_in", "world_size", "source_node", "interval_steps", "defaulted"):
         assert key in block, key
+
+
+# ------------------------------------------------------------------------- data management
+
+
+def test_policy_rm_verify_persist_verbs(tmp_path):
+    d = Daemon(scratch_dir(), "node0", args=("--persistent", f"file://{tmp_path}/store")).start()
+    try:
+        a = ("--address", d.address)
+        with d.client() as c:
+            c.save("dm", 1, 0, 1, {"w": ARR}).result(30)
+            c.save("dm", 2, 0, 1, {"w": ARR}).result(30)
+        rc, out, err = call(*a, "policy", "dm", "--keep-local", "3", "--json")
+        doc = json.loads(out)
+        assert rc == 0 and doc["overrides"]["keep_local"] == 3 and doc["effective"]["persist_every"] == 0, err
+        assert_json_style(doc)
+        rc, out, _ = call(*a, "policy", "dm")
+        assert rc == 0 and "keep_local       3  (job)" in out
+        rc, out, err = call(*a, "verify", "dm", "--json")
+        assert rc == 0 and json.loads(out)["mismatches"] == 0, err
+        rc, out, err = call(*a, "persist", "dm", "--step", "2", "--wait", "--json")
+        assert rc == 0 and json.loads(out)["persisted"] == [0], err
+        rc, out, err = call(*a, "persist", "dm", "--step", "99")
+        assert rc == 4, err
+        f = next((d.local_dir / "jobs" / "dm").glob("*1/rank-*/w.*"))
+        f.write_bytes(b"\0" * f.stat().st_size)
+        rc, out, err = call(*a, "verify", "dm", "--step", "1")
+        assert rc == 1 and "mismatch" in out, (out, err)
+        rc, out, err = call(*a, "rm", "dm", "--step", "2", "--json")
+        assert rc == 0 and json.loads(out)["local"] == 1 and json.loads(out)["persistent"] == 1, err
+    finally:
+        d.kill()

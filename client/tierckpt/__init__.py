@@ -7,6 +7,7 @@
         ck = c.restore("job", rank=0)
 """
 
+from ._admin import CopyCheck, DeleteResult, JobPolicy, VerifyResult
 from .client import Checkpoint, CheckpointInfo, Client, RankLocation, SaveFuture, SaveResult, StepAvailability
 from .errors import (
     AlreadyExistsError,
@@ -29,5 +30,5 @@ __all__ = [
     "Client", "CheckpointManager", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation",
     "StepAvailability", "TierckptError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
     "CapacityError", "UnavailableError", "DataLossError", "FailedPreconditionError", "DeadlineExceededError",
-    "PermissionDeniedError", "TierError",
+    "PermissionDeniedError", "TierError", "JobPolicy", "CopyCheck", "DeleteResult", "VerifyResult",
 ]

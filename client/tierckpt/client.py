@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from ._admin import DataManagementMixin, JobPolicy
 from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
 from ._loans import Loans
 from ._transfer import StagingMaps, copy_into, hash_staged, map_verified, read_stream, run_batched
@@ -184,7 +185,7 @@ class SaveFuture(cf.Future):
         return self._client._wait_tier(self.job, self.step, self.rank, tier, remaining)
 
 
-class Client:
+class Client(DataManagementMixin):
     """A connection to the tierckpt daemon on this node.
 
     Args:
@@ -262,8 +263,12 @@ class Client:
         return plan
 
     def save(self, job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any], *,
-             metadata: Mapping[str, Any] | None = None, persist: bool = False) -> SaveFuture:
+             metadata: Mapping[str, Any] | None = None, persist: bool = False,
+             policy: JobPolicy | None = None) -> SaveFuture:
         """Stage one rank's shards and commit them in the background.
+
+        ``policy`` (a :class:`JobPolicy`) sets the job's ``keep_local`` / ``keep_persistent`` /
+        ``persist_every`` on this node with the commit (fields left ``None`` keep their value).
 
         Returns once the bytes are copied out of the caller's buffers: the caller may modify them
         immediately. The future resolves when the rank is committed in the local tier.
@@ -281,6 +286,7 @@ class Client:
             raise InvalidArgumentError("shards: a non-empty mapping of name -> buffer is required")
         buffers = [as_buffer(check_shard(n, "shards"), v) for n, v in shards.items()]
         meta = _encode_metadata(metadata)
+        pol = policy.to_pb() if policy is not None else None
         stream = self.transfer == "stream" or self._fs_hidden
         req = pb.BeginSaveRequest(job=job, step=step, rank=rank, world_size=world_size, shards=self._plan(buffers),
                                   transfer=pb.TRANSFER_STREAM if stream else pb.TRANSFER_SHARED_FS)
@@ -310,7 +316,7 @@ class Client:
             paths_sizes = [(b.name, maps.get(b.name) or staged[b.name].path, b.nbytes) for b in buffers]
         else:
             paths_sizes = []
-        self._committer.submit(self._finish, fut, begun.save_id, digests, paths_sizes, meta, persist, t0)
+        self._committer.submit(self._finish, fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol)
         return fut
 
     def _sees(self, local_dir: str, token: str) -> bool:
@@ -343,7 +349,8 @@ class Client:
         return digests
 
     def _finish(self, fut: SaveFuture, save_id: str, digests: dict[str, str] | None,
-                paths_sizes: list[tuple[str, Any, int]], meta: str, persist: bool, t0: float) -> None:
+                paths_sizes: list[tuple[str, Any, int]], meta: str, persist: bool, t0: float,
+                policy: pb.JobPolicy | None = None) -> None:
         if not fut.set_running_or_notify_cancel():
             self._abort(save_id)
             return
@@ -351,7 +358,7 @@ class Client:
             if digests is None:
                 hashes = run_batched(self._io, lambda p: hash_staged(p[1], p[2]), paths_sizes, lambda p: p[2])
                 digests = {name: h for (name, _, _), h in zip(paths_sizes, hashes)}
-            req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist,
+            req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist, policy=policy,
                                        digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
             resp = self._call(self._stub.CommitSave, req, "CommitSave")
             fut.set_result(SaveResult(fut.job, fut.step, fut.rank, resp.bytes, fut.blocking_seconds,

@@ -15,11 +15,11 @@
 JAX pytree (through :mod:`tierckpt.jax`). Only what a state needs is imported: the manager itself
 imports neither torch nor jax.
 
-Retention: the daemon keeps per-node retention (``keep_local``, ``keep_persistent``); it has no
-per-job retention yet. ``max_to_keep`` is therefore recorded and reported
-(:attr:`CheckpointManager.max_to_keep`) but not enforced; what the client can do per save it
-does: steps due in the persistent tier (``persist_every``, or the goodput policy's persistent
-interval) are saved with ``persist=True``. Peer copies are made of every save by the daemon.
+Retention: an explicit ``max_to_keep`` is enforced through the job's policy on the daemon
+(``keep_local`` = ``max_to_keep["local"]``, ``keep_persistent`` = ``max_to_keep["persistent"]``,
+set with :meth:`tierckpt.Client.set_job_policy` before the first save); without one the
+daemon's flags apply. Peer copies follow the local retention. Steps due in the persistent tier
+(``persist_every``, or the goodput policy's persistent interval) are saved with ``persist=True``.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ class CheckpointManager:
             (the planner's per-tier intervals: the manager saves at the cheapest tier's interval
             and persists where the persistent interval falls), or None (every step).
         max_to_keep: newest steps wanted per tier, e.g. ``{"local": 2, "persistent": 5}``.
-            Requested, not enforced: the daemon applies its own ``keep_local`` /
-            ``keep_persistent`` until it supports per-job retention.
+            When given, enforced as the job's ``keep_local`` / ``keep_persistent`` policy on
+            the daemon (default: the daemon's flags; ``peer`` follows ``local``).
         persist_every: also persist steps that are multiples of this (0: only the policy's).
         async_: return from :meth:`save` once the bytes are staged (the commit runs in the
             background); False waits for the local commit.
@@ -147,6 +147,7 @@ class CheckpointManager:
         if not isinstance(persist_every, int) or isinstance(persist_every, bool) or persist_every < 0:
             raise InvalidArgumentError(f"persist_every: {persist_every!r} must be an integer >= 0")
         self.job = job
+        self._keep_pending = max_to_keep is not None  # set the job's policy before the first save
         self.max_to_keep = dict(max_to_keep if max_to_keep is not None else {"local": 2, "persistent": 5})
         for tier, n in self.max_to_keep.items():
             if tier not in ("local", "peer", "persistent") or not isinstance(n, int) or n < 1:
@@ -223,7 +224,17 @@ class CheckpointManager:
             self._raise_deferred()
         return fut
 
+    def _apply_max_to_keep(self) -> None:
+        if not self._keep_pending:
+            return
+        from ._admin import JobPolicy
+
+        self.client.set_job_policy(self.job, JobPolicy(keep_local=self.max_to_keep.get("local"),
+                                                       keep_persistent=self.max_to_keep.get("persistent")))
+        self._keep_pending = False
+
     def _save(self, step: int, state: Any, metadata: Mapping[str, Any] | None, persist: bool) -> SaveFuture:
+        self._apply_max_to_keep()
         fmt = self.format if self.format != "auto" else _detect(state)
         if fmt == "torch":
             return self._checkpointer().save(step, state, metadata=metadata, persist=persist)

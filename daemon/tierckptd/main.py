@@ -149,6 +149,7 @@ async def _open_node(config: DaemonConfig, metrics):
     """Open the local store, build the cluster membership and tiers, start the node."""
     from .node import Node
     from .offload import run_blocking
+    from .policies import JobPolicies, JobPolicy
     from .store import LocalStore
 
     node: Node | None = None
@@ -161,7 +162,8 @@ async def _open_node(config: DaemonConfig, metrics):
     store = LocalStore(config.local_dir, config.node_id, capacity=config.local_capacity,
                        keep_local=config.keep_local, fsync=config.fsync, max_shard_bytes=config.max_shard_bytes,
                        max_open_saves=config.max_open_saves,
-                       is_complete=cluster.is_complete if cluster else None, on_evict=evicted)
+                       is_complete=cluster.is_complete if cluster else None, on_evict=evicted,
+                       policies=JobPolicies(JobPolicy(config.keep_local, config.keep_persistent, config.persist_every)))
     try:
         await run_blocking(store.open)
     except OSError as e:

@@ -19,7 +19,9 @@ from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
 
 from . import __version__
 from .config import ConfigError, DaemonConfig
+from .datamgmt import TIERS, DataManagement
 from .node import Node
+from .policies import JobPolicy
 from .rpc import add_service, check_decoded, rpc, rpc_stream
 from .tierhealth import TierHealth
 from .unixsock import SocketClaim, claim_socket, resolve_group
@@ -54,6 +56,7 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         self.node = node
         self.config = config
         self.tier_health = tier_health
+        self.data = DataManagement(node)
 
     @rpc
     async def BeginSave(self, request: pb.BeginSaveRequest, context) -> pb.BeginSaveResponse:
@@ -94,6 +97,8 @@ class TierckptServicer(pb_grpc.TierckptServicer):
                 raise InvalidArgumentError(f"digests.name: {d.name!r} appears twice")
             digests[d.name] = d.checksum
         meta = _check_json_object(request.metadata_json, "metadata_json")
+        if request.HasField("policy"):
+            await self.data.commit_policy(request.save_id, policy_from_pb(request.policy))
         man, seconds = await self.node.commit_save(request.save_id, digests, meta, request.persist)
         return pb.CommitSaveResponse(bytes=man.nbytes, commit_seconds=seconds)
 
@@ -201,6 +206,75 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         if self.tier_health is not None:
             resp.persistent_error = self.tier_health.error("persistent") or ""
         return resp
+
+
+    @rpc
+    async def SetJobPolicy(self, request: pb.SetJobPolicyRequest, context) -> pb.JobPolicyResponse:
+        check_job(request.job)
+        await self.data.set_policy(request.job, policy_from_pb(request.policy), reset=request.reset)
+        return self._policy_response(request.job)
+
+    @rpc
+    async def GetJobPolicy(self, request: pb.GetJobPolicyRequest, context) -> pb.JobPolicyResponse:
+        check_job(request.job)
+        return self._policy_response(request.job)
+
+    def _policy_response(self, job: str) -> pb.JobPolicyResponse:
+        pols = self.node.store.policies
+        return pb.JobPolicyResponse(job=job, policy=policy_to_pb(pols.get(job)),
+                                    effective=policy_to_pb(pols.effective(job)))
+
+    @rpc
+    async def DeleteStep(self, request: pb.DeleteStepRequest, context) -> pb.DeleteStepResponse:
+        check_job(request.job)
+        check_step(request.step)
+        tiers = _tier_names(request.tiers.tiers)
+        c = await self.data.delete_step(request.job, request.step, tiers)
+        return pb.DeleteStepResponse(local_ranks=c.local, peer_ranks=c.peer, persistent_ranks=c.persistent,
+                                     persistent_objects=c.persistent_objects, unreachable=c.unreachable)
+
+    @rpc
+    async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
+        check_job(request.job)
+        step = request.step if request.has_step else None
+        if step is not None:
+            check_step(step)
+        checks, unreachable = await self.data.verify(request.job, step)
+        states = {"ok": pb.COPY_STATE_OK, "mismatch": pb.COPY_STATE_MISMATCH, "missing": pb.COPY_STATE_MISSING}
+        return pb.VerifyResponse(
+            copies=[pb.CopyCheck(step=c.step, rank=c.rank, tier=TIER_ENUM[c.tier], node=c.node, state=states[c.state],
+                                 detail=c.detail) for c in checks],
+            mismatches=sum(1 for c in checks if c.state == "mismatch"), unreachable=unreachable)
+
+    @rpc
+    async def PersistStep(self, request: pb.PersistStepRequest, context) -> pb.PersistStepResponse:
+        check_job(request.job)
+        check_step(request.step)
+        if not math.isfinite(request.timeout_seconds) or request.timeout_seconds < 0:
+            raise InvalidArgumentError(f"timeout_seconds: {request.timeout_seconds} must be >= 0")
+        queued, done = await self.data.persist_step(request.job, request.step, wait=request.wait,
+                                                    timeout=request.timeout_seconds or None)
+        return pb.PersistStepResponse(queued=queued, persisted=done)
+
+
+def policy_from_pb(p: pb.JobPolicy) -> JobPolicy:
+    """The fields present in ``p`` (checked: InvalidArgumentError names a bad one)."""
+    return JobPolicy(**{k: getattr(p, k) for k in ("keep_local", "keep_persistent", "persist_every")
+                        if p.HasField(k)}).checked()
+
+
+def policy_to_pb(p: JobPolicy) -> pb.JobPolicy:
+    return pb.JobPolicy(**{k: v for k, v in (("keep_local", p.keep_local), ("keep_persistent", p.keep_persistent),
+                                             ("persist_every", p.persist_every)) if v is not None})
+
+
+def _tier_names(tiers) -> set[str]:
+    out = set()
+    for t in tiers:
+        if t not in TIER_NAMES:
+            raise InvalidArgumentError(f"tiers: {t} is not a tier")
+        out.add(TIER_NAMES[t])
+    return out or set(TIERS)
 
 
 @dataclass

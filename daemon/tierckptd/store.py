@@ -53,6 +53,7 @@ from .knobs import KNOBS
 from .layout import StoreLayout
 from .localfs import LocalDir, UnsafeFileError, fs_is_tmpfs
 from .manifest import Manifest, ShardEntry
+from .policies import JobPolicies, JobPolicy
 from .recycle import RecyclePool
 from .retention import Eviction, charge_file
 from .saves import OpenSaves
@@ -121,12 +122,13 @@ class LocalStore:
     def __init__(self, root: str | os.PathLike, node_id: str, *, capacity: int = 0, keep_local: int = 2,
                  fsync: str = "auto", max_shard_bytes: int = 1 << 40, is_complete: CompletenessFn | None = None,
                  on_evict: Callable[[Eviction], None] | None = None,
-                 max_open_saves: int = DEFAULT_MAX_OPEN_SAVES) -> None:
+                 max_open_saves: int = DEFAULT_MAX_OPEN_SAVES, policies: JobPolicies | None = None) -> None:
         self.root = Path(root).absolute()
         self.node_id = node_id
         self._capacity_arg = capacity
         self.capacity = capacity
         self.keep_local = keep_local
+        self.policies = policies or JobPolicies(JobPolicy(keep_local, 0, 0))  # per-job overrides
         self._fsync_mode = fsync
         self.fsync = fsync == "always"
         self.max_shard_bytes = max_shard_bytes
@@ -178,6 +180,7 @@ class LocalStore:
         if reclaimed:
             log.info("reclaimed %d staging leftovers of a previous run", reclaimed)
             self.counters["staging_reclaimed"] += reclaimed
+        self.policies.load(self._fs)
         res = scan_jobs(self._fs, StoreLayout.rank_rel)
         for man in res.manifests:
             self._catalog.add(man, _charge(man))
@@ -397,7 +400,7 @@ class LocalStore:
         return evictions
 
     def _retain_locked(self, job: str) -> list[Eviction]:
-        return self._evictor.retain(job, self.keep_local)
+        return self._evictor.retain(job, self.policies.keep_local(job))
 
     def _make_room_locked(self, need: int) -> None:
         evictions = self._evictor.make_room(need, self.capacity, self._used_locked())

@@ -17,7 +17,7 @@ def test_fixed_interval_and_persist_every(daemon):
         assert mgr.save(5, {"w": np.zeros(8, np.float32)}, force=True) is not None
         mgr.wait_until_finished()
         assert mgr.stats.committed == 3 and mgr.stats.failed == 0 and mgr.stats.skipped == 3
-        assert mgr.all_steps() == [4, 5]  # the daemon's keep_local (2) applies, not max_to_keep
+        assert mgr.all_steps() == [4, 5]  # no max_to_keep given: the daemon's keep_local (2) applies
         assert mgr.latest_step() == 5
         target = {"w": np.empty(8, np.float32)}
         buf = target["w"]
@@ -137,3 +137,14 @@ def test_raise_on_error_raises_at_once_for_torch_states_too(daemon):
     assert mgr.stats.failed == 1
     mgr.close()
     assert mgr.stats.failed == 1  # counted once
+
+
+def test_max_to_keep_is_enforced_through_the_job_policy(daemon):
+    from tierckpt import CheckpointManager, JobPolicy
+
+    with CheckpointManager("mtk", address=daemon.address, max_to_keep={"local": 1, "persistent": 3},
+                           async_=False, raise_on_error=True) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": np.arange(8, dtype=np.float32)}, force=True)
+        assert [i.step for i in mgr.client.list("mtk")] == [3]
+        assert mgr.client.get_job_policy("mtk")[0] == JobPolicy(keep_local=1, keep_persistent=3)

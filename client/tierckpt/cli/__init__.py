@@ -1,4 +1,4 @@
-"""The ``tierckpt`` command line: status, ls, latest, restore, plan, completion.
+"""The ``tierckpt`` command line: status, ls, latest, restore, policy, rm, verify, persist, plan, completion.
 
 Error contract (every sub-command; tests/test_cli.py checks each case):
 
@@ -30,6 +30,8 @@ from .. import __version__
 from ..errors import InvalidArgumentError, NotFoundError, TierckptError, UnavailableError
 from ._commands import cmd_latest, cmd_ls, cmd_restore, cmd_status
 from ._daemon import DaemonUnreachable, Session
+from ._manage import EXAMPLES as _MANAGE_EXAMPLES
+from ._manage import register as _register_manage
 from .plan import add_plan_arguments, run_plan
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_UNREACHABLE", "EXIT_NOT_FOUND"]
@@ -105,6 +107,7 @@ _EXAMPLES = {
             "(--metrics-url) or else taken as its save time",
     "completion": "examples:\n  tierckpt completion bash > ~/.local/share/bash-completion/completions/tierckpt\n"
                   "  tierckpt completion zsh > \"${fpath[1]}/_tierckpt\"",
+    **_MANAGE_EXAMPLES,
 }
 
 
@@ -154,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection(s, sub=True)
     s.set_defaults(fn=cmd_restore)
     s._actions[[a.dest for a in s._actions].index("out")].complete = _DIRECTORY  # type: ignore[attr-defined]
+
+    _register_manage(command, _add_connection)
 
     s = command("plan", "checkpoint interval per tier that maximises goodput (no daemon needed)")
     add_plan_arguments(s)

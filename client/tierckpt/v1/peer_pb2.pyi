@@ -165,3 +165,49 @@ class DropReplicasResponse(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: int
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class DeleteStepCopiesRequest(_message.Message):
+    __slots__ = ("requester", "job", "step")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    job: str
+    step: int
+    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class DeleteStepCopiesResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class VerifyCopiesRequest(_message.Message):
+    __slots__ = ("requester", "job", "has_step", "step")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    HAS_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    job: str
+    has_step: bool
+    step: int
+    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
+
+class VerifiedCopy(_message.Message):
+    __slots__ = ("step", "rank", "state", "detail")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rank: int
+    state: int
+    detail: str
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class VerifyCopiesResponse(_message.Message):
+    __slots__ = ("copies",)
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    copies: _containers.RepeatedCompositeFieldContainer[VerifiedCopy]
+    def __init__(self, copies: _Optional[_Iterable[_Union[VerifiedCopy, _Mapping]]] = ...) -> None: ...

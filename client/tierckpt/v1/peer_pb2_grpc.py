@@ -70,6 +70,16 @@ class PeerStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.DropReplicasRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.DropReplicasResponse.FromString,
                 _registered_method=True)
+        self.DeleteStepCopies = channel.unary_unary(
+                '/tierckpt.v1.Peer/DeleteStepCopies',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.DeleteStepCopiesRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.DeleteStepCopiesResponse.FromString,
+                _registered_method=True)
+        self.VerifyCopies = channel.unary_unary(
+                '/tierckpt.v1.Peer/VerifyCopies',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -131,6 +141,21 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteStepCopies(self, request, context):
+        """Remove every rank of a step held here, owned or replica (an operator's `tierckpt rm` on
+        another node; any certificate holder of the cluster is trusted for it). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyCopies(self, request, context):
+        """Re-hash the committed ranks of a job (or one step) held here. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +193,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.DropReplicas,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.DropReplicasRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.DropReplicasResponse.SerializeToString,
+            ),
+            'DeleteStepCopies': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStepCopies,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.DeleteStepCopiesRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.DeleteStepCopiesResponse.SerializeToString,
+            ),
+            'VerifyCopies': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyCopies,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,6 +395,60 @@ class Peer:
             '/tierckpt.v1.Peer/DropReplicas',
             tierckpt_dot_v1_dot_peer__pb2.DropReplicasRequest.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.DropReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStepCopies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Peer/DeleteStepCopies',
+            tierckpt_dot_v1_dot_peer__pb2.DeleteStepCopiesRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.DeleteStepCopiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyCopies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Peer/VerifyCopies',
+            tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesResponse.FromString,
             options,
             channel_credentials,
             insecure,

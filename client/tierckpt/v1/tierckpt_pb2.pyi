@@ -19,6 +19,13 @@ class Transfer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_UNSPECIFIED: _ClassVar[Transfer]
     TRANSFER_SHARED_FS: _ClassVar[Transfer]
     TRANSFER_STREAM: _ClassVar[Transfer]
+
+class CopyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COPY_STATE_UNSPECIFIED: _ClassVar[CopyState]
+    COPY_STATE_OK: _ClassVar[CopyState]
+    COPY_STATE_MISMATCH: _ClassVar[CopyState]
+    COPY_STATE_MISSING: _ClassVar[CopyState]
 TIER_UNSPECIFIED: Tier
 TIER_LOCAL: Tier
 TIER_PEER: Tier
@@ -26,6 +33,10 @@ TIER_PERSISTENT: Tier
 TRANSFER_UNSPECIFIED: Transfer
 TRANSFER_SHARED_FS: Transfer
 TRANSFER_STREAM: Transfer
+COPY_STATE_UNSPECIFIED: CopyState
+COPY_STATE_OK: CopyState
+COPY_STATE_MISMATCH: CopyState
+COPY_STATE_MISSING: CopyState
 
 class ShardSpec(_message.Message):
     __slots__ = ("name", "size", "dtype", "shape")
@@ -104,16 +115,18 @@ class ShardDigest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class CommitSaveRequest(_message.Message):
-    __slots__ = ("save_id", "digests", "metadata_json", "persist")
+    __slots__ = ("save_id", "digests", "metadata_json", "persist", "policy")
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     PERSIST_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     save_id: str
     digests: _containers.RepeatedCompositeFieldContainer[ShardDigest]
     metadata_json: str
     persist: bool
-    def __init__(self, save_id: _Optional[str] = ..., digests: _Optional[_Iterable[_Union[ShardDigest, _Mapping]]] = ..., metadata_json: _Optional[str] = ..., persist: _Optional[bool] = ...) -> None: ...
+    policy: JobPolicy
+    def __init__(self, save_id: _Optional[str] = ..., digests: _Optional[_Iterable[_Union[ShardDigest, _Mapping]]] = ..., metadata_json: _Optional[str] = ..., persist: _Optional[bool] = ..., policy: _Optional[_Union[JobPolicy, _Mapping]] = ...) -> None: ...
 
 class CommitSaveResponse(_message.Message):
     __slots__ = ("bytes", "commit_seconds")
@@ -398,3 +411,127 @@ class StatusResponse(_message.Message):
     uptime_seconds: float
     persistent_error: str
     def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., local_dir: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., recycle_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., persistent_url: _Optional[str] = ..., drain_backlog_bytes: _Optional[int] = ..., drain_backlog_steps: _Optional[int] = ..., drain_oldest_age_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., persistent_error: _Optional[str] = ...) -> None: ...
+
+class JobPolicy(_message.Message):
+    __slots__ = ("keep_local", "keep_persistent", "persist_every")
+    KEEP_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PERSISTENT_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_EVERY_FIELD_NUMBER: _ClassVar[int]
+    keep_local: int
+    keep_persistent: int
+    persist_every: int
+    def __init__(self, keep_local: _Optional[int] = ..., keep_persistent: _Optional[int] = ..., persist_every: _Optional[int] = ...) -> None: ...
+
+class SetJobPolicyRequest(_message.Message):
+    __slots__ = ("job", "policy", "reset")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    policy: JobPolicy
+    reset: bool
+    def __init__(self, job: _Optional[str] = ..., policy: _Optional[_Union[JobPolicy, _Mapping]] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class GetJobPolicyRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class JobPolicyResponse(_message.Message):
+    __slots__ = ("job", "policy", "effective")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    policy: JobPolicy
+    effective: JobPolicy
+    def __init__(self, job: _Optional[str] = ..., policy: _Optional[_Union[JobPolicy, _Mapping]] = ..., effective: _Optional[_Union[JobPolicy, _Mapping]] = ...) -> None: ...
+
+class TierSelection(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class DeleteStepRequest(_message.Message):
+    __slots__ = ("job", "step", "tiers")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    tiers: TierSelection
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tiers: _Optional[_Union[TierSelection, _Mapping]] = ...) -> None: ...
+
+class DeleteStepResponse(_message.Message):
+    __slots__ = ("local_ranks", "peer_ranks", "persistent_ranks", "persistent_objects", "unreachable")
+    LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    local_ranks: int
+    peer_ranks: int
+    persistent_ranks: int
+    persistent_objects: int
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, local_ranks: _Optional[int] = ..., peer_ranks: _Optional[int] = ..., persistent_ranks: _Optional[int] = ..., persistent_objects: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CopyCheck(_message.Message):
+    __slots__ = ("step", "rank", "tier", "node", "state", "detail")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rank: int
+    tier: Tier
+    node: str
+    state: CopyState
+    detail: str
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., node: _Optional[str] = ..., state: _Optional[_Union[CopyState, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("job", "has_step", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    HAS_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    has_step: bool
+    step: int
+    def __init__(self, job: _Optional[str] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("copies", "mismatches", "unreachable")
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    copies: _containers.RepeatedCompositeFieldContainer[CopyCheck]
+    mismatches: int
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, copies: _Optional[_Iterable[_Union[CopyCheck, _Mapping]]] = ..., mismatches: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PersistStepRequest(_message.Message):
+    __slots__ = ("job", "step", "wait", "timeout_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    wait: bool
+    timeout_seconds: float
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., wait: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class PersistStepResponse(_message.Message):
+    __slots__ = ("queued", "persisted", "unreachable")
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PERSISTED_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    queued: _containers.RepeatedScalarFieldContainer[int]
+    persisted: _containers.RepeatedScalarFieldContainer[int]
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, queued: _Optional[_Iterable[int]] = ..., persisted: _Optional[_Iterable[int]] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...

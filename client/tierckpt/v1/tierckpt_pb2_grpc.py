@@ -96,6 +96,31 @@ class TierckptStub:
                 request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.StatusRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.SetJobPolicy = channel.unary_unary(
+                '/tierckpt.v1.Tierckpt/SetJobPolicy',
+                request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.SetJobPolicyRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.JobPolicyResponse.FromString,
+                _registered_method=True)
+        self.GetJobPolicy = channel.unary_unary(
+                '/tierckpt.v1.Tierckpt/GetJobPolicy',
+                request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.GetJobPolicyRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.JobPolicyResponse.FromString,
+                _registered_method=True)
+        self.DeleteStep = channel.unary_unary(
+                '/tierckpt.v1.Tierckpt/DeleteStep',
+                request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.DeleteStepRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.DeleteStepResponse.FromString,
+                _registered_method=True)
+        self.Verify = channel.unary_unary(
+                '/tierckpt.v1.Tierckpt/Verify',
+                request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.VerifyResponse.FromString,
+                _registered_method=True)
+        self.PersistStep = channel.unary_unary(
+                '/tierckpt.v1.Tierckpt/PersistStep',
+                request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.PersistStepRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.PersistStepResponse.FromString,
+                _registered_method=True)
 
 
 class TierckptServicer:
@@ -195,6 +220,42 @@ class TierckptServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetJobPolicy(self, request, context):
+        """Set a job's policy on this node (persisted in the local dir). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJobPolicy(self, request, context):
+        """A job's policy on this node: its overrides and what applies. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteStep(self, request, context):
+        """Delete one step from the selected tiers: this node's local ranks, the peers' copies, and the
+        persistent tier (every rank's manifest before any data). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Verify(self, request, context):
+        """Re-hash every copy of a job's steps in every tier; nothing is changed. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PersistStep(self, request, context):
+        """Drain a step to the persistent tier even if it was not selected. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierckptServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -257,6 +318,31 @@ def add_TierckptServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.StatusRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.StatusResponse.SerializeToString,
+            ),
+            'SetJobPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetJobPolicy,
+                    request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.SetJobPolicyRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.JobPolicyResponse.SerializeToString,
+            ),
+            'GetJobPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobPolicy,
+                    request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.GetJobPolicyRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.JobPolicyResponse.SerializeToString,
+            ),
+            'DeleteStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStep,
+                    request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.DeleteStepRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.DeleteStepResponse.SerializeToString,
+            ),
+            'Verify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Verify,
+                    request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.VerifyRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.VerifyResponse.SerializeToString,
+            ),
+            'PersistStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.PersistStep,
+                    request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.PersistStepRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.PersistStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -585,6 +671,141 @@ class Tierckpt:
             '/tierckpt.v1.Tierckpt/Status',
             tierckpt_dot_v1_dot_tierckpt__pb2.StatusRequest.SerializeToString,
             tierckpt_dot_v1_dot_tierckpt__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetJobPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Tierckpt/SetJobPolicy',
+            tierckpt_dot_v1_dot_tierckpt__pb2.SetJobPolicyRequest.SerializeToString,
+            tierckpt_dot_v1_dot_tierckpt__pb2.JobPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Tierckpt/GetJobPolicy',
+            tierckpt_dot_v1_dot_tierckpt__pb2.GetJobPolicyRequest.SerializeToString,
+            tierckpt_dot_v1_dot_tierckpt__pb2.JobPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Tierckpt/DeleteStep',
+            tierckpt_dot_v1_dot_tierckpt__pb2.DeleteStepRequest.SerializeToString,
+            tierckpt_dot_v1_dot_tierckpt__pb2.DeleteStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Verify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Tierckpt/Verify',
+            tierckpt_dot_v1_dot_tierckpt__pb2.VerifyRequest.SerializeToString,
+            tierckpt_dot_v1_dot_tierckpt__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PersistStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Tierckpt/PersistStep',
+            tierckpt_dot_v1_dot_tierckpt__pb2.PersistStepRequest.SerializeToString,
+            tierckpt_dot_v1_dot_tierckpt__pb2.PersistStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

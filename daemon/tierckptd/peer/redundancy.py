@@ -76,7 +76,7 @@ class Redundancy:
         """Every rank held here in its job's retention window."""
         out: list[Manifest] = []
         for job in self.store.jobs():
-            floor = retention_floor(self.store.complete_steps(job), self.store.keep_local)
+            floor = retention_floor(self.store.complete_steps(job), self.store.policies.keep_local(job))
             for step, ranks in self.store.steps(job).items():
                 if step >= floor:
                     out.extend(ranks.values())
@@ -147,7 +147,7 @@ class Redundancy:
             return f"surplus copy: held by {','.join(confirmed)}"
         owner = self.cluster.get(man.node)
         newer = sum(1 for s in self.store.complete_steps(man.job) if s > man.step)
-        if owner is not None and owner.up and man.key not in owner.held and newer >= self.store.keep_local:
+        if owner is not None and owner.up and man.key not in owner.held and newer >= self.store.policies.keep_local(man.job):
             return f"retired: owner {man.node} evicted it"
         return ""
 

@@ -139,7 +139,7 @@ class Replicator:
     def catch_up(self) -> None:
         """Check every owned rank in the retention window (a peer came back, or periodically)."""
         for job in self.store.jobs():
-            floor = retention_floor(self.store.complete_steps(job), self.store.keep_local)
+            floor = retention_floor(self.store.complete_steps(job), self.store.policies.keep_local(job))
             for step, ranks in self.store.steps(job).items():
                 if step >= floor:
                     for man in ranks.values():

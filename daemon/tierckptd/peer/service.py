@@ -77,3 +77,33 @@ class PeerServicer(ppb_grpc.PeerServicer):
         removed = await self.tier.drop_replicas(request.owner, request.job, request.step, list(request.ranks),
                                                 request.reason)
         return ppb.DropReplicasResponse(removed=removed)
+
+    @rpc
+    async def DeleteStepCopies(self, request: ppb.DeleteStepCopiesRequest,
+                               context: Any) -> ppb.DeleteStepCopiesResponse:
+        # Any certificate holder of the cluster may ask (SECURITY.md: peers are trusted alike);
+        # the requester is checked against its certificate name.
+        check_job(request.job)
+        check_step(request.step)
+        check_node(request.requester, "requester")
+        self.guard.check_claim(self.guard.identity(context), request.requester, "requester")
+        from ..datamgmt import remove_step
+
+        removed = await run_blocking(remove_step, self.tier.store, request.job, request.step,
+                                     f"deleted on request of {request.requester}")
+        return ppb.DeleteStepCopiesResponse(removed=removed)
+
+    @rpc
+    async def VerifyCopies(self, request: ppb.VerifyCopiesRequest, context: Any) -> ppb.VerifyCopiesResponse:
+        check_job(request.job)
+        if request.has_step:
+            check_step(request.step)
+        check_node(request.requester, "requester")
+        self.guard.check_claim(self.guard.identity(context), request.requester, "requester")
+        from ..copycheck import verify_local
+
+        checks = await run_blocking(verify_local, self.tier.store, request.job,
+                                    request.step if request.has_step else None)
+        states = {"ok": 1, "mismatch": 2, "missing": 3}
+        return ppb.VerifyCopiesResponse(copies=[ppb.VerifiedCopy(step=c.step, rank=c.rank, state=states[c.state],
+                                                                 detail=c.detail) for c in checks])

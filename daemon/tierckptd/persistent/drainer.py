@@ -69,6 +69,7 @@ class Drainer:
         self._wake = asyncio.Event()
         self._stopping = False
         self.running: set[asyncio.Task] = set()
+        self._forced: set[tuple[str, int]] = set()  # steps an operator asked to persist (PersistStep)
         self.repair: Callable[[Manifest], Awaitable[bool]] | None = None
         """Replaces a corrupt local copy with a verified one from elsewhere (set by the tier)."""
 
@@ -76,12 +77,23 @@ class Drainer:
 
     def select(self, manifest: Manifest) -> None:
         """Queue ``manifest``'s rank if selected; an unselected re-save fails the queued one."""
-        if not selected(manifest, self.config.persist_every):
+        every = self.store.policies.persist_every(manifest.job, self.config.persist_every)
+        if not selected(manifest, every) and not self.forced(manifest):
             e = self.ledger.pending.get(manifest.key)
             if e is not None:  # a re-save that is not selected supersedes the queued one
                 self.fail(e, "superseded by a re-save that is not selected for the persistent tier")
             return
         self.enqueue(manifest, time.time(), durable=True)
+
+    def forced(self, man: Manifest) -> bool:
+        """Whether an operator asked for ``man``'s step (``tierckpt persist``) in this process."""
+        return (man.job, man.step) in self._forced
+
+    def force(self, man: Manifest) -> None:
+        """Queue a rank that was not selected, like a selected one (``tierckpt persist``)."""
+        self._forced.add((man.job, man.step))
+        if man.key not in self.ledger.pending and self.ledger.recent.get(man.key) != man.generation:
+            self.enqueue(man, time.time(), durable=True)
 
     def enqueue(self, man: Manifest, enqueued: float, *, durable: bool) -> None:
         """Queue (or re-queue, for a re-save) a rank, pin its step, wake the loop."""
@@ -262,7 +274,7 @@ class Drainer:
         self.update_gauges()
         await self._unpin(man.job, man.step)  # before waiters return: retention has run when they look
         self.ledger.broadcast()
-        if self.config.keep_persistent:
+        if self.store.policies.keep_persistent(man.job, self.config.keep_persistent):
             self._spawn(self.retention.retain(man.job))
 
     async def _unpin(self, job: str, step: int) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import functools
 import logging
+from collections.abc import Callable
 
 from tierckpt.errors import DataLossError, UnavailableError
 
@@ -34,10 +35,10 @@ class Retention:
     Args:
         calls: the tier's object-store handle.
         catalog: lists the job's steps; told what was deleted.
-        keep: ``keep_persistent`` (0 keeps everything).
+        keep: a job's ``keep_persistent`` (0 keeps everything): its policy.
     """
 
-    def __init__(self, calls: BackendCalls, catalog: Catalog, keep: int) -> None:
+    def __init__(self, calls: BackendCalls, catalog: Catalog, keep: Callable[[str], int]) -> None:
         self.calls = calls
         self.catalog = catalog
         self.keep = keep
@@ -49,7 +50,7 @@ class Retention:
         async with self._locks[job]:
             try:
                 steps = await self.catalog.list_steps(job, KNOBS.catalog_retry)
-                doomed = plan_retention(steps, self.keep)
+                doomed = plan_retention(steps, self.keep(job))
                 for step in doomed:
                     await self._delete_step(job, step)
                 if doomed:
@@ -59,12 +60,26 @@ class Retention:
             finally:
                 self.catalog.invalidate(job)
 
-    async def _delete_step(self, job: str, step: int) -> None:
+    async def delete_step(self, job: str, step: int) -> tuple[int, int]:
+        """Delete one step on request (``tierckpt rm``), under the job's retention lock: every
+        rank's manifest first, then the data. Returns (manifests, data objects) deleted.
+
+        Raises:
+            BackendError, UnavailableError: the store failed (manifests may be gone already).
+        """
+        async with self._locks[job]:
+            try:
+                return await self._delete_step(job, step, "deleted on request")
+            finally:
+                self.catalog.invalidate(job)
+
+    async def _delete_step(self, job: str, step: int, why: str = "") -> tuple[int, int]:
         be, policy = self.calls.be, KNOBS.catalog_retry
         manifests = await self.calls.read(functools.partial(be.list, step_manifests_prefix(job, step)), policy)
         await self.calls.read(functools.partial(be.delete, manifests), policy)
         data = await self.calls.read(functools.partial(be.list, step_data_prefix(job, step)), policy)
         await self.calls.read(functools.partial(be.delete, data), policy)
         self.catalog.forget_step(job, step)
-        log.info("keep_persistent=%d: deleted %s step %d from %s (%d objects)",
-                 self.keep, job, step, self.catalog.url, len(manifests) + len(data))
+        log.info("%s: deleted %s step %d from %s (%d objects)", why or f"keep_persistent={self.keep(job)}",
+                 job, step, self.catalog.url, len(manifests) + len(data))
+        return len(manifests), len(data)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
 
@@ -44,7 +45,7 @@ class TakeOver:
 
     Args:
         node_id: this node.
-        persist_every: the selection rule's ``persist_every``.
+        persist_every: the selection rule's ``persist_every`` of a job (its policy).
         store: the local store.
         cluster: the cluster as this node sees it, or None (nothing is taken over).
         ledger: the in-memory state of drains (a queued copy is not watched).
@@ -52,7 +53,7 @@ class TakeOver:
         drainer: queues a copy taken over.
     """
 
-    def __init__(self, node_id: str, persist_every: int, store: LocalStore, cluster: ClusterView | None,
+    def __init__(self, node_id: str, persist_every: Callable[[str], int], store: LocalStore, cluster: ClusterView | None,
                  ledger: Ledger, catalog: Catalog, drainer: Drainer) -> None:
         self.node_id = node_id
         self.persist_every = persist_every
@@ -67,7 +68,7 @@ class TakeOver:
         """A copy of another owner's rank was committed here (or found at start)."""
         if man.key in self.ledger.pending:  # taken over: follow a re-save as the owner would
             self.drainer.select(man)
-        elif selected(man, self.persist_every):
+        elif selected(man, self.persist_every(man.job)):
             self.copies[man.key] = man
         else:
             self.copies.pop(man.key, None)

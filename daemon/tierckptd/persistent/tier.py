@@ -82,14 +82,22 @@ class PersistentTier(RemoteTier):
                                      self.content if self._content_layout(codec) else None)
         self.writer = QueueWriter(self.queue)
         self.drainer = Drainer(config, store, self.ledger, self.writer, self.uploader, self.catalog_cache,
-                               Retention(self.calls, self.catalog_cache, config.keep_persistent), metrics,
+                               Retention(self.calls, self.catalog_cache, self.keep_persistent), metrics,
                                self._spawn)
-        self.takeover = TakeOver(config.node_id, config.persist_every, store, cluster, self.ledger,
+        self.takeover = TakeOver(config.node_id, self.persist_every, store, cluster, self.ledger,
                                  self.catalog_cache, self.drainer)
         self.restorer = Restorer(store, self.calls, self.catalog_cache, metrics, self._announce, self.content)
 
     def _content_layout(self, codec: object) -> bool:
         return self.config.persistent_layout == "content" and codec is IDENTITY and not KNOBS.per_shard_layout
+
+    def persist_every(self, job: str) -> int:
+        """``persist_every`` of ``job``: its policy, else the daemon's flag."""
+        return self.store.policies.persist_every(job, self.config.persist_every)
+
+    def keep_persistent(self, job: str) -> int:
+        """``keep_persistent`` of ``job``: its policy, else the daemon's flag."""
+        return self.store.policies.keep_persistent(job, self.config.keep_persistent)
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -175,7 +183,7 @@ class PersistentTier(RemoteTier):
 
     def commit_pin(self, job: str, step: int, persist: bool) -> str | None:
         """Pin a selected step at commit time, so retention cannot evict it before it is queued."""
-        return "drain" if step_selected(step, persist, self.config.persist_every) else None
+        return "drain" if step_selected(step, persist, self.persist_every(job)) else None
 
     def on_commit(self, manifest: Manifest, *, ingested: bool) -> None:
         """Queue the rank if this node owns it and it is selected; remember a selected copy of
@@ -228,8 +236,9 @@ class PersistentTier(RemoteTier):
                 return [self.url]
             if failed and failed[0] == local.generation:
                 raise TierError(f"{job} step {step} rank {rank}: drain to {self.url} failed: {failed[1]}")
-            if not selected(local, self.config.persist_every):
-                raise TierError(not_selected_reason(local, self.config.persist_every))
+            every = self.persist_every(job)
+            if not selected(local, every) and not self.drainer.forced(local):
+                raise TierError(not_selected_reason(local, every))
         elif failed:
             raise TierError(f"{job} step {step} rank {rank}: drain to {self.url} failed: {failed[1]}")
         return await self._wait_in_store(job, step, rank, local)
