@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from tierckpt import cli
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckptd.testing import Daemon, free_port, scratch_dir
@@ -509,7 +508,7 @@ def test_readme_plan_examples_run():
     commands = re.findall(r"^(tierckpt plan [^#\n]*?)\s*(?:#.*)?$", block, re.M)
     assert commands, "the README's CLI section shows a plan example"
     for line in commands:
-        rc, out, err = call(*line.split()[1:])
+        rc, _out, err = call(*line.split()[1:])
         assert rc == 0, f"{line}: {err}"
 
 
@@ -522,7 +521,7 @@ def metrics_server():
     class Handler(http.server.BaseHTTPRequestHandler):
         payload = text.encode()
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+        def do_GET(self) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(self.payload)))

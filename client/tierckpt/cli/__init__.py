@@ -24,7 +24,8 @@ import argparse
 import math
 import os
 import sys
-from typing import Any, NoReturn, Sequence, TextIO
+from collections.abc import Sequence
+from typing import Any, NoReturn, TextIO
 
 from .. import __version__
 from ..errors import InvalidArgumentError, NotFoundError, TierckptError, UnavailableError

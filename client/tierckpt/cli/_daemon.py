@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from ..client import DEFAULT_ADDRESS, Client
 from ..errors import DeadlineExceededError, InvalidArgumentError, UnavailableError

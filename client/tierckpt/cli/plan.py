@@ -90,7 +90,7 @@ def _fetch(url: str, timeout: float) -> str:
     import urllib.request  # Here, not at import time: only `plan --metrics-url` needs HTTP.
 
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (scheme checked by _metrics_url)
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             return str(resp.read().decode("utf-8", "replace"))
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", None) or e

@@ -147,7 +147,8 @@ class Redundancy:
             return f"surplus copy: held by {','.join(confirmed)}"
         owner = self.cluster.get(man.node)
         newer = sum(1 for s in self.store.complete_steps(man.job) if s > man.step)
-        if owner is not None and owner.up and man.key not in owner.held and newer >= self.store.policies.keep_local(man.job):
+        keep = self.store.policies.keep_local(man.job)
+        if owner is not None and owner.up and man.key not in owner.held and newer >= keep:
             return f"retired: owner {man.node} evicted it"
         return ""
 

@@ -53,7 +53,8 @@ class TakeOver:
         drainer: queues a copy taken over.
     """
 
-    def __init__(self, node_id: str, persist_every: Callable[[str], int], store: LocalStore, cluster: ClusterView | None,
+    def __init__(self, node_id: str, persist_every: Callable[[str], int], store: LocalStore,
+                 cluster: ClusterView | None,
                  ledger: Ledger, catalog: Catalog, drainer: Drainer) -> None:
         self.node_id = node_id
         self.persist_every = persist_every
