@@ -25,7 +25,8 @@ from .common.status import error_from_rpc
 from .errors import CapacityError, DataLossError, NotFoundError, TierckptError
 from .v1 import tierckpt_pb2 as pb
 
-__all__ = ["StagingMaps", "copy_into", "map_verified", "read_stream", "hash_staged", "batches", "run_batched"]
+__all__ = ["Progress", "StagingMaps", "copy_into", "map_verified", "read_stream", "hash_staged", "batches",
+           "run_batched"]
 
 _COPY_PIECE = 64 << 20
 """Bytes per copy task: large shards are split so that several I/O threads copy them."""
@@ -134,6 +135,20 @@ class StagingMaps:
                 self._warming.discard(key)
         with self._lock:
             self._maps[key] = (mm, save)
+
+
+class Progress:
+    """``advance(n)``: n more bytes done; calls ``report(done, total)`` (any thread), if given."""
+
+    def __init__(self, total: int, report: Callable[[int, int], None] | None) -> None:
+        self.total, self.report, self.done = total, report, 0
+        self._lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        if self.report:
+            with self._lock:
+                self.done += n
+                self.report(self.done, self.total)
 
 
 def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer],

@@ -15,7 +15,6 @@ import concurrent.futures as cf
 import json
 import mmap
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import numpy as np
 from ._admin import DataManagementMixin, JobPolicy
 from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
 from ._loans import Loans
-from ._transfer import StagingMaps, copy_into, hash_staged, map_verified, read_stream, run_batched
+from ._transfer import Progress, StagingMaps, copy_into, hash_staged, map_verified, read_stream, run_batched
 from .common import checksum as _checksum
 from .common.names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
 from .common.status import error_from_rpc
@@ -477,17 +476,7 @@ class Client(DataManagementMixin):
 
     def _materialize(self, resp: pb.RestoreResponse, job: str, rank: int,
                      progress: Callable[[int, int], None] | None) -> Checkpoint:
-        total = sum(s.size for s in resp.shards)
-        done = 0
-        lock = threading.Lock()
-
-        def advance(n: int) -> None:
-            nonlocal done
-            if progress:
-                with lock:
-                    done += n
-                    progress(done, total)
-
+        advance = Progress(sum(s.size for s in resp.shards), progress)
         shared = self.transfer != "stream" and self._sees(resp.local_dir, resp.fs_token)
         key = (job, resp.step, rank, resp.generation)
         finalizers: dict = {}
@@ -504,17 +493,23 @@ class Client(DataManagementMixin):
             if self.transfer != "stream":
                 self._loans.release_now(key)  # asked for paths (and a loan), but reads over gRPC
             bufs = [read_stream(self._stub, self.address, job, resp.step, rank, s, advance) for s in resp.shards]
-        arrays, buffers, dtypes, shapes = {}, {}, {}, {}
-        for s, buf in zip(resp.shards, bufs):
-            shape = tuple(s.shape)
-            arr = to_array(buf, s.dtype, shape)
-            arr.flags.writeable = False
-            arrays[s.name], buffers[s.name], dtypes[s.name], shapes[s.name] = arr, buf, s.dtype, shape
+        arrays, buffers, dtypes, shapes = _read_only_arrays(resp.shards, bufs)
         return Checkpoint(job=job, step=resp.step, rank=rank, world_size=resp.world_size,
                           tier=_TIER_NAMES.get(resp.tier, "local"), source_node=resp.source_node,
                           metadata=json.loads(resp.metadata_json or "{}"), shards=arrays,
                           dtypes=dtypes, shapes=shapes, _buffers=buffers, _finalizers=finalizers,
                           _loans=self._loans)
+
+def _read_only_arrays(shards: Any, bufs: list[Any]) -> tuple[dict, dict, dict, dict]:
+    """Read-only arrays over the restored buffers, with the buffers, dtypes and shapes by shard."""
+    arrays, buffers, dtypes, shapes = {}, {}, {}, {}
+    for s, buf in zip(shards, bufs):
+        shape = tuple(s.shape)
+        arr = to_array(buf, s.dtype, shape)
+        arr.flags.writeable = False
+        arrays[s.name], buffers[s.name], dtypes[s.name], shapes[s.name] = arr, buf, s.dtype, shape
+    return arrays, buffers, dtypes, shapes
+
 
 def _encode_metadata(metadata: Mapping[str, Any] | None) -> str:
     if metadata is None:
