@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,13 +24,11 @@ from tierckpt.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     NotFoundError,
-    TierckptError,
     UnavailableError,
 )
 
 from .backends import BackendError
 from .copycheck import MISMATCH, Check, verify_local, verify_persistent
-from .knobs import KNOBS
 from .offload import run_blocking
 from .policies import JobPolicy
 
@@ -84,32 +81,13 @@ class DataManagement:
         return getattr(peer, "cluster", None)
 
     async def _fan_out(self, method: str, request: Any) -> tuple[list[tuple[str, Any]], list[str]]:
-        """Call ``method`` on every known peer, ``KNOBS.fanout`` at a time, within the fan-out
-        deadline; returns (answers by node, nodes that did not answer)."""
+        """Call ``method`` on every known peer (bounded, within the fan-out deadline); returns
+        (answers by node, nodes that did not answer)."""
         cluster = self._cluster()
         if cluster is None:
             return [], []
-        targets = sorted(cluster.peers)
-        sem = asyncio.Semaphore(max(1, KNOBS.fanout))
-        deadline = time.monotonic() + KNOBS.fanout_deadline
-
-        async def ask(n: str) -> Any:
-            async with sem:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DeadlineExceededError(f"peer {n}: not asked before the deadline")
-                return await cluster.call(cluster.peers[n], method, request, min(left, KNOBS.rpc_timeout))
-
-        results = await asyncio.gather(*(ask(n) for n in targets), return_exceptions=True)
-        out, missed = [], []
-        for n, res in zip(targets, results):
-            if isinstance(res, TierckptError):
-                missed.append(n)
-            elif isinstance(res, BaseException):
-                raise res
-            else:
-                out.append((n, res))
-        return out, missed
+        answers, missed = await cluster.fan_out(method, request)
+        return [(p.node_id, res) for p, res in answers], missed
 
     # ----------------------------------------------------------------------------- delete
 

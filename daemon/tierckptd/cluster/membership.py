@@ -242,16 +242,15 @@ class Membership:
                     down += 1
         return out
 
-    async def job_catalogs(self, job: str, nodes: set[str] | None = None
-                           ) -> tuple[list[tuple[PeerInfo, list[Any]]], list[str]]:
-        """Ask peers (``nodes``, default every known peer) for their committed ranks of ``job``,
-        ``KNOBS.fanout`` at a time, within ``KNOBS.fanout_deadline`` seconds.
+    async def fan_out(self, method: str, request: Any, nodes: set[str] | None = None
+                      ) -> tuple[list[tuple[PeerInfo, Any]], list[str]]:
+        """Call ``method`` on peers (``nodes``, default every known peer), ``KNOBS.fanout`` at a
+        time, within ``KNOBS.fanout_deadline`` seconds; health is updated from the outcomes.
 
         Returns:
             (answers, the ids of peers that did not answer in time or failed).
         """
         targets = sorted(self.peers if nodes is None else nodes & set(self.peers))
-        req = ppb.CatalogRequest(job=job, node_id=self.node_id)
         sem = asyncio.Semaphore(max(1, KNOBS.fanout))
         deadline = time.monotonic() + KNOBS.fanout_deadline
 
@@ -260,7 +259,7 @@ class Membership:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise DeadlineExceededError(f"peer {p.node_id}: not asked before the deadline")
-                return await self.call(p, "Catalog", req, min(left, KNOBS.rpc_timeout))
+                return await self.call(p, method, request, min(left, KNOBS.rpc_timeout))
 
         results = await asyncio.gather(*(ask(self.peers[n]) for n in targets), return_exceptions=True)
         out, missed = [], []
@@ -275,11 +274,17 @@ class Membership:
                 raise res
             if not p.up:
                 self.mark_up(p)
-            out.append((p, list(res.entries)))
+            out.append((p, res))
         if missed:
-            log.info("%s: %d of %d peers did not answer within %.1fs: %s", job, len(missed), len(targets),
+            log.info("%s: %d of %d peers did not answer within %.1fs: %s", method, len(missed), len(targets),
                      KNOBS.fanout_deadline, ",".join(missed[:10]) + (" ..." if len(missed) > 10 else ""))
         return out, missed
+
+    async def job_catalogs(self, job: str, nodes: set[str] | None = None
+                           ) -> tuple[list[tuple[PeerInfo, list[Any]]], list[str]]:
+        """Every peer's (or ``nodes``') committed ranks of ``job``: see :meth:`fan_out`."""
+        answers, missed = await self.fan_out("Catalog", ppb.CatalogRequest(job=job, node_id=self.node_id), nodes)
+        return [(p, list(res.entries)) for p, res in answers], missed
 
     # ------------------------------------------------------------------------------ views
 
