@@ -12,7 +12,7 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -25,8 +25,8 @@ from .common.status import error_from_rpc
 from .errors import CapacityError, DataLossError, NotFoundError, TierckptError
 from .v1 import tierckpt_pb2 as pb
 
-__all__ = ["Progress", "StagingMaps", "copy_into", "map_verified", "read_stream", "hash_staged", "batches",
-           "run_batched"]
+__all__ = ["write_requests", "Progress", "StagingMaps", "copy_into", "map_verified", "read_stream", "hash_staged",
+           "batches", "run_batched"]
 
 _COPY_PIECE = 64 << 20
 """Bytes per copy task: large shards are split so that several I/O threads copy them."""
@@ -117,6 +117,22 @@ class StagingMaps:
             return mm
         finally:
             os.close(fd)
+
+
+_STREAM_CHUNK = 4 << 20
+"""Bytes per WriteShard message when a client streams (no shared filesystem)."""
+
+
+def write_requests(save_id: str, buffers: list[ShardBuffer], digests: dict[str, str]
+                   ) -> Iterator[pb.WriteShardRequest]:
+    """The WriteShard stream of a save; fills ``digests`` (shard -> checksum) as it goes."""
+    for b in buffers:
+        h = _checksum.new()
+        for off in range(0, b.nbytes, _STREAM_CHUNK):
+            piece = b.view[off : off + _STREAM_CHUNK]
+            h.update(piece)
+            yield pb.WriteShardRequest(save_id=save_id, shard=b.name, offset=off, data=bytes(piece))
+        digests[b.name] = h.hexdigest()
 
 
 class Progress:

@@ -16,7 +16,7 @@ import json
 import mmap
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +26,16 @@ import numpy as np
 from ._admin import DataManagementMixin, JobPolicy
 from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
 from ._loans import Loans
-from ._transfer import Progress, StagingMaps, copy_into, hash_staged, map_verified, read_stream, run_batched
-from .common import checksum as _checksum
+from ._transfer import (
+    Progress,
+    StagingMaps,
+    copy_into,
+    hash_staged,
+    map_verified,
+    read_stream,
+    run_batched,
+    write_requests,
+)
 from .common.names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
 from .common.status import error_from_rpc
 from .errors import (
@@ -42,7 +50,6 @@ from .v1 import tierckpt_pb2_grpc as pb_grpc
 __all__ = ["Client", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "DEFAULT_ADDRESS"]
 
 DEFAULT_ADDRESS = "unix:///run/tierckpt/tierckptd.sock"
-_STREAM_CHUNK = 4 << 20
 _TIER_NAMES = {pb.TIER_LOCAL: "local", pb.TIER_PEER: "peer", pb.TIER_PERSISTENT: "persistent"}
 _TIER_ENUM = {v: k for k, v in _TIER_NAMES.items()}
 
@@ -300,13 +307,15 @@ class Client(DataManagementMixin):
             begun = self._call(self._stub.BeginSave, req, "BeginSave")
             stream = True
         fut = SaveFuture(self, job, step, rank)
+        digests: dict[str, str] | None = None  # streamed saves: filled as the stream is sent
         try:
             if stream:
-                digests = self._stream_write(begun.save_id, buffers)
+                digests = {}
+                self._call(self._stub.WriteShard, write_requests(begun.save_id, buffers, digests), "WriteShard",
+                           timeout=None)
             else:
                 staged = {s.name: s for s in begun.shards}
                 maps = copy_into(self._io, self._maps, buffers, staged)
-                digests = None
         except BaseException:
             self._abort(begun.save_id)
             raise
@@ -331,21 +340,6 @@ class Client(DataManagementMixin):
                 seen = False
             self._shared_fs[key] = seen
         return seen
-
-    def _stream_write(self, save_id: str, buffers: list[ShardBuffer]) -> dict[str, str]:
-        digests: dict[str, str] = {}
-
-        def chunks() -> Iterator[pb.WriteShardRequest]:
-            for b in buffers:
-                h = _checksum.new()
-                for off in range(0, b.nbytes, _STREAM_CHUNK):
-                    piece = b.view[off : off + _STREAM_CHUNK]
-                    h.update(piece)
-                    yield pb.WriteShardRequest(save_id=save_id, shard=b.name, offset=off, data=bytes(piece))
-                digests[b.name] = h.hexdigest()
-
-        self._call(self._stub.WriteShard, chunks(), "WriteShard", timeout=None)
-        return digests
 
     def _finish(self, fut: SaveFuture, save_id: str, digests: dict[str, str] | None,
                 paths_sizes: list[tuple[str, Any, int]], meta: str, persist: bool, t0: float,

@@ -67,6 +67,26 @@ def take_dir_lock(fs: LocalDir) -> int:
     return fd
 
 
+def prepare_local_dir(fs: LocalDir) -> int:
+    """Open the local dir, take its lock and create its top-level directories; returns the lock fd.
+
+    Raises:
+        ConfigError: another live daemon holds the dir, or the dir, its ``.lock`` or a top-level
+            directory is a symlink.
+    """
+    from .config import ConfigError
+
+    try:
+        fs.open()
+        lock_fd = take_dir_lock(fs)
+        for sub in ("staging", "recycle", "jobs", QUARANTINE_DIR):
+            with fs.dir((sub,), create=True):
+                pass
+    except UnsafeFileError as e:
+        raise ConfigError(f"local_dir: {fs.root}: {e.strerror}; refusing to follow a symlink") from None
+    return lock_fd
+
+
 def reclaim_staging(fs: LocalDir) -> int:
     """Remove every staging leftover of a previous run; returns how many."""
     n = 0
@@ -74,6 +94,8 @@ def reclaim_staging(fs: LocalDir) -> int:
         for name, _kind in fs.entries(sfd):
             fs.remove_tree(sfd, name)
             n += 1
+    if n:
+        log.info("reclaimed %d staging leftovers of a previous run", n)
     return n
 
 

@@ -58,7 +58,7 @@ from .recycle import RecyclePool
 from .retention import Eviction, charge_file
 from .saves import OpenSaves
 from .staging import ShardSpec, StagedFile, Staging
-from .startup import QUARANTINE_DIR, reclaim_staging, scan_jobs, take_dir_lock
+from .startup import prepare_local_dir, reclaim_staging, scan_jobs
 
 __all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
 
@@ -158,16 +158,7 @@ class LocalStore:
                 reclaimed that daemon's staging files), or the local dir, its ``.lock`` or its
                 ``jobs`` directory is a symlink.
         """
-        from .config import ConfigError
-
-        try:
-            self._fs.open()
-            self._lock_fd = take_dir_lock(self._fs)  # held (and the lock with it) until the process exits
-            for sub in ("staging", "recycle", "jobs", QUARANTINE_DIR):
-                with self._fs.dir((sub,), create=True):
-                    pass
-        except UnsafeFileError as e:
-            raise ConfigError(f"local_dir: {self.root}: {e.strerror}; refusing to follow a symlink") from None
+        self._lock_fd = prepare_local_dir(self._fs)  # held (and the lock with it) until the process exits
         if self._fsync_mode == "auto":
             self.fsync = not fs_is_tmpfs(self.root)
         if not self._capacity_arg:
@@ -175,11 +166,8 @@ class LocalStore:
             self.capacity = int(st.f_blocks * st.f_frsize * 0.9)
         self.fs_token = secrets.token_hex(16)
         self._fs.atomic_write(self._fs.fd, ".fs-token", self.fs_token.encode(), fsync=False)
-        reclaimed = reclaim_staging(self._fs)
+        self.counters["staging_reclaimed"] += reclaim_staging(self._fs)
         self._recycle.clear_directory()
-        if reclaimed:
-            log.info("reclaimed %d staging leftovers of a previous run", reclaimed)
-            self.counters["staging_reclaimed"] += reclaimed
         self.policies.load(self._fs)
         res = scan_jobs(self._fs, StoreLayout.rank_rel)
         for man in res.manifests:
