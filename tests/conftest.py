@@ -14,9 +14,28 @@ def scratch():
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep
+
+
+def _dump_logs(daemons: list[Daemon], lines: int = 60) -> None:
+    """A failed test prints the tail of each daemon's log (CI keeps nothing else of them)."""
+    for d in daemons:
+        try:
+            tail = d.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            continue
+        print(f"----- log of daemon {d.node_id} (last {len(tail)} lines) -----")
+        print("\n".join(tail))
+
+
 @pytest.fixture
-def daemon_factory(scratch):
-    """Start daemons: ``daemon_factory(node_id="n0", args=(...))``; all are killed at teardown."""
+def daemon_factory(scratch, request):
+    """Start daemons: ``daemon_factory(node_id="n0", args=(...))``; all are killed at teardown
+    (a failed test prints the tail of their logs)."""
     started: list[Daemon] = []
 
     def make(node_id: str = "node0", *, args=(), port: int = 0, env=None, start: bool = True) -> Daemon:
@@ -27,6 +46,9 @@ def daemon_factory(scratch):
     yield make
     for d in started:
         d.kill()
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        _dump_logs(started)
 
 
 @pytest.fixture

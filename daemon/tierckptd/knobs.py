@@ -126,6 +126,8 @@ class Knobs:
     """Seconds between two sweeps for stale temporary upload files."""
 
     # -- test hooks (0 = off): pause at one point of a protocol so that a test can inject a fault there
+    debug_begin_delay: float = 0.0
+    """Seconds opening a staging area waits after creating it, before it is handed back."""
     debug_commit_delay: float = 0.0
     """Seconds a local commit waits after its data files are in place, before the manifest."""
     debug_drain_delay: float = 0.0

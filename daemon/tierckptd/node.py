@@ -27,7 +27,7 @@ from tierckpt.errors import (
 
 from .knobs import KNOBS
 from .manifest import Manifest
-from .offload import run_blocking
+from .offload import run_blocking, run_owning
 from .repair import LocalRepair
 from .store import Eviction, LocalStore, Staging
 from .tiers import RemoteTier
@@ -125,7 +125,8 @@ class Node:
                          specs: Sequence[tuple[str, int, str, Sequence[int]]], stream: bool) -> Staging:
         self._enter()
         try:
-            st = await run_blocking(self.store.begin, job, step, rank, world_size, specs, stream=stream)
+            st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, world_size, specs,
+                                  stream=stream)
         finally:
             self._leave()
         self._update_gauges()

@@ -219,7 +219,10 @@ class LocalStore:
             InvalidArgumentError: a field is invalid (the message names it).
             CapacityError: the shards do not fit even after eviction, or too many saves are open.
         """
-        return self._saves.begin(job, step, rank, world_size, specs, stream=stream)
+        st = self._saves.begin(job, step, rank, world_size, specs, stream=stream)
+        if KNOBS.debug_begin_delay:  # test hook: the staging area exists, its caller has no answer yet
+            time.sleep(KNOBS.debug_begin_delay)
+        return st
 
     def get_staging(self, save_id: str) -> Staging:
         return self._saves.get(save_id)
@@ -319,6 +322,10 @@ class LocalStore:
     def abort(self, save_id: str) -> None:
         """Drop an open save and its staging files. Idempotent."""
         self._saves.abort(save_id)
+
+    def abort_staging(self, st: Staging) -> None:
+        """:meth:`abort` by the staging area :meth:`begin` returned."""
+        self._saves.abort(st.save_id)
 
     def reclaim_expired(self, timeout: float) -> int:
         """Abort saves open longer than ``timeout`` seconds (a client that died mid-save)."""

@@ -207,12 +207,12 @@ def _bulk_msg(sock: socket.socket, doc: dict) -> None:
     sock.sendall(struct.pack(">I", len(data)) + data)
 
 
-def _prepare(peer, owner: str, size: int) -> tuple[str, int]:
+def _prepare(peer, owner: str, size: int, timeout: float = 10) -> tuple[str, int]:
     data = payload("rj", 1, 0, "w", size)
     man = {"format": 1, "checksum_algorithm": checksum.ALGORITHM, "job": "rj", "step": 1, "rank": 0,
            "world_size": 1, "node": owner, "generation": "g1", "metadata_json": "{}", "created": time.time(),
            "shards": [{"name": "w", "size": size, "checksum": checksum.digest(data), "dtype": "", "shape": []}]}
-    resp = peer.PrepareReplica(ppb.PrepareReplicaRequest(sender=owner, manifest_json=json.dumps(man)), timeout=10)
+    resp = peer.PrepareReplica(ppb.PrepareReplicaRequest(sender=owner, manifest_json=json.dumps(man)), timeout=timeout)
     return resp.ticket, resp.bulk_port
 
 
@@ -239,3 +239,23 @@ def test_gap5_a_dead_senders_partial_replica_is_dropped(daemon_factory, how: str
     wait_until(lambda: not any(staging.iterdir()), 10, "the partial replica to be dropped")
     assert time.monotonic() - t0 < 8  # not the staging timeout (10 minutes)
     assert d.alive()
+
+
+@pytest.mark.parametrize("rpc", ["BeginSave", "PrepareReplica"])
+def test_gap5_a_caller_gone_while_staging_opens_leaves_nothing_staged(daemon_factory, rpc: str) -> None:
+    """The caller's deadline passes (or it is killed) while the daemon creates the staging area:
+    the area is dropped as soon as it exists, not kept until the staging timeout."""
+    port = free_port()
+    d = daemon_factory("n0", port=port, args=("--peers", f"n0=127.0.0.1:{port},n1=127.0.0.1:{free_port()}",
+                                              "--knobs=debug_begin_delay=1.5,inbound_idle_timeout=0"))
+    staging = d.local_dir / "staging"
+    ch, stub, peer = stubs(d.tcp_address)
+    with ch:
+        if rpc == "BeginSave":
+            call = lambda: stub.BeginSave(pb.BeginSaveRequest(job="cj", step=1, rank=0, world_size=1,  # noqa: E731
+                                                              shards=[pb.ShardSpec(name="w", size=4096)]), timeout=0.3)
+        else:
+            call = lambda: _prepare(peer, "n1", 4096, timeout=0.3)  # noqa: E731
+        assert _code(call) == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: staging.exists() and any(staging.iterdir()), 5, "the staging area to be created")
+    wait_until(lambda: not any(staging.iterdir()), 8, "the orphaned staging area to be dropped")

@@ -25,7 +25,7 @@ from tierckpt.v1 import peer_pb2 as ppb
 from ..cluster import ring
 from ..cluster.membership import Membership, PeerInfo
 from ..manifest import Manifest
-from ..offload import run_blocking
+from ..offload import run_blocking, run_owning
 from ..store import LocalStore
 from . import bulk
 from .receiver import Receiver, check_digest
@@ -96,7 +96,7 @@ class Fetcher:
         if man.key != (job, step, rank):
             raise DataLossError(f"peer {p.node_id} described {man.key} instead of {(job, step, rank)}")
         specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
-        st = await run_blocking(self.store.begin, job, step, rank, man.world_size, specs)
+        st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, man.world_size, specs)
         try:
             files = {n: (functools.partial(self.store.open_staged, st.save_id, n), f.size) for n, f in st.files.items()}
             hashers = {s.name: bulk.OrderedHasher(s.size) for s in man.shards}

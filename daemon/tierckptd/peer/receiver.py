@@ -30,7 +30,7 @@ from tierckpt.v1 import peer_pb2 as ppb
 
 from ..knobs import KNOBS
 from ..manifest import Manifest
-from ..offload import run_blocking
+from ..offload import run_blocking, run_owning
 from ..store import LocalStore, Staging
 from . import bulk
 
@@ -126,7 +126,8 @@ class Receiver:
             raise FailedPreconditionError(f"{man.job} step {man.step} rank {man.rank} was saved on {self.node_id}; "
                                           f"refusing a copy owned by {man.node}")
         specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
-        st = await run_blocking(self.store.begin, man.job, man.step, man.rank, man.world_size, specs)
+        st = await run_owning(self.store.begin, self.store.abort_staging, man.job, man.step, man.rank,
+                              man.world_size, specs)
         ticket = secrets.token_urlsafe(18)
         with self._lock:
             self._inbound[ticket] = _Inbound(ticket, man, st, sender,
@@ -211,7 +212,10 @@ class Receiver:
         for inb in dropped:
             log.warning("dropped the unfinished replica of %s step %d rank %d from %s (idle or expired)",
                         inb.man.job, inb.man.step, inb.man.rank, inb.sender)
-            self.store.abort(inb.staging.save_id)
+            try:
+                self.store.abort(inb.staging.save_id)
+            except OSError:  # the store's own expiry reclaims it later; the others go now
+                log.exception("could not drop the staging area of %s", inb.staging.save_id)
 
     def _drop_broken(self, inb: _Inbound, err: OSError) -> None:
         """A bulk connection of ``inb`` broke: fail its other connections and drop its staging now."""

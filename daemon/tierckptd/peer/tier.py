@@ -156,13 +156,18 @@ class PeerTier(RemoteTier):
                 if now - last_gc > KNOBS.gc_interval:
                     last_gc = now
                     await self.redundancy.collect_garbage()
-                await run_blocking(self.receiver.expire)
                 if self.metrics:
                     self.metrics.replication_lag.set(max(self.replicator.pending(), default=0.0))
             except asyncio.CancelledError:
                 raise
             except Exception:  # task boundary: keep maintaining
                 log.exception("peer tier maintenance failed")
+            try:  # on its own: a failure above must not keep dead senders' staging areas alive
+                await run_blocking(self.receiver.expire)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("expiring inbound replicas failed")
             await asyncio.sleep(KNOBS.refresh_interval)
 
     def _apply_retention(self) -> None:

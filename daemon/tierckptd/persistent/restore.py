@@ -24,7 +24,7 @@ from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
 
 from ..backends import BackendError
 from ..manifest import Manifest, ShardEntry
-from ..offload import run_blocking
+from ..offload import run_blocking, run_owning
 from ..store import LocalStore
 from .calls import BackendCalls
 from .catalog import Catalog, count_checksum_failure
@@ -104,7 +104,8 @@ class Restorer:
         """Fetch one rank into the local store."""
         job, step, rank = remote.key
         specs = [(s.name, s.size, s.dtype, s.shape) for s in remote.shards]
-        st = await run_blocking(self.store.begin, job, step, rank, remote.world_size, specs, stream=False)
+        st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, remote.world_size, specs,
+                              stream=False)
         try:
             await asyncio.gather(*(self._get_shard(st, remote, s, st.files[s.name].path) for s in remote.shards))
             local, _ = await run_blocking(
