@@ -103,7 +103,7 @@ def test_two_ranks_agree_on_the_newest_common_step(daemon_factory):
 
     d = daemon_factory()
     script = os.path.join(os.path.dirname(__file__), "_agree_worker.py")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "TIERCKPT_ADDRESS": d.address}
     procs = [subprocess.Popen([sys.executable, script, str(r), "2"], env=env, stdout=subprocess.PIPE, text=True)
              for r in range(2)]
