@@ -73,3 +73,21 @@ def test_guard_accepts_copies_only_from_owners_whose_placement_includes_this_nod
         guard.check_replica(_manifest("stranger"))
     m.mark_down(m.peers["n009"], RuntimeError("down"))
     guard.check_replica(_manifest("n007"))  # n009 is down: n010 is now second after n007
+
+
+def test_a_peer_that_came_back_outside_refresh_is_reported_once_by_the_next_refresh():
+    """A replication's probe or an operator fan-out may see a peer return first; the maintenance
+    loop must still learn of it (it catches up the ranks that peer should hold)."""
+    import asyncio
+
+    async def run() -> list[bool]:
+        m = _membership(6, me=0)
+        m.connect_all()  # nobody listens on those ports: each refresh finds them down
+        m.mark_down(m.peers["n001"], RuntimeError("partitioned"))
+        m.mark_up(m.peers["n001"])  # seen back by some other path
+        try:
+            return [(await m.refresh())[0], (await m.refresh())[0]]
+        finally:
+            await m.close()
+
+    assert asyncio.run(run()) == [True, False]

@@ -112,6 +112,7 @@ class Membership:
         self._own: dict[str, set[int]] = {}
         self._whole_view = True
         self._down_since: dict[str, float] = {}
+        self._returned = False  # a peer came up or restarted since the last refresh() (any path)
 
     # ------------------------------------------------------------------------------ channels
 
@@ -164,6 +165,7 @@ class Membership:
         if not p.up:
             log.info("peer %s (%s) is up", p.node_id, p.address)
             p.last_error = ""
+            self._returned = True
         p.up, p.last_seen, p.contacted, p.failures, p.next_try = True, time.time(), True, 0, 0.0
         self._down_since.pop(p.node_id, None)
         if self.metrics:
@@ -194,6 +196,7 @@ class Membership:
             self.mark_down(p, FailedPreconditionError(f"{p.address} answers as node {resp.node_id!r}"))
             return False
         came_back = not p.up or (p.instance and p.instance != resp.instance)
+        self._returned = self._returned or bool(came_back)
         if resp.delta and not came_back:
             for k in resp.removed:
                 p.held.pop((k.job, k.step, k.rank), None)
@@ -206,7 +209,7 @@ class Membership:
 
     async def refresh(self) -> tuple[bool, bool]:
         """Refresh the watched neighbourhood (:meth:`watched`). Returns (a peer came back or
-        restarted, cluster completeness changed)."""
+        restarted since the last call, cluster completeness changed)."""
         await self._rotate()
         if self._dns:
             await self._dns.discover()
@@ -218,8 +221,11 @@ class Membership:
                 p.held, p.version = {}, 0  # left the neighbourhood: forget its catalog
         now = time.monotonic()
         due = [self.peers[n] for n in sorted(watched) if self.peers[n].up or self.peers[n].next_try <= now]
-        results = await asyncio.gather(*(self.refresh_peer(p) for p in due))
-        return any(results), self._rebuild_index()
+        await asyncio.gather(*(self.refresh_peer(p) for p in due))
+        # Came back through any path (this refresh, a replication's probe, an operator fan-out):
+        # the caller catches up once for it.
+        returned, self._returned = self._returned, False
+        return returned, self._rebuild_index()
 
     def watched(self) -> set[str]:
         """The neighbourhood this node keeps in touch with: walking the ring both ways from this

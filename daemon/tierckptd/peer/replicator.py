@@ -54,6 +54,7 @@ class _Rep:
     error: TierError | None = None
     attempts: int = 0
     task: asyncio.Task | None = None
+    again: bool = False  # asked for while a round ran (a peer came back): one more round if it fails
 
 
 class Pusher:
@@ -134,6 +135,8 @@ class Replicator:
                 st.event, st.error = asyncio.Event(), None
             st.fail_count.clear()
             st.task = asyncio.create_task(self._replicate(st))
+        elif not st.reached:
+            st.again = True
         return st
 
     def catch_up(self) -> None:
@@ -206,6 +209,19 @@ class Replicator:
         return targets
 
     async def _replicate(self, st: _Rep) -> None:
+        """Rounds of attempts until the copies are placed; a round that fails after a peer came
+        back during it (``again``) is followed by one more, so a healed partition does not wait
+        for the periodic catch-up."""
+        while True:
+            st.again = False
+            await self._round(st)
+            if st.reached or st.event.is_set() or not st.again or not self._still_current(st):
+                break
+            st.fail_count.clear()
+        if not st.reached and not st.event.is_set():
+            self._finish(st, TierError(self._failure_message(st)))
+
+    async def _round(self, st: _Rep) -> None:
         retry = KNOBS.replicate_retry
         wanted = self.replicas_for(st.man)
         for attempt in range(1, retry.max_attempts + 1):
@@ -231,8 +247,6 @@ class Replicator:
                 return  # converged on the preferred placement
             if attempt < retry.max_attempts:
                 await asyncio.sleep(retry.delay(attempt))
-        if not st.reached:
-            self._finish(st, TierError(self._failure_message(st)))
 
     def _still_current(self, st: _Rep) -> bool:
         job, step, rank = st.man.key
