@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -174,3 +176,31 @@ def test_corrupt_index_is_data_loss(corrupt):
         _pack.decode_index(json.dumps(doc).encode(), layout.size, [], "job step 1 rank 0")
     with pytest.raises(tierckpt.DataLossError):
         _pack.decode_index(b"\xff{not json", layout.size, [], "w")
+
+
+def test_restored_pack_is_lent_until_its_last_view_is_gone(daemon_factory):
+    """The pack's map is a loan like any restored file: Checkpoint.close() ends it, unless an
+    array of a packed shard is still held; then it ends once that array is collected."""
+    from .test_readers import _begin_recycled
+
+    d = daemon_factory(args=("--keep-local", "1"))
+    state = {f"s{i}": np.full(1000 + i, i, np.int32) for i in range(20)}
+    with tierckpt.Client(d.address) as c:
+        c.save("j", 1, 0, 1, state).result(60)
+        size = next(s["size"] for s in _stored(d, "j") if s["name"] == _pack.PACK)
+        with c.restore("j", 0, step=1) as ck:
+            assert int(ck.shards["s3"][0]) == 3
+        c.save("j", 2, 0, 1, state).result(60)  # evicts step 1 into the pool
+        assert _begin_recycled(d, 3, size)
+        ck = c.restore("j", 0, step=2)
+        arr = ck.shards["s5"]
+        ck.close()  # arr still maps the pack: no release yet
+        c.save("j", 3, 0, 1, state).result(60)  # evicts step 2: held
+        assert not _begin_recycled(d, 4, size)
+        assert int(arr[0]) == 5
+        del arr, ck
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while not _begin_recycled(d, 5, size):
+            assert time.monotonic() < deadline, "the release never reached the daemon"
+            time.sleep(0.05)
