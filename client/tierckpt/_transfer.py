@@ -27,14 +27,14 @@ from .errors import CapacityError, DataLossError, NotFoundError, TierckptError
 from .v1 import tierckpt_pb2 as pb
 
 __all__ = ["write_requests", "write_files", "Progress", "StagingMaps", "copy_into", "map_verified", "read_stream",
-           "hash_staged", "batches", "run_batched"]
+           "hash_staged", "batches", "run_batched", "MAP_MIN"]
 
 _COPY_PIECE = 64 << 20
 """Bytes per copy task: large shards are split so that several I/O threads copy them."""
 _BATCH = 16 << 20
 """Bytes per task for small shards: thousands of them are copied, hashed or mapped in batches,
 not one executor task each."""
-_MAP_MIN = 1 << 20
+MAP_MIN = 1 << 20
 """Smaller recycled files are written with pwrite: a kept map (and its warming) per small file
 costs more than it saves."""
 
@@ -185,7 +185,7 @@ def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer], st
         small: list[tuple[str, memoryview]] = []
         for b in buffers:
             s = staged[b.name]
-            if b.nbytes < _MAP_MIN:
+            if b.nbytes < MAP_MIN:
                 if b.nbytes:
                     small.append((s.path, b.view))
                 continue
@@ -204,7 +204,7 @@ def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer], st
         if pack is not None:
             layout, packed = pack
             s = staged[_pack.PACK]
-            mm = kept.get(s.path, layout.size) if s.recycled and layout.size >= _MAP_MIN else None
+            mm = kept.get(s.path, layout.size) if s.recycled and layout.size >= MAP_MIN else None
             into: Any
             if mm is not None:
                 maps[_pack.PACK] = mm

@@ -28,6 +28,7 @@ from ._admin import DataManagementMixin, JobPolicy
 from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
 from ._loans import Loans
 from ._transfer import (
+    MAP_MIN,
     Progress,
     StagingMaps,
     copy_into,
@@ -385,6 +386,9 @@ class Client(DataManagementMixin):
                 digests = {}
                 if packed is not None:  # the pack's shards, then its index, which records them
                     layout, target, index_path = packed
+                    if isinstance(target, str) and layout.size >= MAP_MIN:
+                        # Hashed through a kept map: the save that recycles this file copies into it.
+                        target = self._maps.get(target, layout.size) or target
                     parts, digests[_pack.PACK] = _pack.digest_pack(self._io, target, layout)
                     index = _pack.encode_index(layout, parts)
                     write_files([(index_path, memoryview(index))])
