@@ -51,10 +51,10 @@ def as_buffer(name: str, obj: Any) -> ShardBuffer:
         if not t.numel():
             return ShardBuffer(name, memoryview(b""), dtype, shape)
         try:  # the cheap way (a few microseconds count when a save has thousands of tensors)
-            flat = t.numpy().reshape(-1).view(np.uint8)
+            raw = t.numpy().reshape(-1).view(np.uint8)
         except (TypeError, RuntimeError):  # no numpy twin (bfloat16, float8...): through a uint8 view
-            flat = t.reshape(-1).view(sys.modules["torch"].uint8).numpy()
-        return ShardBuffer(name, memoryview(flat), dtype, shape)
+            raw = t.reshape(-1).view(sys.modules["torch"].uint8).numpy()
+        return ShardBuffer(name, memoryview(raw), dtype, shape)
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
             raise InvalidArgumentError(f"shards[{name}]: numpy object arrays cannot be saved (dtype {obj.dtype})")
