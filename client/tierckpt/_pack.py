@@ -35,7 +35,7 @@ from .common.names import SHARD_RE
 from .errors import DataLossError, InvalidArgumentError, TierckptError
 
 __all__ = ["RESERVED_PREFIX", "PACK", "INDEX", "ALIGN", "Entry", "Layout", "check_name", "plan", "encode_index",
-           "decode_index", "fill", "digest_pack", "stream_pieces", "unpack"]
+           "decode_index", "fill", "digest_pack", "finish_staged", "stream_pieces", "unpack"]
 
 RESERVED_PREFIX = "__tierckpt_"
 PACK = "__tierckpt_pack__"
@@ -235,6 +235,21 @@ def digest_pack(io: cf.Executor, target: str | mmap.mmap, layout: Layout) -> tup
             return _digest_mapped(io, mm, layout)
     finally:
         os.close(fd)
+
+
+def finish_staged(io: cf.Executor, kept: Any, layout: Layout, target: str | mmap.mmap,
+                  index_path: str) -> dict[str, str]:
+    """After a shared-dir save returned: hash the staged pack and each packed shard, write the
+    index into its staging file; returns the checksums of the pack and the index."""
+    from ._transfer import MAP_MIN, write_files
+
+    if isinstance(target, str) and layout.size >= MAP_MIN:
+        # Hashed through a kept map (StagingMaps): the save that recycles this file copies into it.
+        target = kept.get(target, layout.size) or target
+    parts, pack_digest = digest_pack(io, target, layout)
+    index = encode_index(layout, parts)
+    write_files([(index_path, memoryview(index))])
+    return {PACK: pack_digest, INDEX: _checksum.digest(index)}
 
 
 def _digest_mapped(io: cf.Executor, mm: Any, layout: Layout) -> tuple[list[str], str]:

@@ -28,7 +28,6 @@ from ._admin import DataManagementMixin, JobPolicy
 from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
 from ._loans import Loans
 from ._transfer import (
-    MAP_MIN,
     Progress,
     StagingMaps,
     copy_into,
@@ -36,10 +35,8 @@ from ._transfer import (
     map_verified,
     read_stream,
     run_batched,
-    write_files,
     write_requests,
 )
-from .common import checksum as _checksum
 from .common.names import MAX_METADATA_BYTES, MAX_SHARDS_PER_RANK, check_job, check_rank, check_shard, check_step
 from .common.status import error_from_rpc
 from .errors import (
@@ -277,7 +274,7 @@ class Client(DataManagementMixin):
 
     def _plan(self, buffers: list[ShardBuffer]) -> tuple[list[pb.ShardSpec], _pack.Layout | None]:
         """The BeginSave shard list and the pack layout, cached per layout (as DCP caches save plans)."""
-        key = tuple((b.name, b.nbytes, b.dtype, b.shape) for b in buffers)
+        key = (self.pack_below, self.pack_min_shards, *((b.name, b.nbytes, b.dtype, b.shape) for b in buffers))
         plan = self._plans.get(key)
         if plan is None:
             layout = _pack.plan(buffers, self.pack_below, self.pack_min_shards)
@@ -384,15 +381,8 @@ class Client(DataManagementMixin):
         try:
             if digests is None:  # staged through the shared dir: hash the staged copies
                 digests = {}
-                if packed is not None:  # the pack's shards, then its index, which records them
-                    layout, target, index_path = packed
-                    if isinstance(target, str) and layout.size >= MAP_MIN:
-                        # Hashed through a kept map: the save that recycles this file copies into it.
-                        target = self._maps.get(target, layout.size) or target
-                    parts, digests[_pack.PACK] = _pack.digest_pack(self._io, target, layout)
-                    index = _pack.encode_index(layout, parts)
-                    write_files([(index_path, memoryview(index))])
-                    digests[_pack.INDEX] = _checksum.digest(index)
+                if packed is not None:
+                    digests.update(_pack.finish_staged(self._io, self._maps, *packed))
                 hashes = run_batched(self._io, lambda p: hash_staged(p[1], p[2]), paths_sizes, lambda p: p[2])
                 digests.update((name, h) for (name, _, _), h in zip(paths_sizes, hashes))
             req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist, policy=policy,
