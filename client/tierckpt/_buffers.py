@@ -41,16 +41,20 @@ def _is_torch_tensor(obj: Any) -> bool:
 def as_buffer(name: str, obj: Any) -> ShardBuffer:
     """A contiguous byte view of ``obj`` without copying where possible."""
     if _is_torch_tensor(obj):
-        t = obj.detach()
+        t = obj.detach() if obj.requires_grad else obj
         if t.device.type != "cpu":
             t = t.to("cpu")
         if not t.is_contiguous():
             t = t.contiguous()
         shape = tuple(t.shape)
         dtype = _TORCH_PREFIX + str(t.dtype).removeprefix("torch.")
-        raw = t.reshape(-1).view(sys.modules["torch"].uint8)
-        return ShardBuffer(name, memoryview(raw.numpy()).cast("B") if raw.numel() else memoryview(b""),  # type: ignore[arg-type]
-                           dtype, shape)
+        if not t.numel():
+            return ShardBuffer(name, memoryview(b""), dtype, shape)
+        try:  # the cheap way (a few microseconds count when a save has thousands of tensors)
+            raw = t.numpy().reshape(-1).view(np.uint8)
+        except (TypeError, RuntimeError):  # no numpy twin (bfloat16, float8...): through a uint8 view
+            raw = t.reshape(-1).view(sys.modules["torch"].uint8).numpy()
+        return ShardBuffer(name, memoryview(raw), dtype, shape)
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
             raise InvalidArgumentError(f"shards[{name}]: numpy object arrays cannot be saved (dtype {obj.dtype})")

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from . import _pack
 from ._buffers import ShardBuffer
 from .common import checksum as _checksum
 from .common.fileio import digest_file, pwrite_all
@@ -25,15 +26,15 @@ from .common.status import error_from_rpc
 from .errors import CapacityError, DataLossError, NotFoundError, TierckptError
 from .v1 import tierckpt_pb2 as pb
 
-__all__ = ["write_requests", "Progress", "StagingMaps", "copy_into", "map_verified", "read_stream", "hash_staged",
-           "batches", "run_batched"]
+__all__ = ["write_requests", "write_files", "Progress", "StagingMaps", "copy_into", "map_verified", "read_stream",
+           "hash_staged", "batches", "run_batched", "MAP_MIN"]
 
 _COPY_PIECE = 64 << 20
 """Bytes per copy task: large shards are split so that several I/O threads copy them."""
 _BATCH = 16 << 20
 """Bytes per task for small shards: thousands of them are copied, hashed or mapped in batches,
 not one executor task each."""
-_MAP_MIN = 1 << 20
+MAP_MIN = 1 << 20
 """Smaller recycled files are written with pwrite: a kept map (and its warming) per small file
 costs more than it saves."""
 
@@ -60,7 +61,7 @@ def run_batched(io: cf.Executor, fn: Callable[[Any], Any], items: list, size_of:
     return [r for part in parts for r in part]
 
 
-def _write_files(batch: list[tuple[str, memoryview]]) -> None:
+def write_files(batch: list[tuple[str, memoryview]]) -> None:
     for path, view in batch:
         fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
@@ -123,9 +124,12 @@ _STREAM_CHUNK = 4 << 20
 """Bytes per WriteShard message when a client streams (no shared filesystem)."""
 
 
-def write_requests(save_id: str, buffers: list[ShardBuffer], digests: dict[str, str]
-                   ) -> Iterator[pb.WriteShardRequest]:
-    """The WriteShard stream of a save; fills ``digests`` (shard -> checksum) as it goes."""
+def write_requests(save_id: str, buffers: list[ShardBuffer], digests: dict[str, str],
+                   pack: tuple[_pack.Layout, list[ShardBuffer]] | None = None) -> Iterator[pb.WriteShardRequest]:
+    """The WriteShard stream of a save; fills ``digests`` (shard -> checksum) as it goes.
+
+    With ``pack`` (its layout and the packed buffers), the pack and then its index follow.
+    """
     for b in buffers:
         h = _checksum.new()
         for off in range(0, b.nbytes, _STREAM_CHUNK):
@@ -133,6 +137,18 @@ def write_requests(save_id: str, buffers: list[ShardBuffer], digests: dict[str, 
             h.update(piece)
             yield pb.WriteShardRequest(save_id=save_id, shard=b.name, offset=off, data=bytes(piece))
         digests[b.name] = h.hexdigest()
+    if pack is not None:
+        layout, small = pack
+        h, parts = _checksum.new(), list[str]()
+        for off, data in _pack.stream_pieces(layout, [b.view for b in small], parts, _STREAM_CHUNK):
+            h.update(data)
+            yield pb.WriteShardRequest(save_id=save_id, shard=_pack.PACK, offset=off, data=data)
+        digests[_pack.PACK] = h.hexdigest()
+        index = _pack.encode_index(layout, parts)
+        for off in range(0, len(index), _STREAM_CHUNK):
+            yield pb.WriteShardRequest(save_id=save_id, shard=_pack.INDEX, offset=off,
+                                       data=index[off : off + _STREAM_CHUNK])
+        digests[_pack.INDEX] = _checksum.digest(index)
 
 
 class Progress:
@@ -149,9 +165,12 @@ class Progress:
                 self.report(self.done, self.total)
 
 
-def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer],
-              staged: dict[str, pb.StagedShard]) -> dict[str, Any]:
+def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer], staged: dict[str, pb.StagedShard],
+              pack: tuple[_pack.Layout, list[ShardBuffer]] | None = None) -> dict[str, Any]:
     """Copy each buffer into its staging file; returns the writable maps used (for hashing).
+
+    With ``pack`` (its layout and the packed buffers), those are copied into the one staging
+    file of the pack at their offsets, in batches of about 16 MiB (same choice of map or pwrite).
 
     A recycled staging file whose map is kept (see :class:`StagingMaps`) gets a plain memcpy
     into mapped, faulted-in pages; any other file is filled with pwrite (into the existing pages
@@ -166,7 +185,7 @@ def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer],
         small: list[tuple[str, memoryview]] = []
         for b in buffers:
             s = staged[b.name]
-            if b.nbytes < _MAP_MIN:
+            if b.nbytes < MAP_MIN:
                 if b.nbytes:
                     small.append((s.path, b.view))
                 continue
@@ -181,7 +200,18 @@ def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer],
             fds[b.name] = os.open(s.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             for off in range(0, b.nbytes, _COPY_PIECE):
                 pieces.append((pwrite_all, fds[b.name], b.view[off : off + _COPY_PIECE], off))
-        pieces.extend((_write_files, batch) for batch in batches(small, lambda x: len(x[1])))
+        pieces.extend((write_files, batch) for batch in batches(small, lambda x: len(x[1])))
+        if pack is not None:
+            layout, packed = pack
+            s = staged[_pack.PACK]
+            mm = kept.get(s.path, layout.size) if s.recycled and layout.size >= MAP_MIN else None
+            into: Any
+            if mm is not None:
+                maps[_pack.PACK] = mm
+                into = np.frombuffer(mm, dtype=np.uint8)
+            else:
+                into = fds[_pack.PACK] = os.open(s.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            pieces.extend((_pack.fill, into, batch) for batch in _pack.fill_batches(layout, [b.view for b in packed]))
         futs = [io.submit(*p) for p in pieces]
         try:
             for f in futs:

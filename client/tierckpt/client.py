@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from . import _pack
 from ._admin import DataManagementMixin, JobPolicy
 from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
 from ._loans import Loans
@@ -36,7 +37,7 @@ from ._transfer import (
     run_batched,
     write_requests,
 )
-from .common.names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
+from .common.names import MAX_METADATA_BYTES, MAX_SHARDS_PER_RANK, check_job, check_rank, check_shard, check_step
 from .common.status import error_from_rpc
 from .errors import (
     DataLossError,
@@ -100,6 +101,12 @@ class Checkpoint:
         bufs = dict(self._buffers)
         self.shards.clear()
         self._buffers.clear()
+        for b in bufs.values():
+            if isinstance(b, memoryview):  # a packed shard's view into the pack's map
+                try:
+                    b.release()
+                except BufferError:  # exported by an array the caller holds
+                    pass
         for name, b in bufs.items():
             if not isinstance(b, mmap.mmap):
                 continue
@@ -205,14 +212,22 @@ class Client(DataManagementMixin):
             copies served from the local tier; a copy the daemon has just fetched from a peer or
             the object store was verified by the daemon as it arrived (that is its restore hop)
             and is not hashed twice. "always" checks those too; False checks nothing.
+        pack_below, pack_min_shards: a save with at least ``pack_min_shards`` shards smaller than
+            ``pack_below`` bytes stores them as one packed shard plus an index (see
+            ``tierckpt._pack``); restore unpacks them transparently. 0 disables packing.
     """
 
     def __init__(self, address: str | None = None, *, timeout: float = 60.0, transfer: str = "auto",
-                 io_threads: int | None = None, verify: bool | str = True) -> None:
+                 io_threads: int | None = None, verify: bool | str = True, pack_below: int = 1 << 20,
+                 pack_min_shards: int = 16) -> None:
         if transfer not in ("auto", "shared", "stream"):
             raise InvalidArgumentError(f"transfer: {transfer!r} must be auto, shared or stream")
         if verify not in (True, False, "always"):
             raise InvalidArgumentError(f"verify: {verify!r} must be True, False or 'always'")
+        for field_name, v in (("pack_below", pack_below), ("pack_min_shards", pack_min_shards)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidArgumentError(f"{field_name}: {v!r} must be a non-negative integer (0 disables packing)")
+        self.pack_below, self.pack_min_shards = pack_below, pack_min_shards
         self.address = address or os.environ.get("TIERCKPT_ADDRESS") or DEFAULT_ADDRESS
         self.timeout = timeout
         self.transfer = transfer
@@ -223,7 +238,7 @@ class Client(DataManagementMixin):
         self._io = cf.ThreadPoolExecutor(io_threads or min(4, os.cpu_count() or 2), thread_name_prefix="tierckpt-io")
         self._committer = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._shared_fs: dict[tuple[str, str], bool] = {}
-        self._plans: dict[tuple, list[pb.ShardSpec]] = {}
+        self._plans: dict[tuple, tuple[list[pb.ShardSpec], _pack.Layout | None]] = {}
         self._maps = StagingMaps()
         self._loans = Loans(self._release)
         self._node_id: str | None = None
@@ -257,15 +272,20 @@ class Client(DataManagementMixin):
 
     # ------------------------------------------------------------------ saving
 
-    def _plan(self, buffers: list[ShardBuffer]) -> list[pb.ShardSpec]:
-        """The BeginSave shard list, cached per layout (as DCP caches save plans)."""
-        key = tuple((b.name, b.nbytes, b.dtype, b.shape) for b in buffers)
+    def _plan(self, buffers: list[ShardBuffer]) -> tuple[list[pb.ShardSpec], _pack.Layout | None]:
+        """The BeginSave shard list and the pack layout, cached per layout (as DCP caches save plans)."""
+        key = (self.pack_below, self.pack_min_shards, *((b.name, b.nbytes, b.dtype, b.shape) for b in buffers))
         plan = self._plans.get(key)
         if plan is None:
-            plan = [pb.ShardSpec(name=b.name, size=b.nbytes, dtype=b.dtype, shape=list(b.shape)) for b in buffers]
+            layout = _pack.plan(buffers, self.pack_below, self.pack_min_shards)
+            stored = buffers if layout is None else [buffers[i] for i in layout.unpacked]
+            specs = [pb.ShardSpec(name=b.name, size=b.nbytes, dtype=b.dtype, shape=list(b.shape)) for b in stored]
+            if layout is not None:
+                specs += [pb.ShardSpec(name=_pack.PACK, size=layout.size), pb.ShardSpec(name=_pack.INDEX,
+                                                                                       size=layout.index_size)]
             if len(self._plans) > 64:
                 self._plans.clear()
-            self._plans[key] = plan
+            plan = self._plans[key] = (specs, layout)
         return plan
 
     def save(self, job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any], *,
@@ -290,11 +310,20 @@ class Client(DataManagementMixin):
         check_rank(rank, world_size)
         if not isinstance(shards, Mapping) or not shards:
             raise InvalidArgumentError("shards: a non-empty mapping of name -> buffer is required")
-        buffers = [as_buffer(check_shard(n, "shards"), v) for n, v in shards.items()]
+        if len(shards) > MAX_SHARDS_PER_RANK:
+            raise InvalidArgumentError(f"shards: at most {MAX_SHARDS_PER_RANK} shards per rank")
+        for n in shards:
+            _pack.check_name(check_shard(n, "shards"))
+        buffers = [as_buffer(n, v) for n, v in shards.items()]
         meta = _encode_metadata(metadata)
         pol = policy.to_pb() if policy is not None else None
         stream = self.transfer == "stream" or self._fs_hidden
-        req = pb.BeginSaveRequest(job=job, step=step, rank=rank, world_size=world_size, shards=self._plan(buffers),
+        specs, layout = self._plan(buffers)
+        pack = None
+        if layout is not None:  # the small shards go in one pack shard (see _pack)
+            pack = (layout, [buffers[i] for i in layout.packed])
+            buffers = [buffers[i] for i in layout.unpacked]
+        req = pb.BeginSaveRequest(job=job, step=step, rank=rank, world_size=world_size, shards=specs,
                                   transfer=pb.TRANSFER_STREAM if stream else pb.TRANSFER_SHARED_FS)
         begun = self._call(self._stub.BeginSave, req, "BeginSave")
         if not stream and not self._sees(begun.local_dir, begun.fs_token):
@@ -311,20 +340,22 @@ class Client(DataManagementMixin):
         try:
             if stream:
                 digests = {}
-                self._call(self._stub.WriteShard, write_requests(begun.save_id, buffers, digests), "WriteShard",
+                self._call(self._stub.WriteShard, write_requests(begun.save_id, buffers, digests, pack), "WriteShard",
                            timeout=None)
             else:
                 staged = {s.name: s for s in begun.shards}
-                maps = copy_into(self._io, self._maps, buffers, staged)
+                maps = copy_into(self._io, self._maps, buffers, staged, pack)
         except BaseException:
             self._abort(begun.save_id)
             raise
         fut.blocking_seconds = time.perf_counter() - t0
+        paths_sizes, packed = [], None
         if not stream:
             paths_sizes = [(b.name, maps.get(b.name) or staged[b.name].path, b.nbytes) for b in buffers]
-        else:
-            paths_sizes = []
-        self._committer.submit(self._finish, fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol)
+            if layout is not None:
+                packed = (layout, maps.get(_pack.PACK) or staged[_pack.PACK].path, staged[_pack.INDEX].path)
+        self._committer.submit(self._finish, fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol,
+                               packed)
         return fut
 
     def _sees(self, local_dir: str, token: str) -> bool:
@@ -343,14 +374,17 @@ class Client(DataManagementMixin):
 
     def _finish(self, fut: SaveFuture, save_id: str, digests: dict[str, str] | None,
                 paths_sizes: list[tuple[str, Any, int]], meta: str, persist: bool, t0: float,
-                policy: pb.JobPolicy | None = None) -> None:
+                policy: pb.JobPolicy | None = None, packed: tuple[_pack.Layout, Any, str] | None = None) -> None:
         if not fut.set_running_or_notify_cancel():
             self._abort(save_id)
             return
         try:
-            if digests is None:
+            if digests is None:  # staged through the shared dir: hash the staged copies
+                digests = {}
+                if packed is not None:
+                    digests.update(_pack.finish_staged(self._io, self._maps, *packed))
                 hashes = run_batched(self._io, lambda p: hash_staged(p[1], p[2]), paths_sizes, lambda p: p[2])
-                digests = {name: h for (name, _, _), h in zip(paths_sizes, hashes)}
+                digests.update((name, h) for (name, _, _), h in zip(paths_sizes, hashes))
             req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist, policy=policy,
                                        digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
             resp = self._call(self._stub.CommitSave, req, "CommitSave")
@@ -474,34 +508,44 @@ class Client(DataManagementMixin):
         shared = self.transfer != "stream" and self._sees(resp.local_dir, resp.fs_token)
         key = (job, resp.step, rank, resp.generation)
         finalizers: dict = {}
+        where = f"{job} step {resp.step} rank {rank}"
+        packed = _pack.is_packed(resp.shards)
         if shared:
             verify = self.verify == "always" or (self.verify is True and resp.tier == pb.TIER_LOCAL)
             try:
-                bufs = run_batched(self._io, lambda s: map_verified(job, resp.step, rank, s, advance, verify),
+                # A pack is checked shard by shard against its index (in unpack), not twice.
+                bufs = run_batched(self._io, lambda s: map_verified(job, resp.step, rank, s, advance,
+                                                                    verify and not (packed and s.name == _pack.PACK)),
                                    list(resp.shards), lambda s: s.size)
+                rows, pack = _pack.unpack(self._io, resp.shards, bufs, verify, where)
             except BaseException:
                 self._loans.release_now(key)  # nothing was handed out
                 raise
-            finalizers = self._loans.track(key, {s.name: b for s, b in zip(resp.shards, bufs)})
+            held = {r[0]: r[3] for r in rows}
+            if pack is not None:
+                held[_pack.PACK] = pack
+            finalizers = self._loans.track(key, held)
         else:
             if self.transfer != "stream":
                 self._loans.release_now(key)  # asked for paths (and a loan), but reads over gRPC
             bufs = [read_stream(self._stub, self.address, job, resp.step, rank, s, advance) for s in resp.shards]
-        arrays, buffers, dtypes, shapes = _read_only_arrays(resp.shards, bufs)
+            rows, pack = _pack.unpack(self._io, resp.shards, bufs, self.verify is not False, where)
+        arrays, buffers, dtypes, shapes = _read_only_arrays(rows)
+        if pack is not None:
+            buffers[_pack.PACK] = pack  # closed by Checkpoint.close() after the views
         return Checkpoint(job=job, step=resp.step, rank=rank, world_size=resp.world_size,
                           tier=_TIER_NAMES.get(resp.tier, "local"), source_node=resp.source_node,
                           metadata=json.loads(resp.metadata_json or "{}"), shards=arrays,
                           dtypes=dtypes, shapes=shapes, _buffers=buffers, _finalizers=finalizers,
                           _loans=self._loans)
 
-def _read_only_arrays(shards: Any, bufs: list[Any]) -> tuple[dict, dict, dict, dict]:
+def _read_only_arrays(rows: list[_pack.Row]) -> tuple[dict, dict, dict, dict]:
     """Read-only arrays over the restored buffers, with the buffers, dtypes and shapes by shard."""
     arrays, buffers, dtypes, shapes = {}, {}, {}, {}
-    for s, buf in zip(shards, bufs):
-        shape = tuple(s.shape)
-        arr = to_array(buf, s.dtype, shape)
+    for name, dtype, shape, buf in rows:
+        arr = to_array(buf, dtype, shape)
         arr.flags.writeable = False
-        arrays[s.name], buffers[s.name], dtypes[s.name], shapes[s.name] = arr, buf, s.dtype, shape
+        arrays[name], buffers[name], dtypes[name], shapes[name] = arr, buf, dtype, shape
     return arrays, buffers, dtypes, shapes
 
 
