@@ -37,7 +37,14 @@ from ._transfer import (
     run_batched,
     write_requests,
 )
-from .common.names import MAX_METADATA_BYTES, MAX_SHARDS_PER_RANK, check_job, check_rank, check_shard, check_step
+from .common.names import (
+    MAX_METADATA_BYTES,
+    MAX_SHARDS_PER_RANK,
+    check_job,
+    check_rank,
+    check_step,
+    check_stored_shard,
+)
 from .common.status import error_from_rpc
 from .errors import (
     DataLossError,
@@ -313,7 +320,7 @@ class Client(DataManagementMixin):
         if len(shards) > MAX_SHARDS_PER_RANK:
             raise InvalidArgumentError(f"shards: at most {MAX_SHARDS_PER_RANK} shards per rank")
         for n in shards:
-            _pack.check_name(check_shard(n, "shards"))
+            _pack.check_name(check_stored_shard(n, "shards"))
         buffers = [as_buffer(n, v) for n, v in shards.items()]
         meta = _encode_metadata(metadata)
         pol = policy.to_pb() if policy is not None else None

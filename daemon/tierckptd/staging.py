@@ -8,18 +8,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierckpt.common.names import MAX_SHARDS_PER_RANK, check_shard, check_size
+from tierckpt.common.names import (
+    MAX_SHARD_NAME,
+    MAX_SHARDS_PER_RANK,
+    NAME_MAX,
+    NAME_SUFFIX_MAX,
+    check_size,
+    check_stored_shard,
+)
 from tierckpt.errors import InvalidArgumentError
 
 __all__ = ["StagedFile", "Staging", "ShardSpec", "check_specs", "check_layout", "dtype_itemsize",
            "NAME_MAX", "NAME_SUFFIX_MAX", "MAX_SHARD_NAME"]
 
-NAME_MAX = 255
-"""Longest file name the local dir's filesystem stores (Linux NAME_MAX)."""
-NAME_SUFFIX_MAX = 24
-"""Longest suffix appended to a shard name in the local dir: ``.<save_id>`` on committed data
-(17) and the persistent tier's download temporaries ``.tierckpt-tmp-<8 hex>`` (22), rounded up."""
-MAX_SHARD_NAME = NAME_MAX - NAME_SUFFIX_MAX
 MAX_DIMS = 64  # numpy's limit
 
 # Bytes per element of the torch dtypes the client records as "torch:<name>" (see
@@ -79,11 +80,7 @@ def check_specs(specs: Sequence[ShardSpec], max_shard_bytes: int) -> None:
         raise InvalidArgumentError(f"shards: at most {MAX_SHARDS_PER_RANK} shards per rank")
     names: set[str] = set()
     for name, size, dtype, shape in specs:
-        check_shard(name, "shards.name")
-        if len(name.encode()) > MAX_SHARD_NAME:
-            raise InvalidArgumentError(
-                f"shards.name: {name[:16]!r}... is {len(name)} bytes; the local dir stores names of at most "
-                f"{MAX_SHARD_NAME} bytes (NAME_MAX {NAME_MAX} less the {NAME_SUFFIX_MAX}-byte suffix it appends)")
+        check_stored_shard(name, "shards.name")
         check_size(size, f"shards[{name}].size", max_shard_bytes)
         check_layout(name, size, dtype, shape)
         if name in names:

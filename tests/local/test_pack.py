@@ -120,6 +120,17 @@ def test_reserved_name_is_refused(daemon):
         assert c.list("job") == []
 
 
+def test_a_name_too_long_to_store_is_refused_packed_or_not(daemon):
+    """Packing must not change which names a save accepts (the daemon stores at most 231 bytes)."""
+    long = "n" * 240
+    with daemon.client() as c:
+        for small in (1, 40):  # not packed, packed
+            shards = {f"s{i}": b"x" for i in range(small)} | {long: b"y"}
+            with pytest.raises(tierckpt.InvalidArgumentError, match="shards.*231 bytes"):
+                c.save("job", 1, 0, 1, shards)
+        assert c.list("job") == []
+
+
 def test_pack_disabled_or_too_few_small_shards_keeps_one_file_per_shard(daemon):
     state = _state(n_small=40, n_large=1)
     with tierckpt.Client(daemon.address, pack_below=0) as c:

@@ -14,6 +14,12 @@ MAX_WORLD_SIZE = 1 << 20
 # A single shard above 1 TiB is refused as absurd; the daemon's --max-shard-bytes narrows it further.
 MAX_SHARD_BYTES = 1 << 40
 MAX_SHARDS_PER_RANK = 4096
+NAME_MAX = 255
+"""Longest file name the daemon's local dir stores (Linux NAME_MAX)."""
+NAME_SUFFIX_MAX = 24
+"""Longest suffix the daemon appends to a shard name in its local dir: ``.<save_id>`` on committed
+data (17) and the persistent tier's download temporaries ``.tierckpt-tmp-<8 hex>`` (22), rounded up."""
+MAX_SHARD_NAME = NAME_MAX - NAME_SUFFIX_MAX
 MAX_METADATA_BYTES = 1 << 20
 
 
@@ -30,6 +36,18 @@ def check_shard(name: object, field: str = "shard") -> str:
         raise InvalidArgumentError(
             f"{field}: {name!r} is not a valid shard name (pattern [A-Za-z0-9._-]{{1,255}}, no '..')"
         )
+    return name
+
+
+def check_stored_shard(name: object, field: str = "shards.name") -> str:
+    """A shard name the daemon can store: :func:`check_shard` and at most :data:`MAX_SHARD_NAME`
+    bytes (checked by the client whether or not the shard is packed, so both are refused alike)."""
+    check_shard(name, field)
+    assert isinstance(name, str)
+    if len(name.encode()) > MAX_SHARD_NAME:
+        raise InvalidArgumentError(
+            f"{field}: {name[:16]!r}... is {len(name)} bytes; the local dir stores names of at most "
+            f"{MAX_SHARD_NAME} bytes (NAME_MAX {NAME_MAX} less the {NAME_SUFFIX_MAX}-byte suffix it appends)")
     return name
 
 
