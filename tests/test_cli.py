@@ -591,30 +591,28 @@ def test_readme_documents_every_json_command():
 # ------------------------------------------------------------------------- data management
 
 
-def test_policy_rm_verify_persist_verbs(tmp_path):
-    d = Daemon(scratch_dir(), "node0", args=("--persistent", f"file://{tmp_path}/store")).start()
-    try:
-        a = ("--address", d.address)
-        with d.client() as c:
-            c.save("dm", 1, 0, 1, {"w": ARR}).result(30)
-            c.save("dm", 2, 0, 1, {"w": ARR}).result(30)
-        rc, out, err = call(*a, "policy", "dm", "--keep-local", "3", "--json")
-        doc = json.loads(out)
-        assert rc == 0 and doc["overrides"]["keep_local"] == 3 and doc["effective"]["persist_every"] == 0, err
-        assert_json_style(doc)
-        rc, out, _ = call(*a, "policy", "dm")
-        assert rc == 0 and "keep_local       3  (job)" in out
-        rc, out, err = call(*a, "verify", "dm", "--json")
-        assert rc == 0 and json.loads(out)["mismatches"] == 0, err
-        rc, out, err = call(*a, "persist", "dm", "--step", "2", "--wait", "--json")
-        assert rc == 0 and json.loads(out)["persisted"] == [0], err
-        rc, out, err = call(*a, "persist", "dm", "--step", "99")
-        assert rc == 4, err
-        f = next((d.local_dir / "jobs" / "dm").glob("*1/rank-*/w.*"))
-        f.write_bytes(b"\0" * f.stat().st_size)
-        rc, out, err = call(*a, "verify", "dm", "--step", "1")
-        assert rc == 1 and "mismatch" in out, (out, err)
-        rc, out, err = call(*a, "rm", "dm", "--step", "2", "--json")
-        assert rc == 0 and json.loads(out)["local"] == 1 and json.loads(out)["persistent"] == 1, err
-    finally:
-        d.kill()
+def test_policy_rm_verify_persist_verbs(tmp_path, daemon_factory):
+    d = daemon_factory(args=("--persistent", f"file://{tmp_path}/store"))
+    a = ("--address", d.address)
+    with d.client() as c:
+        c.save("dm", 1, 0, 1, {"w": ARR}).result(30)
+        c.save("dm", 2, 0, 1, {"w": ARR}).result(30)
+    rc, out, err = call(*a, "policy", "dm", "--keep-local", "3", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["overrides"]["keep_local"] == 3 and doc["effective"]["persist_every"] == 0, err
+    assert_json_style(doc)
+    rc, out, _ = call(*a, "policy", "dm")
+    assert rc == 0 and "keep_local       3  (job)" in out
+    rc, out, err = call(*a, "verify", "dm", "--json")
+    assert rc == 0 and json.loads(out)["mismatches"] == 0, err
+    rc, out, err = call(*a, "persist", "dm", "--step", "2", "--wait", "--json")
+    assert rc == 0 and json.loads(out)["persisted"] == [0], err
+    rc, out, err = call(*a, "persist", "dm", "--step", "99")
+    assert rc == 4, err
+    f = next((d.local_dir / "jobs" / "dm").glob("*1/rank-*/w.*"))
+    f.write_bytes(b"\0" * f.stat().st_size)
+    rc, out, err = call(*a, "verify", "dm", "--step", "1")
+    assert rc == 1 and "mismatch" in out, (out, err)
+    rc, out, err = call(*a, "rm", "dm", "--step", "2", "--json")
+    assert rc == 0 and json.loads(out)["local"] == 1 and json.loads(out)["persistent"] == 1, err
+
