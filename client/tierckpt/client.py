@@ -205,6 +205,32 @@ class SaveFuture(cf.Future):
         return self._client._wait_tier(self.job, self.step, self.rank, tier, remaining)
 
 
+def _channel(address: str, opts: list, cert: str | None, key: str | None, ca: str | None,
+             server_name: str | None) -> grpc.Channel:
+    """An mTLS channel when a client certificate is given (argument or TIERCKPT_TLS_CERT/_KEY/_CA),
+    else a plain one (the Unix socket, or a loopback daemon without TLS)."""
+    cert = cert or os.environ.get("TIERCKPT_TLS_CERT") or None
+    key = key or os.environ.get("TIERCKPT_TLS_KEY") or None
+    ca = ca or os.environ.get("TIERCKPT_TLS_CA") or None
+    server_name = server_name or os.environ.get("TIERCKPT_TLS_SERVER_NAME") or None
+    if not (cert or key or ca) or address.startswith("unix:"):
+        return grpc.insecure_channel(address, options=opts)
+    if not (cert and key and ca):
+        raise InvalidArgumentError("tls_cert/tls_key/tls_ca: give all three (or set TIERCKPT_TLS_CERT, "
+                                   "TIERCKPT_TLS_KEY and TIERCKPT_TLS_CA)")
+    files = {}
+    for field_name, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
+        try:
+            with open(path, "rb") as f:
+                files[field_name] = f.read()
+        except OSError as e:
+            raise InvalidArgumentError(f"{field_name}: cannot read {path}: {e.strerror or e}") from None
+    creds = grpc.ssl_channel_credentials(files["tls_ca"], files["tls_key"], files["tls_cert"])
+    if server_name:
+        opts = [*opts, ("grpc.ssl_target_name_override", server_name)]
+    return grpc.secure_channel(address, creds, options=opts)
+
+
 class Client(DataManagementMixin):
     """A connection to the tierckpt daemon on this node.
 
@@ -219,6 +245,10 @@ class Client(DataManagementMixin):
             copies served from the local tier; a copy the daemon has just fetched from a peer or
             the object store was verified by the daemon as it arrived (that is its restore hop)
             and is not hashed twice. "always" checks those too; False checks nothing.
+        tls_cert, tls_key, tls_ca: client certificate, its key and the cluster CA (PEM files) for a
+            daemon reached over TCP with mTLS (default: TIERCKPT_TLS_CERT, TIERCKPT_TLS_KEY,
+            TIERCKPT_TLS_CA); unused on the Unix socket. ``tls_server_name``: the name to expect
+            in the daemon's certificate when it differs from the address's host.
         pack_below, pack_min_shards: a save with at least ``pack_min_shards`` shards smaller than
             ``pack_below`` bytes stores them as one packed shard plus an index (see
             ``tierckpt._pack``); restore unpacks them transparently. 0 disables packing.
@@ -226,7 +256,8 @@ class Client(DataManagementMixin):
 
     def __init__(self, address: str | None = None, *, timeout: float = 60.0, transfer: str = "auto",
                  io_threads: int | None = None, verify: bool | str = True, pack_below: int = 1 << 20,
-                 pack_min_shards: int = 16) -> None:
+                 pack_min_shards: int = 16, tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_ca: str | None = None, tls_server_name: str | None = None) -> None:
         if transfer not in ("auto", "shared", "stream"):
             raise InvalidArgumentError(f"transfer: {transfer!r} must be auto, shared or stream")
         if verify not in (True, False, "always"):
@@ -240,7 +271,7 @@ class Client(DataManagementMixin):
         self.transfer = transfer
         self.verify = verify
         opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-        self._channel = grpc.insecure_channel(self.address, options=opts)
+        self._channel = _channel(self.address, opts, tls_cert, tls_key, tls_ca, tls_server_name)
         self._stub = pb_grpc.TierckptStub(self._channel)
         self._io = cf.ThreadPoolExecutor(io_threads or min(4, os.cpu_count() or 2), thread_name_prefix="tierckpt-io")
         self._committer = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")

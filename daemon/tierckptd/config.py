@@ -73,6 +73,13 @@ class DaemonConfig:
     """Largest single shard accepted."""
     max_open_saves: int = 1024
     """Saves open (begun, not yet committed or aborted) at once on this node; more get RESOURCE_EXHAUSTED."""
+    max_open_saves_per_client: int = 0
+    """Saves one TCP client (one certificate identity) may hold open at once (0 = only max_open_saves). Unix-socket
+    callers are bound by max_open_saves alone: grpcio exposes no peer credentials of a socket caller."""
+    client_jobs: str = ""
+    """Jobs each TCP client may use, by certificate name (CN or DNS SAN; * and ? match): "NAME=GLOB,..." or a TOML
+    table {NAME = ["GLOB", ...]}, e.g. "trainer-a=llama-*,ops=*". Other names get PERMISSION_DENIED. Empty: every
+    certificate the CA signed may use every job. Needs mTLS. Unix-socket callers are not restricted."""
     max_message_bytes: int = 16 << 20
     """Largest gRPC message accepted or sent (bulk data moves in chunks below this)."""
     max_concurrent_streams: int = 256
@@ -145,6 +152,12 @@ class DaemonConfig:
     @property
     def tls_enabled(self) -> bool:
         return bool(self.tls_cert)
+
+    @property
+    def client_jobs_rules(self) -> dict[str, tuple[str, ...]]:
+        from .access import parse_client_jobs
+
+        return parse_client_jobs(self.client_jobs)
 
     def other_peers(self) -> tuple[Peer, ...]:
         return tuple(p for p in self.peers if p.node_id != self.node_id)
@@ -220,6 +233,13 @@ def _coerce(key: str, value: Any) -> Any:
         return parse_peers(value, key)
     if key == "socket_mode":
         return _parse_mode(value, key)
+    if key == "client_jobs":
+        from .access import format_client_jobs, parse_client_jobs
+
+        try:
+            return format_client_jobs(parse_client_jobs(value, key))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if key == "knobs" and isinstance(value, Mapping):  # a TOML table
         return ",".join(f"{k}={v}" for k, v in value.items())
     default = _FIELDS[key].default
@@ -274,6 +294,10 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
             raise ConfigError(f"{key}: must be >= 1 (the newest complete step is always kept)")
     if cfg.max_open_saves < 1:
         raise ConfigError("max_open_saves: must be >= 1")
+    if cfg.max_open_saves_per_client < 0:
+        raise ConfigError("max_open_saves_per_client: must not be negative")
+    if cfg.client_jobs and not cfg.tls_enabled:
+        raise ConfigError("client_jobs: needs tls_cert/tls_key/tls_ca (clients are named by their certificates)")
     for key in ("replicas", "persist_every", "keep_persistent", "metrics_port", "max_concurrent_streams"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key}: must not be negative")
@@ -416,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     metavars = {"node_id": "ID", "listen": "HOST:PORT", "socket": "PATH", "socket_mode": "MODE",
                 "socket_group": "GROUP", "local_dir": "DIR", "local_capacity": "BYTES", "fsync": "auto|always|never",
                 "staging_timeout": "SECONDS", "max_shard_bytes": "BYTES", "max_open_saves": "N",
+                "max_open_saves_per_client": "N", "client_jobs": "NAME=GLOB,...",
                 "max_message_bytes": "BYTES",
                 "peers": "ID=HOST:PORT,...", "peers_dns": "NAME:PORT", "persistent": "URL", "metrics_port": "PORT",
                 "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem",

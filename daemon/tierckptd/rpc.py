@@ -96,12 +96,17 @@ def add_service(add_to_server: Callable[[Any, Any], None], servicer: Any, server
 
 
 def rpc(fn: Callable) -> Callable:
-    """Decorate a unary servicer method: tierckpt exceptions and OS errors become status codes."""
+    """Decorate a unary servicer method: tierckpt exceptions and OS errors become status codes.
+    A servicer's ``authorize(request, context)``, when it has one, runs first."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: Any) -> Any:
         try:
-            return await fn(self, check_decoded(request), context)
+            request = check_decoded(request)
+            authorize = getattr(self, "authorize", None)
+            if authorize is not None:
+                authorize(request, context)
+            return await fn(self, request, context)
         except (TierckptError, OSError) as e:
             await abort_for(e, fn.__name__, context)
 
@@ -114,7 +119,11 @@ def rpc_stream(fn: Callable) -> Callable:
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
         try:
-            async for item in fn(self, check_decoded(request), context):
+            request = check_decoded(request)
+            authorize = getattr(self, "authorize", None)
+            if authorize is not None:
+                authorize(request, context)
+            async for item in fn(self, request, context):
                 yield item
         except (TierckptError, OSError) as e:
             await abort_for(e, fn.__name__, context)

@@ -18,6 +18,7 @@ from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
 
 from . import __version__
+from .access import ClientAccess
 from .config import ConfigError, DaemonConfig
 from .datamgmt import TIERS, DataManagement
 from .node import Node
@@ -52,11 +53,28 @@ def _check_json_object(text: str, field: str) -> str:
 
 
 class TierckptServicer(pb_grpc.TierckptServicer):
-    def __init__(self, node: Node, config: DaemonConfig, tier_health: TierHealth | None = None) -> None:
+    """The client service. ``access`` is set on the TCP listener's instance: callers there are
+    bound by their certificate identity (:mod:`tierckptd.access`); Unix-socket callers are not."""
+
+    def __init__(self, node: Node, config: DaemonConfig, tier_health: TierHealth | None = None,
+                 access: ClientAccess | None = None) -> None:
         self.node = node
         self.config = config
         self.tier_health = tier_health
         self.data = DataManagement(node)
+        self.access = access
+
+    def authorize(self, request: object, context: object) -> None:
+        """Called by :func:`rpc` before every unary method: the job and the save it names must
+        be the caller's (TCP listener only)."""
+        if self.access is None:
+            return
+        job = getattr(request, "job", None)
+        if isinstance(job, str) and job:
+            self.access.check_job(context, job)
+        save_id = getattr(request, "save_id", None)
+        if isinstance(save_id, str) and save_id:
+            self.access.check_save(context, save_id)
 
     @rpc
     async def BeginSave(self, request: pb.BeginSaveRequest, context) -> pb.BeginSaveResponse:
@@ -68,7 +86,13 @@ class TierckptServicer(pb_grpc.TierckptServicer):
             check_shard(s.name, "shards.name")
             specs.append((s.name, s.size, s.dtype, list(s.shape)))
         stream = request.transfer == pb.TRANSFER_STREAM
-        st = await self.node.begin_save(request.job, request.step, request.rank, request.world_size, specs, stream)
+        if self.access is None:
+            st = await self.node.begin_save(request.job, request.step, request.rank, request.world_size, specs, stream)
+        else:
+            with self.access.beginning(context, self.node.store.is_open) as begun:
+                st = await self.node.begin_save(request.job, request.step, request.rank, request.world_size, specs,
+                                                stream)
+                begun.append(st.save_id)
         return pb.BeginSaveResponse(
             save_id=st.save_id,
             shards=[pb.StagedShard(name=f.name, path="" if stream else str(f.path), recycled=f.recycled)
@@ -82,6 +106,8 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         async def pieces() -> AsyncIterator[tuple[str, str, int, bytes]]:
             async for raw in request_iterator:
                 req = check_decoded(raw)
+                if self.access is not None:
+                    self.access.check_save(context, req.save_id)
                 yield req.save_id, req.shard, req.offset, req.data
 
         return pb.WriteShardResponse(bytes_written=await self.node.write_stream(pieces()))
@@ -195,6 +221,8 @@ class TierckptServicer(pb_grpc.TierckptServicer):
             replicas=self.config.replicas, persistent_url=self.config.persistent, uptime_seconds=st["uptime"],
         )
         for j in st["jobs"]:
+            if self.access is not None and not self.access.visible(context, j["job"]):
+                continue
             resp.jobs.append(pb.JobStatus(job=j["job"], steps=j["steps"], has_latest=j["latest"] is not None,
                                           latest=j["latest"] or 0, bytes=j["bytes"]))
         for p in st.get("peer", {}).get("peers", []):
@@ -354,7 +382,8 @@ async def create_server(config: DaemonConfig, node: Node, common: Callable[[grpc
     servers: list[grpc.aio.Server] = []
     tcp_port = None
     if config.listen:
-        tcp = _new_server(config, node, common, tier_health)
+        access = ClientAccess(config.client_jobs_rules, config.max_open_saves_per_client)
+        tcp = _new_server(config, node, common, tier_health, access)
         if tcp_only:
             tcp_only(tcp)
         try:
@@ -388,9 +417,9 @@ async def create_server(config: DaemonConfig, node: Node, common: Callable[[grpc
 
 
 def _new_server(config: DaemonConfig, node: Node, common: Callable[[grpc.aio.Server], None] | None,
-                tier_health: TierHealth | None = None) -> grpc.aio.Server:
+                tier_health: TierHealth | None = None, access: ClientAccess | None = None) -> grpc.aio.Server:
     server = grpc.aio.server(options=server_options(config))
-    add_service(pb_grpc.add_TierckptServicer_to_server, TierckptServicer(node, config, tier_health), server)
+    add_service(pb_grpc.add_TierckptServicer_to_server, TierckptServicer(node, config, tier_health, access), server)
     if common:
         common(server)
     return server

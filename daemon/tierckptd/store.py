@@ -323,6 +323,14 @@ class LocalStore:
         """Drop an open save and its staging files. Idempotent."""
         self._saves.abort(save_id)
 
+    def is_open(self, save_id: str) -> bool:
+        """Whether ``save_id`` is an open save (begun, not yet committed, aborted or reclaimed)."""
+        try:
+            self._saves.get(save_id)
+        except InvalidArgumentError:
+            return False
+        return True
+
     def abort_staging(self, st: Staging) -> None:
         """:meth:`abort` by the staging area :meth:`begin` returned."""
         self._saves.abort(st.save_id)
