@@ -216,11 +216,16 @@ def _prepare(peer, owner: str, size: int, timeout: float = 10) -> tuple[str, int
     return resp.ticket, resp.bulk_port
 
 
+def _node_with_an_absent_peer(daemon_factory, knobs: str):
+    """n0 of a two-node ring whose n1 never starts (n0 accepts replicas addressed from n1)."""
+    port = free_port()
+    return daemon_factory("n0", port=port, args=("--peers", f"n0=127.0.0.1:{port},n1=127.0.0.1:{free_port()}",
+                                                 f"--knobs={knobs}"))
+
+
 @pytest.mark.parametrize("how", ["connection breaks", "sender goes quiet"])
 def test_gap5_a_dead_senders_partial_replica_is_dropped(daemon_factory, how: str) -> None:
-    port = free_port()
-    d = daemon_factory("n0", port=port, args=("--peers", f"n0=127.0.0.1:{port},n1=127.0.0.1:{free_port()}",
-                                              "--knobs=refresh_interval=0.2,inbound_idle_timeout=1"))
+    d = _node_with_an_absent_peer(daemon_factory, "refresh_interval=0.2,inbound_idle_timeout=1")
     staging = d.local_dir / "staging"
     ch, _, peer = stubs(d.tcp_address)
     with ch:
@@ -245,9 +250,7 @@ def test_gap5_a_dead_senders_partial_replica_is_dropped(daemon_factory, how: str
 def test_gap5_a_caller_gone_while_staging_opens_leaves_nothing_staged(daemon_factory, rpc: str) -> None:
     """The caller's deadline passes (or it is killed) while the daemon creates the staging area:
     the area is dropped as soon as it exists, not kept until the staging timeout."""
-    port = free_port()
-    d = daemon_factory("n0", port=port, args=("--peers", f"n0=127.0.0.1:{port},n1=127.0.0.1:{free_port()}",
-                                              "--knobs=debug_begin_delay=1.5,inbound_idle_timeout=0"))
+    d = _node_with_an_absent_peer(daemon_factory, "debug_begin_delay=1.5,inbound_idle_timeout=0")
     staging = d.local_dir / "staging"
     ch, stub, peer = stubs(d.tcp_address)
     with ch:
