@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,17 +35,24 @@ class Entry:
 
 
 class Bounded(collections.OrderedDict):
-    """An insertion-ordered dict that forgets its oldest items beyond ``limit``."""
+    """An insertion-ordered dict that forgets its oldest items beyond ``limit``. Setting and
+    ``get`` are safe from several threads (the content layout's upload workers share one)."""
 
     def __init__(self, limit: int) -> None:
         super().__init__()
         self.limit = limit
+        self._lock = threading.Lock()
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        while len(self) > self.limit:
-            self.popitem(last=False)
+        with self._lock:
+            super().__setitem__(key, value)
+            self.move_to_end(key)
+            while len(self) > self.limit:
+                self.popitem(last=False)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        with self._lock:
+            return super().get(key, default)
 
 
 class Ledger:
