@@ -227,7 +227,7 @@ class LocalStore:
             InvalidArgumentError: a field is invalid (the message names it).
             CapacityError: the shards do not fit even after eviction, or too many saves are open.
         """
-        keep = self._warmer.prefault if prefault and self._warming() else None
+        keep = self._warmer.prefault if prefault and self._warming(KNOBS.warm_ahead) else None
         st = self._saves.begin(job, step, rank, world_size, specs, stream=stream, prefault=keep)
         if KNOBS.debug_begin_delay:  # test hook: the staging area exists, its caller has no answer yet
             time.sleep(KNOBS.debug_begin_delay)
@@ -292,7 +292,7 @@ class LocalStore:
         if self.fsync:
             self._layout.fsync_rank(st.job, st.step, st.rank)
         self._notify(evictions)
-        if self._warming():
+        if self._warming(KNOBS.warm_pool):
             self._warmer.kick()
         return man, evictions
 
@@ -385,8 +385,7 @@ class LocalStore:
 
     # ----------------------------------------------------------------------------- warm pages
 
-    def _warming(self) -> bool:
-        mode = KNOBS.warm_pool
+    def _warming(self, mode: int) -> bool:
         return bool(mode) and (mode >= 2 or self._tmpfs) and not self._warmer.disabled
 
     def warm_counters(self) -> dict[str, int]:
@@ -400,7 +399,7 @@ class LocalStore:
         next save of a job held here needs (its newest step's ranks on this node) beyond what the
         pool holds, if it fits in free capacity; created in the pool. None when there is none."""
         with self._lock:
-            if not self._warming():
+            if not self._warming(KNOBS.warm_pool):
                 return None
             want: dict[int, int] = {}
             for job in self._catalog.jobs():

@@ -11,8 +11,9 @@ with ``fallocate(FALLOC_FL_KEEP_SIZE)``, which allocates a file's pages without 
   step's ranks on this node) and adds pre-allocated files of the missing sizes to the recycle
   pool, but only into free capacity: warming never evicts anything, and warm files are pool files
   (charged like them, dropped first when a save needs room, released after the idle timeout).
-  A warm file taken by a save before it is fully allocated is handed to the urgent thread,
-  which finishes it ahead of the writer.
+  A warm file taken by a save before it is fully allocated is left as it is: its writer
+  allocates the rest (finishing it ahead of a local trainer's writes was measured to slow the
+  save down: both contend for the file's lock and the CPU).
 - *Prefault* (an urgent thread at normal priority): the staging files of an inbound replica or a
   restore that the pool could not cover are allocated front to back while the bytes arrive (the
   bulk receive writes each piece at increasing offsets), so allocation overlaps the transfer.
@@ -58,6 +59,14 @@ def fallocate_keep_size(fd: int, offset: int, length: int) -> None:
     if _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
+
+
+def _next_hole(fd: int, off: int, end: int) -> int:
+    """The first unallocated offset at or after ``off`` (``end`` if none, or where unsupported: ``off``)."""
+    try:
+        return min(end, os.lseek(fd, off, os.SEEK_HOLE))
+    except OSError as e:
+        return end if e.errno == errno.ENXIO else off
 
 
 NextFile = Callable[[], "tuple[int, str, int] | None"]
@@ -167,8 +176,6 @@ class Warmer:
                     self.warmed += off
                     if failed:
                         break
-                    if off < size and not self._stopped and os.fstat(fd).st_nlink:
-                        self.prefault(os.dup(fd), size, off)  # taken by a save: finish it ahead of its writer
                 finally:
                     os.close(fd)
 
@@ -182,6 +189,10 @@ class Warmer:
                     break
                 if not os.fstat(fd).st_nlink:  # dropped or aborted
                     break
+                if pooled is None:  # never behind the writer: skip to the next hole
+                    off = _next_hole(fd, off, end)
+                    if off >= end:
+                        break
                 n = min(max(1 << 20, KNOBS.warm_chunk), end - off)
                 fallocate_keep_size(fd, off, n)
                 off += n
