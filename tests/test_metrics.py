@@ -26,6 +26,7 @@ EXPECTED = {
     "tierckpt_local_capacity_bytes": ("gauge", set()),
     "tierckpt_local_used_bytes": ("gauge", set()),
     "tierckpt_local_free_bytes": ("gauge", set()),
+    "tierckpt_local_warm_bytes": ("gauge", set()),
     "tierckpt_checksum_failures_total": ("counter", {"tier"}),
     "tierckpt_evictions_total": ("counter", {"reason"}),
     "tierckpt_peer_up": ("gauge", {"peer"}),

@@ -135,6 +135,19 @@ class Knobs:
     debug_manifest_delay: float = 0.0
     """Seconds a drain waits after its last shard upload, before the manifest."""
 
+    # -- local tier
+    warm_pool: int = 0
+    """Pre-allocated pool files sized from the jobs' last saves (see :mod:`tierckptd.warm`): 1 where
+    the local dir is tmpfs, 2 on any filesystem, 0 off. Off by default until measured on a quiet
+    machine: under load its background allocation competed with back-to-back saves."""
+    warm_ahead: int = 1
+    """Staging files of inbound replicas and restores allocated ahead of the writer: 1 where the
+    local dir is tmpfs, 2 on any filesystem, 0 off."""
+    warm_min_bytes: int = 1 << 20
+    """Smaller files are never warmed (a few pages: creating the file costs more than it saves)."""
+    warm_chunk: int = 8 << 20
+    """Bytes allocated per step by the warming threads (each step holds the file's lock)."""
+
     # -- node
     restore_pin_seconds: float = 60.0
     """A step fetched from a remote tier is kept from retention this long after the restore."""

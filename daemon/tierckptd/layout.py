@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from tierckpt.errors import DataLossError, FailedPreconditionError, NotFoundError
 
+from .knobs import KNOBS
 from .localfs import FILE_MODE, STAGING_MODE, LocalDir, UnsafeFileError, digest_fd
 from .manifest import MANIFEST_NAME, Manifest
 from .recycle import RecyclePool
@@ -53,9 +55,12 @@ class StoreLayout:
 
     # -- staging
 
-    def create_staging(self, st: Staging, reused: dict[str, str]) -> None:
+    def create_staging(self, st: Staging, reused: dict[str, str],
+                       prefault: Callable[[int, int], None] | None = None) -> None:
         """Make the save's directory and its sized files; recycled files (``reused``: shard -> pool
-        name) are moved in if they still pass the pool's checks. Moved names leave ``reused``."""
+        name) are moved in if they still pass the pool's checks. Moved names leave ``reused``.
+        ``prefault(fd, size)`` takes a descriptor of each new file of at least ``KNOBS.warm_min_bytes``
+        (see :mod:`.warm`)."""
         with self.fs.dir(STAGING_DIR) as sfd, self.fs.child(sfd, st.save_id, create=True) as dfd:
             for f in st.files.values():
                 if f.recycled:
@@ -64,7 +69,11 @@ class StoreLayout:
                     if ok:
                         continue
                     f.recycled = False
-                os.close(self.fs.create(dfd, f.name, f.size, STAGING_MODE))
+                fd = self.fs.create(dfd, f.name, f.size, STAGING_MODE)
+                if prefault is not None and f.size >= max(1, KNOBS.warm_min_bytes):
+                    prefault(fd, f.size)
+                else:
+                    os.close(fd)
 
     def open_staged(self, st: Staging, f: StagedFile, flags: int) -> int:
         """Open a staging file without following a link; it must be a regular file of its size.

@@ -56,7 +56,7 @@ class Metrics:
         commit_latency, save_latency, restore_latency (tier), replication_latency.
     Gauges (``.set(v)``):
         replication_lag, drain_backlog_bytes, drain_oldest_age, local_capacity_bytes,
-        local_used_bytes, local_free_bytes, peer_up (peer), tier_up (tier).
+        local_used_bytes, local_free_bytes, local_warm_bytes, peer_up (peer), tier_up (tier).
     Collectors: process (CPU, memory, file descriptors), platform (python_info), GC.
     """
 
@@ -147,6 +147,10 @@ class Metrics:
             registry=r)
         self.local_free_bytes = Gauge(
             "tierckpt_local_free_bytes", "Capacity left in the local tier (capacity - used, >= 0).", registry=r)
+        self.local_warm_bytes = Gauge(
+            "tierckpt_local_warm_bytes",
+            "Bytes of pre-allocated files in the local tier's recycle pool (part of used; dropped first).",
+            registry=r)
 
         self.checksum_failures = Counter(
             "tierckpt_checksum_failures_total",

@@ -72,6 +72,8 @@ class Node:
         for t in self.tiers:
             t.bind(self)
         self.views = CatalogViews(store, self.tiers, node_id)
+        if metrics:  # warming runs in the background: read at scrape time
+            metrics.local_warm_bytes.set_function(lambda: store.usage().warm)
         self.repair = LocalRepair(store, lambda: self.tier("peer"), metrics)
 
     @property

@@ -18,6 +18,9 @@ A pooled file is handed out again only after a check on the open file: a regular
 link and exactly the expected size (someone with write access to the local dir may have swapped
 it for a symlink or a hard link meanwhile); anything else is discarded.
 
+Warm files (:mod:`.warm`): pre-allocated files the store adds to the pool ahead of need
+(:meth:`RecyclePool.add_warm`), charged, taken and dropped exactly like recycled ones.
+
 Not thread-safe by itself: the local store calls it under its lock.
 """
 
@@ -54,8 +57,11 @@ class RecyclePool:
         self._readers: dict[Path, int] = {}  # open loans per recyclable file
         self._loans: dict[tuple, tuple[tuple[Path, ...], int]] = {}  # key -> (counted files, open loans)
         self._held: dict[Path, tuple[str, int]] = {}  # evicted while lent: pool name, size
+        self._warm: dict[str, int] = {}  # untaken warm files: pool name -> size
         self.bytes = 0  # charged bytes of the pooled files
         self.data_bytes = 0
+        self.warm_bytes = 0  # data bytes of the untaken warm files (a part of data_bytes)
+        self.warm_taken = 0  # warm files handed to saves
 
     # -- which committed files may be recycled
 
@@ -129,7 +135,45 @@ class RecyclePool:
         name = pool.pop()
         self.bytes -= self._charge(size)
         self.data_bytes -= size
+        if self._forget_warm(name):
+            self.warm_taken += 1
         return name
+
+    def untake(self, name: str, size: int) -> None:
+        """Give back a file :meth:`take` handed out and the caller did not use (it is still in the pool dir)."""
+        self._by_size.setdefault(size, []).append(name)
+        self.bytes += self._charge(size)
+        self.data_bytes += size
+
+    # -- warm files
+
+    def add_warm(self, size: int) -> tuple[int, str]:
+        """Create a ``size``-byte file (not yet allocated) in the pool; returns a read-write
+        descriptor (the caller closes it) and its pool name."""
+        name = f"{size}.{secrets.token_hex(6)}"
+        with self.fs.dir(RECYCLE_DIR) as rfd:
+            fd = self.fs.create(rfd, name, size)
+        self._by_size.setdefault(size, []).append(name)
+        self._warm[name] = size
+        self.bytes += self._charge(size)
+        self.data_bytes += size
+        self.warm_bytes += size
+        return fd, name
+
+    def is_warm(self, name: str) -> bool:
+        """Whether ``name`` is a warm file still in the pool (safe to ask without the lock)."""
+        return name in self._warm
+
+    def counts(self) -> dict[int, int]:
+        """Pooled files per size (held files excluded: they may never join)."""
+        return {size: len(names) for size, names in self._by_size.items()}
+
+    def _forget_warm(self, name: str) -> bool:
+        size = self._warm.pop(name, None)
+        if size is None:
+            return False
+        self.warm_bytes -= size
+        return True
 
     def move_out(self, name: str, size: int, dst_fd: int, dst_name: str) -> bool:
         """Move taken file ``name`` to ``dst_name`` in ``dst_fd`` if it is still a regular file with
@@ -180,7 +224,9 @@ class RecyclePool:
             for size in sorted(self._by_size, reverse=True):
                 pool = self._by_size[size]
                 while pool and need > 0:
-                    self.fs.remove_tree(rfd, pool.pop())
+                    name = pool.pop()
+                    self._forget_warm(name)
+                    self.fs.remove_tree(rfd, name)
                     self.bytes -= self._charge(size)
                     self.data_bytes -= size
                     need -= self._charge(size)

@@ -50,8 +50,11 @@ class OpenSaves:
         self.committing_data = 0  # the same saves' shard bytes
 
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
-              stream: bool = False) -> Staging:
-        """Reserve capacity and create sized staging files (see :meth:`LocalStore.begin`)."""
+              stream: bool = False, prefault: Callable[[int, int], None] | None = None) -> Staging:
+        """Reserve capacity and create sized staging files (see :meth:`LocalStore.begin`).
+
+        ``prefault(fd, size)``: takes each freshly created (not recycled) staging file, to
+        allocate its pages ahead of the writer."""
         check_job(job)
         check_step(step)
         check_rank(rank, world_size)
@@ -65,7 +68,7 @@ class OpenSaves:
         with self._lock:
             reused = self._reserve_locked(staging)
         try:
-            self._layout.create_staging(staging, reused)
+            self._layout.create_staging(staging, reused, prefault)
         except OSError as e:
             self.abort(save_id)
             self._recycle.discard(reused.values())  # taken from the pool (and its bytes) but not moved yet
@@ -85,13 +88,21 @@ class OpenSaves:
         if len(self._open) >= self.max_open_saves:
             raise CapacityError(f"saves: {len(self._open)} saves are open on this node (limit {self.max_open_saves});"
                                 " commit or abort some first")
-        self._make_room(charge(staging))
+        # Pooled files of the right sizes first: they become this save's, so room is made only for
+        # the rest (making room first could drop the very files the save would reuse).
         reused: dict[str, str] = {}
         for f in staging.files.values():
             name = self._recycle.take(f.size)
             if name is not None:
                 reused[f.name] = name
-                f.recycled = True
+        try:
+            self._make_room(charge(staging))
+        except BaseException:
+            for shard, name in reused.items():
+                self._recycle.untake(name, staging.files[shard].size)
+            raise
+        for shard in reused:
+            staging.files[shard].recycled = True
         self._open[staging.save_id] = staging
         self._by_key[key] = staging.save_id
         return reused

@@ -59,6 +59,7 @@ from .retention import Eviction, charge_file
 from .saves import OpenSaves
 from .staging import ShardSpec, StagedFile, Staging
 from .startup import prepare_local_dir, reclaim_staging, scan_jobs
+from .warm import Warmer
 
 __all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
 
@@ -77,6 +78,7 @@ class Usage:
     staging: int
     recycle: int
     charged: int = 0
+    warm: int = 0  # the part of ``recycle`` allocated ahead of need (see :mod:`.warm`)
 
     @property
     def used(self) -> int:
@@ -147,6 +149,8 @@ class LocalStore:
                                 counters=self.counters)
         self._lock_fd: int | None = None
         self._on_evict = on_evict
+        self._tmpfs = False
+        self._warmer = Warmer(self._next_warm, self._recycle.is_warm)
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -159,8 +163,9 @@ class LocalStore:
                 ``jobs`` directory is a symlink.
         """
         self._lock_fd = prepare_local_dir(self._fs)  # held (and the lock with it) until the process exits
+        self._tmpfs = fs_is_tmpfs(self.root)
         if self._fsync_mode == "auto":
-            self.fsync = not fs_is_tmpfs(self.root)
+            self.fsync = not self._tmpfs
         if not self._capacity_arg:
             st = os.statvfs(self._fs.fd)
             self.capacity = int(st.f_blocks * st.f_frsize * 0.9)
@@ -177,7 +182,8 @@ class LocalStore:
                  len(res.manifests), res.dropped, res.quarantined)
 
     def close(self) -> None:
-        """Release the local_dir lock (a process exit releases it too)."""
+        """Stop warming; release the local_dir lock (a process exit releases it too)."""
+        self._warmer.stop()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -208,18 +214,21 @@ class LocalStore:
     # ----------------------------------------------------------------------------- saving
 
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
-              stream: bool = False) -> Staging:
+              stream: bool = False, prefault: bool = False) -> Staging:
         """Reserve capacity and create sized staging files for one rank's shards.
 
         Args:
             specs: (name, size, dtype, shape) per shard.
             stream: bytes will arrive through :meth:`write_chunk` rather than from the client directly.
+            prefault: allocate the pages of the files the recycle pool could not cover in the
+                background, ahead of the writer (an inbound replica or a restore, see :mod:`.warm`).
 
         Raises:
             InvalidArgumentError: a field is invalid (the message names it).
             CapacityError: the shards do not fit even after eviction, or too many saves are open.
         """
-        st = self._saves.begin(job, step, rank, world_size, specs, stream=stream)
+        keep = self._warmer.prefault if prefault and self._warming(KNOBS.warm_ahead) else None
+        st = self._saves.begin(job, step, rank, world_size, specs, stream=stream, prefault=keep)
         if KNOBS.debug_begin_delay:  # test hook: the staging area exists, its caller has no answer yet
             time.sleep(KNOBS.debug_begin_delay)
         return st
@@ -283,6 +292,8 @@ class LocalStore:
         if self.fsync:
             self._layout.fsync_rank(st.job, st.step, st.rank)
         self._notify(evictions)
+        if self._warming(KNOBS.warm_pool):
+            self._warmer.kick()
         return man, evictions
 
     def _place_files(self, st: Staging, man: Manifest, stats: dict[str, os.stat_result]) -> str:
@@ -378,7 +389,42 @@ class LocalStore:
         with self._lock:
             staging = self._saves.data_bytes_locked()
             return Usage(self.capacity, self._catalog.data_bytes, staging, self._recycle.data_bytes,
-                         charged=self._used_locked())
+                         charged=self._used_locked(), warm=self._recycle.warm_bytes)
+
+    # ----------------------------------------------------------------------------- warm pages
+
+    def _warming(self, mode: int) -> bool:
+        return bool(mode) and (mode >= 2 or self._tmpfs) and not self._warmer.disabled
+
+    def warm_counters(self) -> dict[str, int]:
+        """Warm files taken by saves; bytes allocated in pool files and ahead of writers."""
+        with self._lock:
+            taken = self._recycle.warm_taken
+        return {"warm_taken": taken, "warmed_bytes": self._warmer.warmed, "prefaulted_bytes": self._warmer.prefaulted}
+
+    def _next_warm(self) -> tuple[int, str, int] | None:
+        """The warming thread's next pool file (see :mod:`.warm`): the largest shard size that the
+        next save of a job held here needs (its newest step's ranks on this node) beyond what the
+        pool holds, if it fits in free capacity; created in the pool. None when there is none."""
+        with self._lock:
+            if not self._warming(KNOBS.warm_pool):
+                return None
+            want: dict[int, int] = {}
+            for job in self._catalog.jobs():
+                steps = self._catalog.steps(job)
+                if not steps:
+                    continue
+                for man in steps[max(steps)].values():
+                    for s in man.shards:
+                        if s.size >= max(1, KNOBS.warm_min_bytes):
+                            want[s.size] = want.get(s.size, 0) + 1
+            have = self._recycle.counts()
+            free = self.capacity - self._used_locked()
+            for size in sorted(want, reverse=True):
+                if want[size] > have.get(size, 0) and charge_file(size) <= free:
+                    fd, name = self._recycle.add_warm(size)
+                    return fd, name, size
+            return None
 
     def _used_locked(self) -> int:
         return self._catalog.committed_bytes + self._saves.charged_locked() + self._recycle.bytes

@@ -96,7 +96,8 @@ class Fetcher:
         if man.key != (job, step, rank):
             raise DataLossError(f"peer {p.node_id} described {man.key} instead of {(job, step, rank)}")
         specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
-        st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, man.world_size, specs)
+        st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, man.world_size, specs,
+                              prefault=True)
         try:
             files = {n: (functools.partial(self.store.open_staged, st.save_id, n), f.size) for n, f in st.files.items()}
             hashers = {s.name: bulk.OrderedHasher(s.size) for s in man.shards}

@@ -127,7 +127,7 @@ class Receiver:
                                           f"refusing a copy owned by {man.node}")
         specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
         st = await run_owning(self.store.begin, self.store.abort_staging, man.job, man.step, man.rank,
-                              man.world_size, specs)
+                              man.world_size, specs, prefault=True)
         ticket = secrets.token_urlsafe(18)
         with self._lock:
             self._inbound[ticket] = _Inbound(ticket, man, st, sender,

@@ -105,7 +105,7 @@ class Restorer:
         job, step, rank = remote.key
         specs = [(s.name, s.size, s.dtype, s.shape) for s in remote.shards]
         st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, remote.world_size, specs,
-                              stream=False)
+                              stream=False, prefault=True)
         try:
             await asyncio.gather(*(self._get_shard(st, remote, s, st.files[s.name].path) for s in remote.shards))
             local, _ = await run_blocking(

@@ -1,0 +1,206 @@
+"""Warm pages ahead of need: pre-allocated files in the recycle pool, and staging files allocated
+ahead of their writer.
+
+A write into a fresh tmpfs page first allocates it (the "first-touch" cost the recycle pool
+avoids in the steady state). Two cases are still cold: the first saves of a job (nothing was
+evicted yet) and the first replica or restore a node receives. The :class:`Warmer` covers them
+with ``fallocate(FALLOC_FL_KEEP_SIZE)``, which allocates a file's pages without writing them:
+
+- *Pool top-up* (a background thread at the lowest CPU priority): after every commit the store
+  works out the shard sizes the next save of each job held here will need (those of its newest
+  step's ranks on this node) and adds pre-allocated files of the missing sizes to the recycle
+  pool, but only into free capacity: warming never evicts anything, and warm files are pool files
+  (charged like them, dropped first when a save needs room, released after the idle timeout).
+  A warm file taken by a save before it is fully allocated is left as it is: its writer
+  allocates the rest (finishing it ahead of a local trainer's writes was measured to slow the
+  save down: both contend for the file's lock and the CPU).
+- *Prefault* (an urgent thread at normal priority): the staging files of an inbound replica or a
+  restore that the pool could not cover are allocated front to back while the bytes arrive (the
+  bulk receive writes each piece at increasing offsets), so allocation overlaps the transfer.
+
+Both work in chunks of ``KNOBS.warm_chunk`` bytes and stop as soon as their file is unlinked
+(dropped, aborted): at most one chunk is allocated in vain. Allocation never changes a file's
+bytes or size, so it is invisible to a writer or reader of the same file.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+from .knobs import KNOBS
+
+__all__ = ["Warmer", "fallocate_keep_size"]
+
+log = logging.getLogger(__name__)
+
+_FALLOC_FL_KEEP_SIZE = 1
+_libc: ctypes.CDLL | None
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+except (OSError, AttributeError):  # pragma: no cover - every Linux libc has fallocate
+    _libc = None
+
+
+def fallocate_keep_size(fd: int, offset: int, length: int) -> None:
+    """Allocate the pages of ``[offset, offset + length)`` without changing the file's size or bytes.
+
+    Raises:
+        OSError: ENOSPC, EOPNOTSUPP (the filesystem cannot), ...
+    """
+    if _libc is None:  # pragma: no cover
+        raise OSError(errno.EOPNOTSUPP, "fallocate is not available")
+    if _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def _next_hole(fd: int, off: int, end: int) -> int:
+    """The first unallocated offset at or after ``off`` (``end`` if none, or where unsupported: ``off``)."""
+    try:
+        return min(end, os.lseek(fd, off, os.SEEK_HOLE))
+    except OSError as e:
+        return end if e.errno == errno.ENXIO else off
+
+
+NextFile = Callable[[], "tuple[int, str, int] | None"]
+"""The store's choice of the next pool file to warm: (an open descriptor, its pool name, size), or None."""
+
+
+class Warmer:
+    """The two warming threads of one local store (started on first use).
+
+    Args:
+        next_file: called by the background thread (it takes the store's lock): creates the next
+            pool file to warm and returns it, or None when the pool has what the jobs need.
+        still_pooled: whether a pool name is still an untaken warm file.
+    """
+
+    def __init__(self, next_file: NextFile, still_pooled: Callable[[str], bool]) -> None:
+        self._next_file = next_file
+        self._still_pooled = still_pooled
+        self._cv = threading.Condition()
+        self._urgent: collections.deque[tuple[int, int, int]] = collections.deque()  # fd, offset, end
+        self._kicked = False
+        self._stopped = False
+        self._threads: list[threading.Thread] = []
+        self.disabled = False  # the filesystem cannot fallocate
+        self.prefaulted = 0  # bytes allocated ahead of a writer
+        self.warmed = 0  # bytes allocated in pool files
+
+    # -- requests
+
+    def kick(self) -> None:
+        """Something was committed: top the pool up (background)."""
+        with self._cv:
+            if self._stopped or self.disabled:
+                return
+            self._start_locked()
+            self._kicked = True
+            self._cv.notify_all()
+
+    def prefault(self, fd: int, size: int, offset: int = 0) -> None:
+        """Allocate ``fd``'s pages from ``offset`` ahead of a writer; the warmer owns (closes) ``fd``."""
+        with self._cv:
+            if self._stopped or self.disabled or offset >= size:
+                os.close(fd)
+                return
+            self._start_locked()
+            self._urgent.append((fd, offset, size))
+            self._cv.notify_all()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop both threads (each finishes its current chunk) and close every queued descriptor."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+            threads, self._threads = self._threads, []
+        for t in threads:
+            t.join(timeout)
+        with self._cv:
+            while self._urgent:
+                os.close(self._urgent.popleft()[0])
+
+    def _start_locked(self) -> None:
+        if self._threads:
+            return
+        for name, target in (("tck-warm-urgent", self._urgent_loop), ("tck-warm-pool", self._pool_loop)):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    # -- the threads
+
+    def _urgent_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._urgent and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                fd, off, end = self._urgent.popleft()
+            try:
+                self.prefaulted += self._fill(fd, off, end, None)[0] - off
+            finally:
+                os.close(fd)
+
+    def _pool_loop(self) -> None:
+        try:  # this thread only (Linux: a thread id is a process id for setpriority)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):  # pragma: no cover
+            pass
+        while True:
+            with self._cv:
+                while not self._kicked and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                self._kicked = False
+            while not self._stopped and not self.disabled:
+                try:
+                    got = self._next_file()
+                except Exception:  # thread boundary: warming is an optimisation, never fatal
+                    log.exception("warming the recycle pool failed")
+                    break
+                if got is None:
+                    break
+                fd, name, size = got
+                try:
+                    off, failed = self._fill(fd, 0, size, name)
+                    self.warmed += off
+                    if failed:
+                        break
+                finally:
+                    os.close(fd)
+
+    def _fill(self, fd: int, off: int, end: int, pooled: str | None) -> tuple[int, bool]:
+        """Allocate ``[off, end)`` chunk by chunk; stop early when the file is unlinked, when
+        ``pooled`` (a pool name) was taken, or on stop. Returns the offset reached and whether
+        an error stopped it (the filesystem is full or cannot allocate)."""
+        try:
+            while off < end and not self._stopped:
+                if pooled is not None and not self._still_pooled(pooled):
+                    break
+                if not os.fstat(fd).st_nlink:  # dropped or aborted
+                    break
+                if pooled is None:  # never behind the writer: skip to the next hole
+                    off = _next_hole(fd, off, end)
+                    if off >= end:
+                        break
+                n = min(max(1 << 20, KNOBS.warm_chunk), end - off)
+                fallocate_keep_size(fd, off, n)
+                off += n
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                log.info("warming disabled: the local dir cannot fallocate (%s)", e.strerror)
+                self.disabled = True
+            elif e.errno != errno.ENOSPC:
+                log.warning("warming stopped: %s", e)
+            return off, True
+        return off, False

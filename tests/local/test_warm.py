@@ -1,0 +1,144 @@
+"""Warm pages ahead of need (tierckptd.warm): pool files pre-allocated from the jobs' last saves,
+within free capacity, dropped first; staging files of replicas and restores allocated ahead of
+the writer."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from tierckpt.common import checksum as _checksum
+from tierckptd.knobs import KNOBS
+from tierckptd.retention import charge_rank
+from tierckptd.store import LocalStore
+
+MIB = 1 << 20
+
+
+def _save(store: LocalStore, job: str, step: int, data: dict[str, bytes], rank: int = 0, world: int = 1):
+    st = store.begin(job, step, rank, world, [(n, len(b), "", ()) for n, b in data.items()])
+    for n, b in data.items():
+        with open(st.files[n].path, "r+b") as fh:
+            fh.write(b)
+    store.commit(st.save_id, {n: _checksum.digest(b) for n, b in data.items()})
+    return st
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def _settle(store: LocalStore) -> None:
+    """Wait until the warming threads have nothing left to do (nothing changes for a while)."""
+    last, quiet = None, 0
+    for _ in range(200):
+        now = (store.usage(), store.warm_counters())
+        quiet = quiet + 1 if now == last else 0
+        if quiet >= 10:
+            return
+        last = now
+        time.sleep(0.02)
+
+
+def _open(scratch, capacity: int, keep_local: int = 1) -> LocalStore:
+    s = LocalStore(scratch / "data", "n0", capacity=capacity, keep_local=keep_local)
+    s.open()
+    return s
+
+
+@pytest.fixture
+def warm_on():
+    with KNOBS.overridden(warm_pool=2, warm_ahead=2, warm_chunk=MIB):  # any filesystem; small steps
+        yield
+
+
+def test_the_second_save_of_a_job_takes_warm_files(scratch, warm_on):
+    store = _open(scratch, 64 * MIB)
+    try:
+        _save(store, "j", 1, {"a": b"1" * (4 * MIB), "b": b"2" * (2 * MIB), "tiny": b"x"})
+        assert _wait(lambda: store.usage().warm == 6 * MIB)  # tiny files are not warmed
+        st = store.begin("j", 2, 0, 1, [("a", 4 * MIB, "", ()), ("b", 2 * MIB, "", ()), ("tiny", 1, "", ())])
+        assert st.files["a"].recycled and st.files["b"].recycled and not st.files["tiny"].recycled
+        assert os.stat(st.files["a"].path).st_blocks * 512 >= 4 * MIB  # allocated before it was taken
+        assert store.usage().warm == 0 and store.warm_counters()["warm_taken"] == 2
+        store.abort(st.save_id)
+    finally:
+        store.close()
+
+
+def test_warm_files_never_exceed_free_capacity(scratch, warm_on):
+    step = charge_rank([4 * MIB])
+    store = _open(scratch, step + 2 * MIB)  # one step fits, a second copy of its shard does not
+    try:
+        _save(store, "j", 1, {"a": b"1" * (4 * MIB)})
+        _settle(store)
+        u = store.usage()
+        assert u.warm == 0 and u.charged <= u.capacity
+        assert store.warm_counters()["warmed_bytes"] == 0
+    finally:
+        store.close()
+
+
+def test_warm_files_are_dropped_first_and_nothing_committed_is_evicted(scratch, warm_on):
+    store = _open(scratch, charge_rank([4 * MIB]) * 2 + charge_rank([6 * MIB]) - MIB, keep_local=2)
+    try:
+        _save(store, "j", 1, {"a": b"1" * (4 * MIB)})
+        assert _wait(lambda: store.usage().warm == 4 * MIB)
+        evicted = []
+        store._on_evict = evicted.append
+        # Another job needs 6 MiB: it fits only without the warm file, which goes; j/1 stays.
+        st = store.begin("k", 1, 0, 1, [("w", 6 * MIB, "", ())])
+        assert not evicted and store.get("j", 1, 0) is not None
+        u = store.usage()
+        assert u.warm == 0 and u.charged <= u.capacity
+        store.abort(st.save_id)
+    finally:
+        store.close()
+
+
+def test_a_save_reuses_pooled_files_even_when_the_pool_must_shrink_for_it(scratch, warm_on):
+    # Room for one step and the pool: the save takes its pooled file instead of dropping it to make room.
+    store = _open(scratch, charge_rank([4 * MIB]) * 2 + MIB)
+    try:
+        _save(store, "j", 1, {"a": b"1" * (4 * MIB)})
+        assert _wait(lambda: store.usage().warm == 4 * MIB)
+        st = store.begin("j", 2, 0, 1, [("a", 4 * MIB, "", ())])
+        assert st.files["a"].recycled
+        store.abort(st.save_id)
+    finally:
+        store.close()
+
+
+def test_disabled_by_the_knobs(scratch):
+    with KNOBS.overridden(warm_pool=0, warm_ahead=0):
+        store = _open(scratch, 64 * MIB)
+        try:
+            _save(store, "j", 1, {"a": b"1" * (4 * MIB)})
+            st = store.begin("j", 2, 0, 1, [("a", 4 * MIB, "", ())], prefault=True)
+            _settle(store)
+            assert store.usage().warm == 0 and not st.files["a"].recycled
+            assert store.warm_counters() == {"warm_taken": 0, "warmed_bytes": 0, "prefaulted_bytes": 0}
+            assert os.stat(st.files["a"].path).st_blocks == 0  # nothing allocated ahead
+        finally:
+            store.close()
+
+
+def test_an_inbound_copy_is_allocated_ahead_of_its_writer(scratch, warm_on):
+    store = _open(scratch, 64 * MIB)
+    try:
+        st = store.begin("j", 1, 0, 1, [("a", 8 * MIB, "", ()), ("tiny", 100, "", ())], prefault=True)
+        path = st.files["a"].path
+        assert _wait(lambda: os.stat(path).st_blocks * 512 >= 8 * MIB)
+        assert os.stat(path).st_size == 8 * MIB  # allocation never changes the size or the bytes
+        with open(path, "rb") as fh:
+            assert fh.read(4096) == bytes(4096)
+        assert store.warm_counters()["prefaulted_bytes"] == 8 * MIB
+        store.abort(st.save_id)
+    finally:
+        store.close()
