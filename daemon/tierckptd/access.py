@@ -71,6 +71,7 @@ class ClientAccess:
         self.max_open = max_open_per_client
         self._open: dict[str, set[str]] = {}  # identity -> save ids it began (pruned as they end)
         self._beginning: dict[str, int] = {}  # identity -> BeginSaves in flight
+        self._owner: dict[str, str] = {}  # save id -> the identity that began it
 
     @property
     def active(self) -> bool:
@@ -114,7 +115,9 @@ class ClientAccess:
         yielded list, and the save is the caller's from then on."""
         who = self.identity(context)
         mine = self._open.setdefault(who, set())
-        mine.intersection_update({s for s in mine if is_open(s)})
+        for ended in [s for s in mine if not is_open(s)]:
+            mine.discard(ended)
+            self._owner.pop(ended, None)
         held = len(mine) + self._beginning.get(who, 0)
         if 0 < self.max_open <= held:
             raise CapacityError(f"saves: client {who or 'without a certificate'} holds {held} open saves on this "
@@ -126,8 +129,11 @@ class ClientAccess:
         finally:
             self._beginning[who] -= 1
             mine.update(out)
+            self._owner.update(dict.fromkeys(out, who))
 
     def check_save(self, context: Any, save_id: str) -> None:
-        """A save may be written, committed or aborted over TCP only by the identity that began it."""
-        if save_id not in self._open.get(self.identity(context), ()):
-            raise PermissionDeniedError("save_id: not a save this client began over this listener")
+        """A save begun over TCP may be written, committed or aborted only by the identity that
+        began it (an id nobody began here goes on to the usual INVALID_ARGUMENT)."""
+        owner = self._owner.get(save_id)
+        if owner is not None and owner != self.identity(context):
+            raise PermissionDeniedError("save_id: this save was begun by another client")

@@ -7,6 +7,7 @@ method is called with the store's lock held.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from tierckpt.errors import CapacityError
 
@@ -42,10 +43,12 @@ class Evictor:
         """Apply retention to ``job``."""
         return [self.evict(job, step, "retention") for step in self._catalog.retention_victims(job, keep_local)]
 
-    def make_room(self, need: int, capacity: int, used: int) -> list[Eviction]:
+    def make_room(self, need: int, capacity: int, used: int,
+                  evictable: Callable[[str], bool] | None = None) -> list[Eviction]:
         """Evict (recycled files, then old safe steps, then old undrained steps) until ``need`` fits.
 
-        Decided up front: a reservation that cannot fit evicts nothing.
+        Decided up front: a reservation that cannot fit evicts nothing. ``evictable`` limits the
+        steps considered to those of the jobs it accepts (recycled files are always droppable).
 
         Raises:
             CapacityError: ``need`` does not fit even after every possible eviction.
@@ -55,6 +58,8 @@ class Evictor:
         order = self._catalog.capacity_order(allow_pinned=False)
         first = set(order)
         order += [k for k in self._catalog.capacity_order(allow_pinned=True) if k not in first]
+        if evictable is not None:
+            order = [k for k in order if evictable(k[0])]
         cands = [(k, sum(charge(m) for m in self._catalog.steps(k[0])[k[1]].values())) for k in order]
         plan = plan_room(need, capacity, used, self._recycle.bytes, cands)
         if not plan.fits:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from tierckpt.common.names import check_job, check_step
@@ -124,11 +124,12 @@ class Node:
             self._idle.set()
 
     async def begin_save(self, job: str, step: int, rank: int, world_size: int,
-                         specs: Sequence[tuple[str, int, str, Sequence[int]]], stream: bool) -> Staging:
+                         specs: Sequence[tuple[str, int, str, Sequence[int]]], stream: bool,
+                         evictable: Callable[[str], bool] | None = None) -> Staging:
         self._enter()
         try:
             st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, world_size, specs,
-                                  stream=stream)
+                                  stream=stream, evictable=evictable)
         finally:
             self._leave()
         self._update_gauges()

@@ -34,12 +34,13 @@ log = logging.getLogger(__name__)
 class OpenSaves:
     """Args:
         lock: the store's lock (guards this state together with the catalog).
-        make_room: ``make_room(bytes)`` under the lock: evict what may be evicted, or raise CapacityError.
+        make_room: ``make_room(bytes, evictable)`` under the lock: evict what may be evicted (steps
+            of the jobs ``evictable`` accepts; None: any), or raise CapacityError.
     """
 
     def __init__(self, lock: threading.RLock, fs: LocalDir, layout: StoreLayout, recycle: RecyclePool,
-                 make_room: Callable[[int], None], *, max_open_saves: int, max_shard_bytes: int,
-                 counters: dict[str, int]) -> None:
+                 make_room: Callable[[int, Callable[[str], bool] | None], None], *, max_open_saves: int,
+                 max_shard_bytes: int, counters: dict[str, int]) -> None:
         self._lock, self._fs, self._layout, self._recycle = lock, fs, layout, recycle
         self._make_room = make_room
         self.max_open_saves, self.max_shard_bytes, self.counters = max_open_saves, max_shard_bytes, counters
@@ -50,7 +51,8 @@ class OpenSaves:
         self.committing_data = 0  # the same saves' shard bytes
 
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
-              stream: bool = False, prefault: Callable[[int, int], None] | None = None) -> Staging:
+              stream: bool = False, prefault: Callable[[int, int], None] | None = None,
+              evictable: Callable[[str], bool] | None = None) -> Staging:
         """Reserve capacity and create sized staging files (see :meth:`LocalStore.begin`).
 
         ``prefault(fd, size)``: takes each freshly created (not recycled) staging file, to
@@ -62,7 +64,7 @@ class OpenSaves:
         save_id = secrets.token_hex(8)
         sdir = self._fs.path(StoreLayout.staging_rel(save_id))
         staging = Staging(save_id=save_id, job=job, step=step, rank=rank, world_size=world_size,
-                          files={}, dir=sdir, stream=stream)
+                          files={}, dir=sdir, stream=stream, evictable=evictable)
         for name, size, dtype, shape in specs:
             staging.files[name] = StagedFile(name, size, sdir / name, dtype, tuple(int(d) for d in shape))
         with self._lock:
@@ -96,7 +98,7 @@ class OpenSaves:
             if name is not None:
                 reused[f.name] = name
         try:
-            self._make_room(charge(staging))
+            self._make_room(charge(staging), staging.evictable)
         except BaseException:
             for shard, name in reused.items():
                 self._recycle.untake(name, staging.files[shard].size)

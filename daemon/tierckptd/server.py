@@ -89,9 +89,11 @@ class TierckptServicer(pb_grpc.TierckptServicer):
         if self.access is None:
             st = await self.node.begin_save(request.job, request.step, request.rank, request.world_size, specs, stream)
         else:
+            access = self.access
+            evictable = (lambda job: access.visible(context, job)) if access.rules else None
             with self.access.beginning(context, self.node.store.is_open) as begun:
                 st = await self.node.begin_save(request.job, request.step, request.rank, request.world_size, specs,
-                                                stream)
+                                                stream, evictable)
                 begun.append(st.save_id)
         return pb.BeginSaveResponse(
             save_id=st.save_id,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +62,7 @@ class Staging:
     stream: bool
     created: float = field(default_factory=time.monotonic)
     begun_wall: float = field(default_factory=time.time)
+    evictable: Callable[[str], bool] | None = None  # jobs whose steps this reservation may evict (None: any)
 
     @property
     def nbytes(self) -> int:

@@ -214,7 +214,8 @@ class LocalStore:
     # ----------------------------------------------------------------------------- saving
 
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
-              stream: bool = False, prefault: bool = False) -> Staging:
+              stream: bool = False, prefault: bool = False,
+              evictable: Callable[[str], bool] | None = None) -> Staging:
         """Reserve capacity and create sized staging files for one rank's shards.
 
         Args:
@@ -222,13 +223,15 @@ class LocalStore:
             stream: bytes will arrive through :meth:`write_chunk` rather than from the client directly.
             prefault: allocate the pages of the files the recycle pool could not cover in the
                 background, ahead of the writer (an inbound replica or a restore, see :mod:`.warm`).
+            evictable: the jobs whose steps may be evicted to make room (None: any): a TCP client
+                restricted by ``client_jobs`` makes room only among its own jobs.
 
         Raises:
             InvalidArgumentError: a field is invalid (the message names it).
             CapacityError: the shards do not fit even after eviction, or too many saves are open.
         """
         keep = self._warmer.prefault if prefault and self._warming(KNOBS.warm_ahead) else None
-        st = self._saves.begin(job, step, rank, world_size, specs, stream=stream, prefault=keep)
+        st = self._saves.begin(job, step, rank, world_size, specs, stream=stream, prefault=keep, evictable=evictable)
         if KNOBS.debug_begin_delay:  # test hook: the staging area exists, its caller has no answer yet
             time.sleep(KNOBS.debug_begin_delay)
         return st
@@ -451,8 +454,8 @@ class LocalStore:
     def _retain_locked(self, job: str) -> list[Eviction]:
         return self._evictor.retain(job, self.policies.keep_local(job))
 
-    def _make_room_locked(self, need: int) -> None:
-        evictions = self._evictor.make_room(need, self.capacity, self._used_locked())
+    def _make_room_locked(self, need: int, evictable: Callable[[str], bool] | None = None) -> None:
+        evictions = self._evictor.make_room(need, self.capacity, self._used_locked(), evictable)
         if evictions:
             threading.Thread(target=self._notify, args=(evictions,), daemon=True).start()
 

@@ -107,3 +107,23 @@ def test_client_jobs_needs_mtls():
         load_config(overrides={"client_jobs": "trainer-a=alpha-*", "socket": ""})
     with pytest.raises(ConfigError, match="client_jobs: 'a b' is not a certificate name"):
         load_config(overrides={"client_jobs": "a b=x", "tls_cert": "c", "tls_key": "k", "tls_ca": "a"})
+
+
+def test_a_restricted_client_makes_room_only_among_its_own_jobs(daemon_factory, pki):
+    """A reservation by a client that client_jobs restricts never evicts another job's steps:
+    it gets RESOURCE_EXHAUSTED instead (an unrestricted caller would evict the older step)."""
+    f = pki["n0"]
+    node = daemon_factory("n0", args=("--tls-cert", str(f["cert"]), "--tls-key", str(f["key"]), "--tls-ca",
+                                      str(f["ca"]), "--client-jobs", "trainer-a=alpha-*,ops=*",
+                                      "--local-capacity", str(1 << 20), "--keep-local", "2"))
+    with node.client() as local:
+        for step in (1, 2):
+            local.save("beta-1", step, 0, 1, {"w": bytes([step]) * 300_000}).result(30)
+    with _client(node, pki, "trainer-a") as a, pytest.raises(tierckpt.CapacityError):
+        a.save("alpha-1", 1, 0, 1, {"w": b"a" * 500_000}).result(30)
+    with node.client() as local:
+        assert [i.step for i in local.list("beta-1")] == [1, 2]  # nothing of beta-1 was evicted
+    with _client(node, pki, "ops") as ops:
+        ops.save("alpha-1", 1, 0, 1, {"w": b"o" * 500_000}).result(30)  # may evict any job: step 1 goes
+    with node.client() as local:
+        assert [i.step for i in local.list("beta-1")] == [2]
