@@ -59,7 +59,7 @@ from .retention import Eviction, charge_file
 from .saves import OpenSaves
 from .staging import ShardSpec, StagedFile, Staging
 from .startup import prepare_local_dir, reclaim_staging, scan_jobs
-from .warm import Warmer
+from .warm import Warmer, next_pool_size
 
 __all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
 
@@ -412,22 +412,11 @@ class LocalStore:
         with self._lock:
             if not self._warming(KNOBS.warm_pool):
                 return None
-            want: dict[int, int] = {}
-            for job in self._catalog.jobs():
-                steps = self._catalog.steps(job)
-                if not steps:
-                    continue
-                for man in steps[max(steps)].values():
-                    for s in man.shards:
-                        if s.size >= max(1, KNOBS.warm_min_bytes):
-                            want[s.size] = want.get(s.size, 0) + 1
-            have = self._recycle.counts()
-            free = self.capacity - self._used_locked()
-            for size in sorted(want, reverse=True):
-                if want[size] > have.get(size, 0) and charge_file(size) <= free:
-                    fd, name = self._recycle.add_warm(size)
-                    return fd, name, size
-            return None
+            size = next_pool_size(self._catalog, self._recycle.counts(), self.capacity - self._used_locked())
+            if size is None:
+                return None
+            fd, name = self._recycle.add_warm(size)
+            return fd, name, size
 
     def _used_locked(self) -> int:
         return self._catalog.committed_bytes + self._saves.charged_locked() + self._recycle.bytes

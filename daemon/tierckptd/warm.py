@@ -32,10 +32,29 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from .knobs import KNOBS
+from .retention import charge_file
 
-__all__ = ["Warmer", "fallocate_keep_size"]
+__all__ = ["Warmer", "fallocate_keep_size", "next_pool_size"]
+
+
+def next_pool_size(catalog: Any, have: dict[int, int], free: int) -> int | None:
+    """The pool's sizing rule: the largest shard size that the next save of a job held here needs
+    (its newest step's ranks on this node, shards of at least ``KNOBS.warm_min_bytes``) beyond the
+    ``have`` pool files of that size, if one more file of it fits in ``free`` bytes."""
+    want: dict[int, int] = {}
+    for job in catalog.jobs():
+        steps = catalog.steps(job)
+        if not steps:
+            continue
+        for man in steps[max(steps)].values():
+            for s in man.shards:
+                if s.size >= max(1, KNOBS.warm_min_bytes):
+                    want[s.size] = want.get(s.size, 0) + 1
+    return next((size for size in sorted(want, reverse=True)
+                 if want[size] > have.get(size, 0) and charge_file(size) <= free), None)
 
 log = logging.getLogger(__name__)
 
