@@ -8,7 +8,11 @@ checkpointing, and what the target is checked on). Right after each round the sa
 over one raw socket (see ``_rawsock.py``), so both see the same machine load; the target is
 checked on the median of the per-round ratios.
 
-Usage: .venv/bin/python bench/replication.py [--gib 1] [--rounds 4]
+Round 1 is the issue-17 case: the receiver's pages are fresh. The owner's WarmReplica hint (sent when
+the save begins, see tierckptd.peer.hints) lets the receiver allocate them while the trainer is still
+copying; ``--knobs warm_hint=0`` turns that off for an A/B pair.
+
+Usage: .venv/bin/python bench/replication.py [--gib 1] [--rounds 4] [--knobs warm_hint=0]
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--knobs", default="", help="tuning knobs for both daemons (A/B runs), e.g. warm_hint=0")
     args = ap.parse_args()
     nbytes = int(args.gib * (1 << 30))
     root = scratch_dir("tck-bench-")
     ports = {n: free_port() for n in ("n0", "n1")}
     peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
-    flags = ("--peers", peers, "--replicas", "1", "--keep-local", "1", "--log-level", "WARNING")
+    flags = ("--peers", peers, "--replicas", "1", "--keep-local", "1", "--log-level", "WARNING",
+             *(("--knobs", args.knobs) if args.knobs else ()))
     ds = {n: Daemon(root, n, port=ports[n], args=flags) for n in ports}
     try:
         for d in ds.values():

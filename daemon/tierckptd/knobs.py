@@ -143,6 +143,12 @@ class Knobs:
     warm_ahead: int = 1
     """Staging files of inbound replicas and restores allocated ahead of the writer: 1 where the
     local dir is tmpfs, 2 on any filesystem, 0 off."""
+    warm_hint: int = 1
+    """Pool files for a first inbound copy, allocated from the owner's WarmReplica hint while its
+    trainer is still saving (see :mod:`tierckptd.warm`): 1 where the local dir is tmpfs, 2 on any
+    filesystem, 0 off (the owner still sends hints; this node ignores them)."""
+    warm_hint_timeout: float = 2.0
+    """Seconds an owner waits for a WarmReplica answer (a hint: failures are only logged)."""
     warm_min_bytes: int = 1 << 20
     """Smaller files are never warmed (a few pages: creating the file costs more than it saves)."""
     warm_chunk: int = 8 << 20

@@ -63,17 +63,30 @@ class StoreLayout:
         (see :mod:`.warm`)."""
         with self.fs.dir(STAGING_DIR) as sfd, self.fs.child(sfd, st.save_id, create=True) as dfd:
             for f in st.files.values():
+                big = prefault is not None and f.size >= max(1, KNOBS.warm_min_bytes)
                 if f.recycled:
                     ok = self.recycle.move_out(reused[f.name], f.size, dfd, f.name)
                     del reused[f.name]
                     if ok:
+                        if big:  # a warm file may be taken half allocated: finish it ahead of the writer
+                            self._prefault_moved(dfd, f, prefault)
                         continue
                     f.recycled = False
                 fd = self.fs.create(dfd, f.name, f.size, STAGING_MODE)
-                if prefault is not None and f.size >= max(1, KNOBS.warm_min_bytes):
+                if big and prefault is not None:
                     prefault(fd, f.size)
                 else:
                     os.close(fd)
+
+    def _prefault_moved(self, dfd: int, f: StagedFile, prefault: Callable[[int, int], None]) -> None:
+        """Hand a pooled file just moved in to ``prefault`` (it skips allocated ranges: a fully
+        allocated file costs one seek)."""
+        try:
+            fd = self.fs.open_regular(dfd, f.name, os.O_RDWR, f"staging file of shard {f.name!r}", size=f.size,
+                                      single_link=True)
+        except (FileNotFoundError, UnsafeFileError):
+            return  # the writer's open fails on it the same way
+        prefault(fd, f.size)
 
     def open_staged(self, st: Staging, f: StagedFile, flags: int) -> int:
         """Open a staging file without following a link; it must be a regular file of its size.

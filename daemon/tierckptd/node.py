@@ -133,6 +133,9 @@ class Node:
         finally:
             self._leave()
         self._update_gauges()
+        sizes = [f.size for f in st.files.values()]
+        for t in self.tiers:
+            t.on_begin(job, rank, sizes)
         return st
 
     async def commit_save(self, save_id: str, digests: dict[str, str], metadata_json: str,

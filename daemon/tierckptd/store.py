@@ -59,7 +59,7 @@ from .retention import Eviction, charge_file
 from .saves import OpenSaves
 from .staging import ShardSpec, StagedFile, Staging
 from .startup import prepare_local_dir, reclaim_staging, scan_jobs
-from .warm import Warmer, next_pool_size
+from .warm import Warmer, accept_hint, hinted_pool_size, next_pool_size
 
 __all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
 
@@ -151,6 +151,7 @@ class LocalStore:
         self._on_evict = on_evict
         self._tmpfs = False
         self._warmer = Warmer(self._next_warm, self._recycle.is_warm)
+        self._hints: dict[int, int] = {}  # hinted pool files still to warm: size -> files wanted
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -405,14 +406,36 @@ class LocalStore:
             taken = self._recycle.warm_taken
         return {"warm_taken": taken, "warmed_bytes": self._warmer.warmed, "prefaulted_bytes": self._warmer.prefaulted}
 
-    def _next_warm(self) -> tuple[int, str, int] | None:
-        """The warming thread's next pool file (see :mod:`.warm`): the largest shard size that the
-        next save of a job held here needs (its newest step's ranks on this node) beyond what the
-        pool holds, if it fits in free capacity; created in the pool. None when there is none."""
+    def expect(self, job: str, rank: int, sizes: list[int]) -> int:
+        """A peer's first copy of its (job, rank) with these shard sizes is coming (a WarmReplica
+        hint, see :mod:`tierckptd.peer.hints`): warm pool files for it in free capacity, in the
+        background. Ignored when hints are off here, or when this node holds a step of that rank
+        (the copy will recycle its files). Returns the bytes accepted."""
         with self._lock:
-            if not self._warming(KNOBS.warm_pool):
-                return None
-            size = next_pool_size(self._catalog, self._recycle.counts(), self.capacity - self._used_locked())
+            if not self._warming(KNOBS.warm_hint):
+                return 0
+            if any(rank in ranks for ranks in self._catalog.steps(job).values()):
+                return 0
+            pending = sum(charge_file(size) * n for size, n in self._hints.items())
+            want = accept_hint(sizes, self.capacity - self._used_locked() - pending)
+            for size, n in want.items():
+                self._hints[size] = self._hints.get(size, 0) + n
+        if want:
+            self._warmer.kick()
+        return sum(size * n for size, n in want.items())
+
+    def _next_warm(self) -> tuple[int, str, int] | None:
+        """The warming thread's next pool file (see :mod:`.warm`): one a peer's hint asks for, else
+        the largest shard size that the next save of a job held here needs (its newest step's
+        ranks on this node) beyond what the pool holds; only if it fits in free capacity; created
+        in the pool. None when there is none (pending hints are then dropped)."""
+        with self._lock:
+            free, have = self.capacity - self._used_locked(), self._recycle.counts()
+            size = hinted_pool_size(self._hints, have, free) if self._hints else None
+            if size is None:
+                self._hints.clear()
+                if self._warming(KNOBS.warm_pool):
+                    size = next_pool_size(self._catalog, have, free)
             if size is None:
                 return None
             fd, name = self._recycle.add_warm(size)

@@ -21,6 +21,7 @@ A :class:`RemoteTier` is driven by the :class:`~tierckptd.node.Node`. Call order
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,6 +73,10 @@ class RemoteTier(abc.ABC):
         """A pin reason if a save of (job, step) must be kept from retention until this tier has
         taken it; the store pins it atomically with the commit. Called before ``on_commit``."""
         return None
+
+    def on_begin(self, job: str, rank: int, sizes: Sequence[int]) -> None:
+        """A local save of (job, rank) with these shard sizes began (its bytes do not exist yet).
+        Non-blocking; a hint that must never fail the save."""
 
     def on_commit(self, manifest: Manifest, *, ingested: bool) -> None:
         """A rank was committed locally. Non-blocking."""

@@ -14,6 +14,11 @@ with ``fallocate(FALLOC_FL_KEEP_SIZE)``, which allocates a file's pages without 
   A warm file taken by a save before it is fully allocated is left as it is: its writer
   allocates the rest (finishing it ahead of a local trainer's writes was measured to slow the
   save down: both contend for the file's lock and the CPU).
+- *Hinted pool files* (the same background thread): the sizes of a peer's coming first copy of
+  one of its ranks, sent by the owner when its trainer begins the save (:mod:`tierckptd.peer.hints`),
+  become pool files the copy then takes like recycled ones; same rules (free capacity only,
+  charged as pool files, dropped first). On by default on tmpfs (``KNOBS.warm_hint``): it runs
+  once per rank and peer, never in the steady state, where the copy recycles the evicted one's files.
 - *Prefault* (an urgent thread at normal priority): the staging files of an inbound replica or a
   restore that the pool could not cover are allocated front to back while the bytes arrive (the
   bulk receive writes each piece at increasing offsets), so allocation overlaps the transfer.
@@ -37,7 +42,7 @@ from typing import Any
 from .knobs import KNOBS
 from .retention import charge_file
 
-__all__ = ["Warmer", "fallocate_keep_size", "next_pool_size"]
+__all__ = ["Warmer", "accept_hint", "fallocate_keep_size", "hinted_pool_size", "next_pool_size"]
 
 
 def next_pool_size(catalog: Any, have: dict[int, int], free: int) -> int | None:
@@ -55,6 +60,30 @@ def next_pool_size(catalog: Any, have: dict[int, int], free: int) -> int | None:
                     want[s.size] = want.get(s.size, 0) + 1
     return next((size for size in sorted(want, reverse=True)
                  if want[size] > have.get(size, 0) and charge_file(size) <= free), None)
+
+
+
+def accept_hint(sizes: list[int], free: int) -> dict[int, int]:
+    """The part of a hinted copy's shard sizes (those of at least ``KNOBS.warm_min_bytes``) to warm
+    within ``free`` bytes of capacity, largest first: size -> files wanted."""
+    want: dict[int, int] = {}
+    for size in sorted((s for s in sizes if s >= max(1, KNOBS.warm_min_bytes)), reverse=True):
+        if charge_file(size) <= free:
+            free -= charge_file(size)
+            want[size] = want.get(size, 0) + 1
+    return want
+
+
+def hinted_pool_size(hints: dict[int, int], have: dict[int, int], free: int) -> int | None:
+    """The next pool file a hint asks for: the largest hinted size of which the pool holds fewer
+    files than wanted, if it fits in ``free``. Sizes the pool already covers are dropped from
+    ``hints`` (a hint is served once)."""
+    for size in sorted(hints, reverse=True):
+        if have.get(size, 0) >= hints[size]:
+            del hints[size]
+        elif charge_file(size) <= free:
+            return size
+    return None
 
 log = logging.getLogger(__name__)
 

@@ -142,3 +142,34 @@ def test_an_inbound_copy_is_allocated_ahead_of_its_writer(scratch, warm_on):
         store.abort(st.save_id)
     finally:
         store.close()
+
+
+def test_a_hinted_copy_is_warmed_within_free_capacity_once(scratch) -> None:
+    with KNOBS.overridden(warm_hint=2, warm_chunk=MIB):
+        store = _open(scratch, 20 * MIB)
+        try:
+            # Largest first, within free capacity; tiny shards are not warmed.
+            assert store.expect("j", 0, [8 * MIB, 16 * MIB, 1]) == 16 * MIB
+            assert _wait(lambda: store.usage().warm == 16 * MIB)
+            _settle(store)
+            assert store.usage().warm == 16 * MIB  # served once: no second file for the same hint
+            st = store.begin("j", 1, 0, 1, [("w", 16 * MIB, "", ())], prefault=True)
+            assert st.files["w"].recycled and store.warm_counters()["warm_taken"] == 1
+            store.abort(st.save_id)
+            # A rank this node holds a step of recycles that step's files: no hint needed.
+            _save(store, "k", 1, {"w": b"1" * (2 * MIB)})
+            assert store.expect("k", 0, [2 * MIB]) == 0
+            assert store.expect("k", 1, [2 * MIB]) == 2 * MIB
+        finally:
+            store.close()
+
+
+def test_hints_are_ignored_when_off(scratch) -> None:
+    with KNOBS.overridden(warm_hint=0):
+        store = _open(scratch, 64 * MIB)
+        try:
+            assert store.expect("j", 0, [8 * MIB]) == 0
+            _settle(store)
+            assert store.usage().warm == 0
+        finally:
+            store.close()

@@ -124,6 +124,24 @@ class AbortReplicaResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class WarmReplicaRequest(_message.Message):
+    __slots__ = ("sender", "job", "rank", "sizes")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    job: str
+    rank: int
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sender: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WarmReplicaResponse(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
 class OpenReadRequest(_message.Message):
     __slots__ = ("requester", "job", "step", "rank")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]

@@ -80,6 +80,11 @@ class PeerStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesResponse.FromString,
                 _registered_method=True)
+        self.WarmReplica = channel.unary_unary(
+                '/tierckpt.v1.Peer/WarmReplica',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.WarmReplicaRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.WarmReplicaResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -156,6 +161,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WarmReplica(self, request, context):
+        """Allocate pages ahead for a coming first copy of the sender's rank, in free capacity only,
+        in the background (a hint: never evicts, never fails the save). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +216,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.VerifyCopies,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesResponse.SerializeToString,
+            ),
+            'WarmReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.WarmReplica,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.WarmReplicaRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.WarmReplicaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -449,6 +467,33 @@ class Peer:
             '/tierckpt.v1.Peer/VerifyCopies',
             tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesRequest.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.VerifyCopiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WarmReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Peer/WarmReplica',
+            tierckpt_dot_v1_dot_peer__pb2.WarmReplicaRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.WarmReplicaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,12 @@ class PeerGuard:
             raise PermissionDeniedError(f"manifest_json.node: node {self.node_id} is not in the placement of "
                                         f"owner {man.node!r} (R={self.replicas})")
 
+    def check_hint(self, sender: str) -> None:
+        """A WarmReplica hint from ``sender``: only an owner whose placement includes this node."""
+        if sender == self.node_id or not self.in_placement(sender):
+            raise PermissionDeniedError(f"sender: node {self.node_id} is not in the placement of {sender!r} "
+                                        f"(R={self.replicas})")
+
     def in_placement(self, owner: str) -> bool:
         """Whether this node is among the first R + 1 nodes after ``owner`` that it believes up
         (nodes it never contacted count as up: a stricter answer, never a looser one)."""

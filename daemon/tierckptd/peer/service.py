@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tierckpt.common.names import check_job, check_node, check_step
+from tierckpt.common.names import MAX_SHARDS_PER_RANK, check_job, check_node, check_step
 from tierckpt.errors import InvalidArgumentError
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
@@ -107,3 +107,14 @@ class PeerServicer(ppb_grpc.PeerServicer):
         states = {"ok": 1, "mismatch": 2, "missing": 3}
         return ppb.VerifyCopiesResponse(copies=[ppb.VerifiedCopy(step=c.step, rank=c.rank, state=states[c.state],
                                                                  detail=c.detail) for c in checks])
+
+    @rpc
+    async def WarmReplica(self, request: ppb.WarmReplicaRequest, context: Any) -> ppb.WarmReplicaResponse:
+        check_node(request.sender, "sender")
+        check_job(request.job)
+        if len(request.sizes) > MAX_SHARDS_PER_RANK:
+            raise InvalidArgumentError(f"sizes: at most {MAX_SHARDS_PER_RANK} shards per rank")
+        self.guard.check_claim(self.guard.identity(context), request.sender, "sender")
+        self.guard.check_hint(request.sender)
+        accepted = await run_blocking(self.tier.store.expect, request.job, request.rank, list(request.sizes))
+        return ppb.WarmReplicaResponse(bytes=accepted)

@@ -36,6 +36,7 @@ from ..tiers import RankCopy, RemoteTier
 from . import bulk
 from .fetcher import Fetcher
 from .guard import PeerGuard
+from .hints import WarmHints
 from .receiver import Receiver
 from .redundancy import Redundancy
 from .replicator import Pusher, Replicator
@@ -87,6 +88,7 @@ class PeerTier(RemoteTier):
         self.pusher = Pusher(self.node_id, store, cluster, transfer, self._spawn, metrics)
         self.replicator = Replicator(self.node_id, store, cluster, self.pusher, config.replicas, metrics)
         self.redundancy = Redundancy(self.node_id, store, cluster, self.replicator, self.pusher)
+        self.hints = WarmHints(self.node_id, cluster, config.replicas, self._spawn)
         self.fetcher = Fetcher(self.node_id, store, cluster, transfer, self.receiver, metrics)
         self._changes = ChangeLog(self._snapshot)
         self._maintainer: asyncio.Task | None = None
@@ -175,6 +177,9 @@ class PeerTier(RemoteTier):
             self.store.apply_retention(job)
 
     # ------------------------------------------------------------------------------ RemoteTier
+
+    def on_begin(self, job: str, rank: int, sizes: Sequence[int]) -> None:
+        self.hints.on_begin(job, rank, sizes)
 
     def on_commit(self, manifest: Manifest, *, ingested: bool) -> None:
         # Copies of other owners' ranks (replicas) are not replicated further; an own rank
