@@ -48,12 +48,15 @@ def median_time(fn, runs: int, warmup: int = 1, setup=None) -> float:
     return statistics.median(times)
 
 
-def save_series(state: dict, work: Path, keep_local: int, restore: bool, saves: int) -> list[float]:
+def save_series(state: dict, work: Path, keep_local: int, restore: bool, saves: int, gap: float = 0.0,
+                knobs: str = "") -> list[float]:
     """Blocking time of each of ``saves`` saves into a fresh daemon; with ``restore``, the step is
-    restored (mapped, checked, then released) after each commit, as an evaluation reader would."""
+    restored (mapped, checked, then released) after each commit, as an evaluation reader would.
+    ``gap``: seconds of "training" between a commit and the next save; ``knobs``: daemon knobs."""
     import tierckpt
 
-    daemon = Daemon(work, f"k{keep_local}{'r' if restore else ''}", args=("--keep-local", str(keep_local))).start()
+    flags = ("--keep-local", str(keep_local), *(("--knobs", knobs) if knobs else ()))
+    daemon = Daemon(work, f"k{keep_local}{'r' if restore else ''}", args=flags).start()
     blocking = []
     try:
         with tierckpt.Client(daemon.address) as c:
@@ -70,18 +73,20 @@ def save_series(state: dict, work: Path, keep_local: int, restore: bool, saves: 
                     if release is not None:
                         release()
                     del ck
+                time.sleep(gap)
     finally:
         daemon.terminate()
         shutil.rmtree(daemon.local_dir, ignore_errors=True)
     return blocking
 
 
-def print_series(state: dict, work: Path, saves: int) -> None:
-    print(f"\nsave series ({saves} saves each; blocking seconds per save; steady = median from save keep_local+2):")
+def print_series(state: dict, work: Path, saves: int, gap: float = 0.0, knobs: str = "") -> None:
+    print(f"\nsave series ({saves} saves each, {gap:g} s between a commit and the next save"
+          f"{', knobs ' + knobs if knobs else ''}; blocking seconds per save; steady = median from save keep_local+2):")
     steady_of: dict[tuple[int, bool], float] = {}
     for keep_local in (1, 2):
         for restore in (False, True):
-            b = save_series(state, work, keep_local, restore, saves)
+            b = save_series(state, work, keep_local, restore, saves, gap, knobs)
             steady = statistics.median(b[keep_local + 1:]) if len(b) > keep_local + 1 else float("nan")
             steady_of[(keep_local, restore)] = steady
             ratio = max(b) / b[0]
@@ -114,6 +119,8 @@ def main() -> None:
                     "(default: ARRAYSxMIBMiB); each is compared with DCP in turn")
     ap.add_argument("--saves", type=int, default=8, help="saves per series, on the first layout (0: no series)")
     ap.add_argument("--series-only", action="store_true", help="only the save series")
+    ap.add_argument("--gap", type=float, default=0.0, help="seconds of training between a commit and the next save")
+    ap.add_argument("--knobs", default="", help="daemon tuning knobs for the series (A/B runs), e.g. warm_pool=0")
     args = ap.parse_args()
     layouts = parse_layout(args.layout or f"{args.arrays}x{args.mib}MiB")
     rng = np.random.default_rng(0)
@@ -125,7 +132,7 @@ def main() -> None:
             print(f"\n=== state: {count} float32 arrays of {size / 2**20:g} MiB, {total / 2**30:.2f} GiB; "
                   f"tmpfs dir {work}; median of {args.runs} runs")
             if args.saves and i == 0:
-                print_series(state, work, args.saves)
+                print_series(state, work, args.saves, args.gap, args.knobs)
             if not args.series_only:
                 compare(state, work, args.runs)
     finally:

@@ -149,6 +149,8 @@ class Knobs:
     filesystem, 0 off (the owner still sends hints; this node ignores them)."""
     warm_hint_timeout: float = 2.0
     """Seconds an owner waits for a WarmReplica answer (a hint: failures are only logged)."""
+    warm_idle_poll: float = 0.005
+    """Seconds the pool-warming thread sleeps between checks while a local save is open."""
     warm_min_bytes: int = 1 << 20
     """Smaller files are never warmed (a few pages: creating the file costs more than it saves)."""
     warm_chunk: int = 8 << 20

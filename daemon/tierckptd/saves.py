@@ -52,7 +52,7 @@ class OpenSaves:
 
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
               stream: bool = False, prefault: Callable[[int, int], None] | None = None,
-              evictable: Callable[[str], bool] | None = None) -> Staging:
+              evictable: Callable[[str], bool] | None = None, inbound: bool = False) -> Staging:
         """Reserve capacity and create sized staging files (see :meth:`LocalStore.begin`).
 
         ``prefault(fd, size)``: takes each freshly created (not recycled) staging file, to
@@ -64,7 +64,7 @@ class OpenSaves:
         save_id = secrets.token_hex(8)
         sdir = self._fs.path(StoreLayout.staging_rel(save_id))
         staging = Staging(save_id=save_id, job=job, step=step, rank=rank, world_size=world_size,
-                          files={}, dir=sdir, stream=stream, evictable=evictable)
+                          files={}, dir=sdir, stream=stream, evictable=evictable, inbound=inbound)
         for name, size, dtype, shape in specs:
             staging.files[name] = StagedFile(name, size, sdir / name, dtype, tuple(int(d) for d in shape))
         with self._lock:
@@ -200,6 +200,10 @@ class OpenSaves:
                 log.info("no save for %.0fs: releasing %d recycled bytes", now - self.last_begin, self._recycle.bytes)
                 self._recycle.drop(self._recycle.bytes)
             return len(expired)
+
+    def trainer_saving(self) -> bool:
+        """Whether a local trainer's save is open (safe without the lock: a snapshot)."""
+        return any(not st.inbound for st in list(self._open.values()))
 
     def count(self) -> int:
         with self._lock:

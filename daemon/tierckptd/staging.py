@@ -63,6 +63,7 @@ class Staging:
     created: float = field(default_factory=time.monotonic)
     begun_wall: float = field(default_factory=time.time)
     evictable: Callable[[str], bool] | None = None  # jobs whose steps this reservation may evict (None: any)
+    inbound: bool = False  # written by this daemon (peer copy, restore fetch), not by a local trainer
 
     @property
     def nbytes(self) -> int:

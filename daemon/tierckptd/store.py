@@ -150,7 +150,7 @@ class LocalStore:
         self._lock_fd: int | None = None
         self._on_evict = on_evict
         self._tmpfs = False
-        self._warmer = Warmer(self._next_warm, self._recycle.is_warm)
+        self._warmer = Warmer(self._next_warm, self._recycle.is_warm, self._saves.trainer_saving)
         self._hints: dict[int, int] = {}  # hinted pool files still to warm: size -> files wanted
 
     # ----------------------------------------------------------------------------- start-up
@@ -232,7 +232,8 @@ class LocalStore:
             CapacityError: the shards do not fit even after eviction, or too many saves are open.
         """
         keep = self._warmer.prefault if prefault and self._warming(KNOBS.warm_ahead) else None
-        st = self._saves.begin(job, step, rank, world_size, specs, stream=stream, prefault=keep, evictable=evictable)
+        st = self._saves.begin(job, step, rank, world_size, specs, stream=stream, prefault=keep, evictable=evictable,
+                               inbound=prefault)
         if KNOBS.debug_begin_delay:  # test hook: the staging area exists, its caller has no answer yet
             time.sleep(KNOBS.debug_begin_delay)
         return st

@@ -6,7 +6,8 @@ avoids in the steady state). Two cases are still cold: the first saves of a job 
 evicted yet) and the first replica or restore a node receives. The :class:`Warmer` covers them
 with ``fallocate(FALLOC_FL_KEEP_SIZE)``, which allocates a file's pages without writing them:
 
-- *Pool top-up* (a background thread at the lowest CPU priority): after every commit the store
+- *Pool top-up* (a background thread at the lowest CPU priority, which also waits between
+  chunks while a local trainer's save is open): after every commit the store
   works out the shard sizes the next save of each job held here will need (those of its newest
   step's ranks on this node) and adds pre-allocated files of the missing sizes to the recycle
   pool, but only into free capacity: warming never evicts anything, and warm files are pool files
@@ -128,11 +129,15 @@ class Warmer:
         next_file: called by the background thread (it takes the store's lock): creates the next
             pool file to warm and returns it, or None when the pool has what the jobs need.
         still_pooled: whether a pool name is still an untaken warm file.
+        saving: whether a local trainer's save is open: the pool thread then waits (between
+            chunks), so pool warming never competes with a save's copy or commit.
     """
 
-    def __init__(self, next_file: NextFile, still_pooled: Callable[[str], bool]) -> None:
+    def __init__(self, next_file: NextFile, still_pooled: Callable[[str], bool],
+                 saving: Callable[[], bool] = lambda: False) -> None:
         self._next_file = next_file
         self._still_pooled = still_pooled
+        self._saving = saving
         self._cv = threading.Condition()
         self._urgent: collections.deque[tuple[int, int, int]] = collections.deque()  # fd, offset, end
         self._kicked = False
@@ -227,13 +232,20 @@ class Warmer:
                 finally:
                     os.close(fd)
 
+    def _wait_idle(self, pooled: str) -> bool:
+        """Wait while a local save is open; False once the pool file was taken or on stop."""
+        while self._saving() and not self._stopped and self._still_pooled(pooled):
+            with self._cv:
+                self._cv.wait(KNOBS.warm_idle_poll)
+        return self._still_pooled(pooled) and not self._stopped
+
     def _fill(self, fd: int, off: int, end: int, pooled: str | None) -> tuple[int, bool]:
         """Allocate ``[off, end)`` chunk by chunk; stop early when the file is unlinked, when
         ``pooled`` (a pool name) was taken, or on stop. Returns the offset reached and whether
         an error stopped it (the filesystem is full or cannot allocate)."""
         try:
             while off < end and not self._stopped:
-                if pooled is not None and not self._still_pooled(pooled):
+                if pooled is not None and not self._wait_idle(pooled):
                     break
                 if not os.fstat(fd).st_nlink:  # dropped or aborted
                     break

@@ -173,3 +173,19 @@ def test_hints_are_ignored_when_off(scratch) -> None:
             assert store.usage().warm == 0
         finally:
             store.close()
+
+
+def test_pool_warming_waits_while_a_trainer_save_is_open(scratch, warm_on) -> None:
+    store = _open(scratch, 64 * MIB)
+    try:
+        open_save = store.begin("other", 1, 0, 1, [("x", 2 * MIB, "", ())])  # a trainer still copying
+        _save(store, "j", 1, {"a": b"1" * (4 * MIB)})  # the commit asks for a warm 4 MiB file
+        time.sleep(0.3)
+        assert store.warm_counters()["warmed_bytes"] == 0  # created, but not one page allocated yet
+        # An inbound copy is not a trainer: it does not hold warming back.
+        inbound = store.begin("peer-job", 1, 0, 1, [("y", 2 * MIB, "", ())], prefault=True)
+        store.abort(open_save.save_id)
+        assert _wait(lambda: store.usage().warm == 4 * MIB and store.warm_counters()["warmed_bytes"] == 4 * MIB)
+        store.abort(inbound.save_id)
+    finally:
+        store.close()
