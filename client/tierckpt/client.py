@@ -255,7 +255,7 @@ class Client(DataManagementMixin):
     """
 
     def __init__(self, address: str | None = None, *, timeout: float = 60.0, transfer: str = "auto",
-                 io_threads: int | None = None, verify: bool | str = True, pack_below: int = 1 << 20,
+                 io_threads: int | None = None, verify: bool | str = True, pack_below: int = 2 << 20,
                  pack_min_shards: int = 16, tls_cert: str | None = None, tls_key: str | None = None,
                  tls_ca: str | None = None, tls_server_name: str | None = None) -> None:
         if transfer not in ("auto", "shared", "stream"):

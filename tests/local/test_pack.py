@@ -26,7 +26,7 @@ def _state(n_small: int = 300, n_large: int = 3, seed: int = 0) -> dict:
         shape = [(), (int(rng.integers(1, 50)),), (int(rng.integers(1, 9)), int(rng.integers(1, 9))), (0, 3)][i % 4]
         state[f"small.{i:03d}"] = np.asarray(rng.standard_normal(shape) * 100).astype(dt)
         if i % 100 == 50:
-            state[f"large.{i}"] = rng.standard_normal((1 << 20) // 4 + 7).astype(np.float32)  # > 1 MiB
+            state[f"large.{i}"] = rng.standard_normal((2 << 20) // 4 + 7).astype(np.float32)  # > 2 MiB
         if i % 97 == 0:
             state[f"raw.{i}"] = rng.bytes(int(rng.integers(1, 300)))
     for j in range(n_large):
@@ -58,7 +58,7 @@ def _assert_same(ck: tierckpt.Checkpoint, state: dict) -> None:
 @pytest.mark.parametrize("transfer", ["shared", "stream"])
 def test_round_trip_packs_small_shards(daemon, transfer):
     state = _state()
-    small = [n for n, v in state.items() if as_buffer(n, v).nbytes < (1 << 20)]
+    small = [n for n, v in state.items() if as_buffer(n, v).nbytes < (2 << 20)]
     addr = daemon.address if transfer == "shared" else daemon.tcp_address
     with tierckpt.Client(addr, transfer=transfer) as c:
         c.save("job", 1, 0, 1, state).result(60)
@@ -137,11 +137,12 @@ def test_pack_disabled_or_too_few_small_shards_keeps_one_file_per_shard(daemon):
         c.save("off", 1, 0, 1, state).result(60)
         assert [s["name"] for s in _stored(daemon, "off")] == list(state)
         _assert_same(c.restore("off", 0), state)
-    few = {f"s{i}": np.full(10, i, np.int32) for i in range(15)} | {"big": np.zeros(1 << 20, np.uint8)}
+    few = {f"s{i}": np.full(10, i, np.int32) for i in range(15)} | {"big": np.zeros(2 << 20, np.uint8)}
     with daemon.client() as c:  # defaults: 16 small shards at least
         c.save("few", 1, 0, 1, few).result(60)
         assert [s["name"] for s in _stored(daemon, "few")] == list(few)
-        c.save("more", 1, 0, 1, few | {"s15": np.ones(3, np.int32)}).result(60)
+        # 1 MiB tensors are packed by default (their fixed per-file cost dominates their copy).
+        c.save("more", 1, 0, 1, few | {"s15": np.ones(3, np.int32), "mid": np.ones(1 << 20, np.uint8)}).result(60)
         assert sorted(s["name"] for s in _stored(daemon, "more")) == sorted(["big", _pack.PACK, _pack.INDEX])
     with pytest.raises(tierckpt.InvalidArgumentError, match="pack_below"):
         tierckpt.Client(daemon.address, pack_below=-1)
