@@ -16,7 +16,7 @@ import json
 import mmap
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,7 @@ class SaveResult:
     nbytes: int
     blocking_seconds: float  # time save() held the caller
     commit_seconds: float  # from save() call to local commit
+    shared_bytes: int = 0  # bytes of unchanged shards the daemon linked from the base step (not written)
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,33 @@ class CheckpointInfo:
     created: float
 
 
+def _check_unchanged(unchanged: Iterable[str], shards: Mapping[str, Any]) -> frozenset[str]:
+    """The ``unchanged`` names of a save, each one of its shards.
+
+    Raises:
+        InvalidArgumentError: not an iterable of shard names, or a name not in ``shards``.
+    """
+    if isinstance(unchanged, (str, bytes)):
+        raise InvalidArgumentError("unchanged: an iterable of shard names is required, not one string")
+    try:
+        names = frozenset(unchanged)
+    except TypeError:
+        raise InvalidArgumentError(f"unchanged: {type(unchanged).__name__} is not an iterable of shard names") from None
+    unknown = [n for n in names if not isinstance(n, str) or n not in shards]
+    if unknown:
+        raise InvalidArgumentError(f"unchanged: {sorted(map(repr, unknown))[:8]} not among the shards of this save")
+    return names
+
+
+def _unshared(begun: pb.BeginSaveResponse, buffers: list[ShardBuffer], fut: SaveFuture) -> list[ShardBuffer]:
+    """The buffers to write: the daemon linked the shared ones from the base step."""
+    shared = {s.name for s in begun.shards if s.shared}
+    if not shared:
+        return buffers
+    fut.shared_bytes = sum(b.nbytes for b in buffers if b.name in shared)
+    return [b for b in buffers if b.name not in shared]
+
+
 class SaveFuture(cf.Future):
     """Resolves to a :class:`SaveResult` when the rank is committed in the local tier.
 
@@ -181,6 +209,7 @@ class SaveFuture(cf.Future):
         self._client = client
         self.job, self.step, self.rank = job, step, rank
         self.blocking_seconds = 0.0
+        self.shared_bytes = 0
 
     def wait(self, tier: str = "local", timeout: float | None = None) -> list[str]:
         """Block until the rank is in ``tier``; returns the nodes holding it there.
@@ -277,6 +306,7 @@ class Client(DataManagementMixin):
         self._committer = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._shared_fs: dict[tuple[str, str], bool] = {}
         self._plans: dict[tuple, tuple[list[pb.ShardSpec], _pack.Layout | None]] = {}
+        self._committed: dict[tuple[str, int], int] = {}  # (job, rank) -> the last step this client committed
         self._maps = StagingMaps()
         self._loans = Loans(self._release)
         self._node_id: str | None = None
@@ -328,17 +358,26 @@ class Client(DataManagementMixin):
 
     def save(self, job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any], *,
              metadata: Mapping[str, Any] | None = None, persist: bool = False,
-             policy: JobPolicy | None = None) -> SaveFuture:
+             policy: JobPolicy | None = None, unchanged: Iterable[str] = ()) -> SaveFuture:
         """Stage one rank's shards and commit them in the background.
 
         ``policy`` (a :class:`JobPolicy`) sets the job's ``keep_local`` / ``keep_persistent`` /
         ``persist_every`` on this node with the commit (fields left ``None`` keep their value).
 
+        ``unchanged`` names shards whose bytes equal those this client last committed for
+        ``(job, rank)`` (a hint; each must also be in ``shards``). Where the daemon still holds
+        that step with the same shard (name, size, dtype, shape), it links the committed file
+        and nothing is copied; otherwise the shard is written as usual. Without a step committed
+        by this client for ``(job, rank)`` the hint is ignored, as it is for shards packed with
+        others (smaller than ``pack_below``). A wrong hint stores the old bytes: only name
+        shards known not to have changed.
+
         Returns once the bytes are copied out of the caller's buffers: the caller may modify them
         immediately. The future resolves when the rank is committed in the local tier.
 
         Raises:
-            InvalidArgumentError: a bad name, rank, buffer or metadata (nothing is stored).
+            InvalidArgumentError: a bad name, rank, buffer or metadata, or an ``unchanged`` name that
+                is not in ``shards`` (nothing is stored).
             CapacityError: the local tier is full.
             UnavailableError: the daemon cannot be reached.
         """
@@ -352,6 +391,7 @@ class Client(DataManagementMixin):
             raise InvalidArgumentError(f"shards: at most {MAX_SHARDS_PER_RANK} shards per rank")
         for n in shards:
             _pack.check_name(check_stored_shard(n, "shards"))
+        hint = _check_unchanged(unchanged, shards)
         buffers = [as_buffer(n, v) for n, v in shards.items()]
         meta = _encode_metadata(metadata)
         pol = policy.to_pb() if policy is not None else None
@@ -363,6 +403,7 @@ class Client(DataManagementMixin):
             buffers = [buffers[i] for i in layout.unpacked]
         req = pb.BeginSaveRequest(job=job, step=step, rank=rank, world_size=world_size, shards=specs,
                                   transfer=pb.TRANSFER_STREAM if stream else pb.TRANSFER_SHARED_FS)
+        self._hint(req, hint)
         begun = self._call(self._stub.BeginSave, req, "BeginSave")
         if not stream and not self._sees(begun.local_dir, begun.fs_token):
             if self.transfer == "shared":
@@ -374,6 +415,7 @@ class Client(DataManagementMixin):
             begun = self._call(self._stub.BeginSave, req, "BeginSave")
             stream = True
         fut = SaveFuture(self, job, step, rank)
+        buffers = _unshared(begun, buffers, fut)
         digests: dict[str, str] | None = None  # streamed saves: filled as the stream is sent
         try:
             if stream:
@@ -395,6 +437,14 @@ class Client(DataManagementMixin):
         self._committer.submit(self._finish, fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol,
                                packed)
         return fut
+
+    def _hint(self, req: pb.BeginSaveRequest, unchanged: frozenset[str]) -> None:
+        """Fill the request's ``unchanged`` shards (those stored on their own) and ``base_step``."""
+        base = self._committed.get((req.job, req.rank))
+        names = [s.name for s in req.shards if s.name in unchanged]
+        if base is not None and names:
+            req.base_step = base
+            req.unchanged.extend(names)
 
     def _sees(self, local_dir: str, token: str) -> bool:
         if self.transfer == "stream":
@@ -426,8 +476,9 @@ class Client(DataManagementMixin):
             req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist, policy=policy,
                                        digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
             resp = self._call(self._stub.CommitSave, req, "CommitSave")
+            self._committed[(fut.job, fut.rank)] = fut.step
             fut.set_result(SaveResult(fut.job, fut.step, fut.rank, resp.bytes, fut.blocking_seconds,
-                                      time.perf_counter() - t0))
+                                      time.perf_counter() - t0, fut.shared_bytes))
         except BaseException as e:  # thread boundary: the future carries the error
             self._abort(save_id)
             fut.set_exception(e if isinstance(e, TierckptError) else TierckptError(f"commit failed: {e!r}"))

@@ -125,13 +125,19 @@ class Node:
 
     async def begin_save(self, job: str, step: int, rank: int, world_size: int,
                          specs: Sequence[tuple[str, int, str, Sequence[int]]], stream: bool,
-                         evictable: Callable[[str], bool] | None = None) -> Staging:
+                         evictable: Callable[[str], bool] | None = None,
+                         share: tuple[int, Sequence[str]] | None = None) -> Staging:
+        """Begin a save (see :meth:`.store.LocalStore.begin`); ``share``: (base_step, unchanged shards)."""
         self._enter()
+        base_step, unchanged = share if share is not None else (None, ())
         try:
             st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, world_size, specs,
-                                  stream=stream, evictable=evictable)
+                                  stream=stream, evictable=evictable, base_step=base_step, unchanged=unchanged)
         finally:
             self._leave()
+        shared = sum(f.size for f in st.files.values() if f.shared)
+        if shared and self.metrics:
+            self.metrics.shared_bytes.labels(tier="local").inc(shared)
         self._update_gauges()
         return st
 

@@ -93,14 +93,16 @@ class PrepareReplicaRequest(_message.Message):
     def __init__(self, sender: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
 
 class PrepareReplicaResponse(_message.Message):
-    __slots__ = ("already_committed", "ticket", "bulk_port")
+    __slots__ = ("already_committed", "ticket", "bulk_port", "linked")
     ALREADY_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    LINKED_FIELD_NUMBER: _ClassVar[int]
     already_committed: bool
     ticket: str
     bulk_port: int
-    def __init__(self, already_committed: _Optional[bool] = ..., ticket: _Optional[str] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    linked: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, already_committed: _Optional[bool] = ..., ticket: _Optional[str] = ..., bulk_port: _Optional[int] = ..., linked: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitReplicaRequest(_message.Message):
     __slots__ = ("ticket",)
