@@ -163,6 +163,8 @@ def test_a_flipped_byte_in_a_shared_file_fails_both_steps(daemon):
         fh.seek(4321)
         fh.write(bytes([frozen[4321] ^ 0xFF]))
     with daemon.client() as c:
+        v = c.verify_job("job")  # `tierckpt verify`: both steps read the one inode
+        assert v.mismatches == 2 and sorted((x.step, x.state) for x in v.copies) == [(1, "mismatch"), (2, "mismatch")]
         for step in (1, 2):
             with pytest.raises(tierckpt.DataLossError):
                 c.restore("job", 0, step)
