@@ -171,6 +171,21 @@ class CheckpointInfo:
     created: float
 
 
+def _check_save(job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any],
+                unchanged: Iterable[str]) -> frozenset[str]:
+    """Validate a save's arguments; returns its ``unchanged`` names (see :func:`_check_unchanged`)."""
+    check_job(job)
+    check_step(step)
+    check_rank(rank, world_size)
+    if not isinstance(shards, Mapping) or not shards:
+        raise InvalidArgumentError("shards: a non-empty mapping of name -> buffer is required")
+    if len(shards) > MAX_SHARDS_PER_RANK:
+        raise InvalidArgumentError(f"shards: at most {MAX_SHARDS_PER_RANK} shards per rank")
+    for n in shards:
+        _pack.check_name(check_stored_shard(n, "shards"))
+    return _check_unchanged(unchanged, shards)
+
+
 def _check_unchanged(unchanged: Iterable[str], shards: Mapping[str, Any]) -> frozenset[str]:
     """The ``unchanged`` names of a save, each one of its shards.
 
@@ -187,6 +202,16 @@ def _check_unchanged(unchanged: Iterable[str], shards: Mapping[str, Any]) -> fro
     if unknown:
         raise InvalidArgumentError(f"unchanged: {sorted(map(repr, unknown))[:8]} not among the shards of this save")
     return names
+
+
+def _staged_copies(buffers: list[ShardBuffer], maps: dict[str, Any], staged: dict[str, pb.StagedShard],
+                   layout: _pack.Layout | None) -> tuple[list[tuple[str, Any, int]], tuple | None]:
+    """What the commit thread hashes: (name, map or path, size) per written shard, and the pack's."""
+    paths_sizes = [(b.name, maps.get(b.name) or staged[b.name].path, b.nbytes) for b in buffers]
+    packed = None
+    if layout is not None:
+        packed = (layout, maps.get(_pack.PACK) or staged[_pack.PACK].path, staged[_pack.INDEX].path)
+    return paths_sizes, packed
 
 
 def _unshared(begun: pb.BeginSaveResponse, buffers: list[ShardBuffer], fut: SaveFuture) -> list[ShardBuffer]:
@@ -364,13 +389,10 @@ class Client(DataManagementMixin):
         ``policy`` (a :class:`JobPolicy`) sets the job's ``keep_local`` / ``keep_persistent`` /
         ``persist_every`` on this node with the commit (fields left ``None`` keep their value).
 
-        ``unchanged`` names shards whose bytes equal those this client last committed for
-        ``(job, rank)`` (a hint; each must also be in ``shards``). Where the daemon still holds
-        that step with the same shard (name, size, dtype, shape), it links the committed file
-        and nothing is copied; otherwise the shard is written as usual. Without a step committed
-        by this client for ``(job, rank)`` the hint is ignored, as it is for shards packed with
-        others (smaller than ``pack_below``). A wrong hint stores the old bytes: only name
-        shards known not to have changed.
+        ``unchanged``: shards (also in ``shards``) whose bytes equal those of the step this
+        client last committed for ``(job, rank)``; the daemon links that step's file where it
+        still holds it (same name, size, dtype, shape), else the shard is written (README,
+        "Unchanged shards"). A wrong hint stores the old bytes.
 
         Returns once the bytes are copied out of the caller's buffers: the caller may modify them
         immediately. The future resolves when the rank is committed in the local tier.
@@ -382,16 +404,7 @@ class Client(DataManagementMixin):
             UnavailableError: the daemon cannot be reached.
         """
         t0 = time.perf_counter()
-        check_job(job)
-        check_step(step)
-        check_rank(rank, world_size)
-        if not isinstance(shards, Mapping) or not shards:
-            raise InvalidArgumentError("shards: a non-empty mapping of name -> buffer is required")
-        if len(shards) > MAX_SHARDS_PER_RANK:
-            raise InvalidArgumentError(f"shards: at most {MAX_SHARDS_PER_RANK} shards per rank")
-        for n in shards:
-            _pack.check_name(check_stored_shard(n, "shards"))
-        hint = _check_unchanged(unchanged, shards)
+        hint = _check_save(job, step, rank, world_size, shards, unchanged)
         buffers = [as_buffer(n, v) for n, v in shards.items()]
         meta = _encode_metadata(metadata)
         pol = policy.to_pb() if policy is not None else None
@@ -404,16 +417,7 @@ class Client(DataManagementMixin):
         req = pb.BeginSaveRequest(job=job, step=step, rank=rank, world_size=world_size, shards=specs,
                                   transfer=pb.TRANSFER_STREAM if stream else pb.TRANSFER_SHARED_FS)
         self._hint(req, hint)
-        begun = self._call(self._stub.BeginSave, req, "BeginSave")
-        if not stream and not self._sees(begun.local_dir, begun.fs_token):
-            if self.transfer == "shared":
-                self._abort(begun.save_id)
-                raise InvalidArgumentError("transfer: 'shared' but the daemon's local_dir is not visible here")
-            self._abort(begun.save_id)
-            self._fs_hidden = True  # the daemon's files are not visible from here: stream from now on
-            req.transfer = pb.TRANSFER_STREAM
-            begun = self._call(self._stub.BeginSave, req, "BeginSave")
-            stream = True
+        begun, stream = self._begin(req, stream)
         fut = SaveFuture(self, job, step, rank)
         buffers = _unshared(begun, buffers, fut)
         digests: dict[str, str] | None = None  # streamed saves: filled as the stream is sent
@@ -429,14 +433,26 @@ class Client(DataManagementMixin):
             self._abort(begun.save_id)
             raise
         fut.blocking_seconds = time.perf_counter() - t0
-        paths_sizes, packed = [], None
-        if not stream:
-            paths_sizes = [(b.name, maps.get(b.name) or staged[b.name].path, b.nbytes) for b in buffers]
-            if layout is not None:
-                packed = (layout, maps.get(_pack.PACK) or staged[_pack.PACK].path, staged[_pack.INDEX].path)
+        paths_sizes: list[tuple[str, Any, int]] = []
+        packed: tuple | None = None
+        if not stream:  # hashed from the staged copies (kept maps, else the files)
+            paths_sizes, packed = _staged_copies(buffers, maps, staged, layout)
         self._committer.submit(self._finish, fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol,
                                packed)
         return fut
+
+    def _begin(self, req: pb.BeginSaveRequest, stream: bool) -> tuple[pb.BeginSaveResponse, bool]:
+        """BeginSave; a client that finds it cannot see the daemon's files streams from then on.
+        Returns the answer and whether the bytes are streamed."""
+        begun = self._call(self._stub.BeginSave, req, "BeginSave")
+        if stream or self._sees(begun.local_dir, begun.fs_token):
+            return begun, stream
+        self._abort(begun.save_id)
+        if self.transfer == "shared":
+            raise InvalidArgumentError("transfer: 'shared' but the daemon's local_dir is not visible here")
+        self._fs_hidden = True  # the daemon's files are not visible from here: stream from now on
+        req.transfer = pb.TRANSFER_STREAM
+        return self._call(self._stub.BeginSave, req, "BeginSave"), True
 
     def _hint(self, req: pb.BeginSaveRequest, unchanged: frozenset[str]) -> None:
         """Fill the request's ``unchanged`` shards (those stored on their own) and ``base_step``."""
