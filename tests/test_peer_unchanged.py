@@ -3,10 +3,14 @@ holds byte-identically is linked there and not sent again. Two real daemons on l
 
 from __future__ import annotations
 
+import json
 import os
 
+import grpc
 import numpy as np
 import tierckpt
+from tierckpt.v1 import peer_pb2 as ppb
+from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 
 from .harness import Cluster
 from .local.test_unchanged import metrics
@@ -58,3 +62,23 @@ def test_a_changed_shard_under_the_same_name_is_sent(daemon_factory):
     assert _replica(peer, "job", 2, "a").st_nlink == 1
     with tierckpt.Client(peer.tcp_address, transfer="stream") as c:
         assert np.array_equal(np.asarray(c.restore("job", 0, 2).shards["a"]), _rand(2))
+
+
+def test_a_sender_that_does_not_skip_linked_shards_gets_none_linked(daemon_factory):
+    """Rolling upgrades: an older owner sends every shard, so the receiver links only for a
+    sender that says it leaves the linked ones out."""
+    cl = Cluster(daemon_factory, 2, replicas=1, extra=("--keep-local", "5"))
+    owner, peer = cl.d["n0"], cl.d["n1"]
+    with owner.client() as c:
+        c.save("job", 1, 0, 1, {"a": _rand(1), "b": _rand(2, 5000)}).wait("peer", timeout=60)
+    (path,) = owner.local_dir.glob("jobs/job/*/rank-0000000/manifest.json")
+    man = json.loads(path.read_text())
+    man.update(step=2, generation="0123456789abcdef")  # the same bytes as a new step
+    with grpc.insecure_channel(peer.tcp_address) as ch:
+        stub = ppb_grpc.PeerStub(ch)
+        for skips, linked in ((False, []), (True, ["a", "b"])):
+            prep = stub.PrepareReplica(ppb.PrepareReplicaRequest(sender="n0", manifest_json=json.dumps(man),
+                                                                 skips_linked=skips))
+            assert sorted(prep.linked) == linked and prep.ticket
+            stub.AbortReplica(ppb.AbortReplicaRequest(ticket=prep.ticket))
+    assert os.stat(next(peer.local_dir.glob("jobs/job/*/rank-0000000/a.*"))).st_nlink == 1

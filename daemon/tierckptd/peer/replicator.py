@@ -68,7 +68,7 @@ class Pusher:
     async def push(self, man: Manifest, p: PeerInfo) -> None:
         t0 = time.perf_counter()
         prep = await self.cluster.call(p, "PrepareReplica", ppb.PrepareReplicaRequest(
-            sender=self.node_id, manifest_json=man.to_json().decode()))
+            sender=self.node_id, manifest_json=man.to_json().decode(), skips_linked=True))
         if prep.already_committed:
             return
         try:
