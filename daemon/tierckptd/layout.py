@@ -84,14 +84,21 @@ class StoreLayout:
         not a regular file of its size is skipped (that shard is staged anew). Returns the inode
         of each linked file. The caller holds the store's lock (no eviction runs meanwhile)."""
         linked: dict[str, Ino] = {}
+        by_base: dict[tuple[str, int, int], list[tuple[str, ShardEntry]]] = {}
+        for name, (man, entry) in sources.items():
+            by_base.setdefault(man.key, []).append((name, entry))
         with self.fs.dir(STAGING_DIR) as sfd, self.fs.child(sfd, st.save_id, create=True) as dfd:
-            for name, (man, entry) in sources.items():
+            for key, entries in by_base.items():
                 try:
-                    with self.fs.dir(self.rank_rel(man.job, man.step, man.rank)) as rfd:
-                        linked[name] = self._link_one(rfd, entry, dfd, name)
-                except (OSError, UnsafeFileError) as e:  # the shard is staged anew: the hint never changes bytes
-                    log.warning("%s step %d rank %d: not sharing %s (%s)", man.job, man.step, man.rank, entry.file,
-                                getattr(e, "strerror", None) or e)
+                    with self.fs.dir(self.rank_rel(*key)) as rfd:
+                        for name, entry in entries:
+                            try:
+                                linked[name] = self._link_one(rfd, entry, dfd, name)
+                            except OSError as e:  # staged anew: the hint never changes the bytes
+                                log.warning("%s: not sharing %s (%s)", "/".join(map(str, key)), entry.file,
+                                            e.strerror or e)
+                except OSError as e:
+                    log.warning("%s: not sharing its files (%s)", "/".join(map(str, key)), e.strerror or e)
         return linked
 
     def _link_one(self, rfd: int, entry: ShardEntry, dfd: int, name: str) -> Ino:

@@ -143,3 +143,16 @@ def test_restart_counts_each_inode_once(scratch):
         _usage_matches(s2)
     finally:
         s2.close()
+
+
+def test_a_base_file_replaced_by_a_symlink_is_not_followed_nor_shared(store, scratch):
+    _, man = _save(store, 1, {"a": A, "b": B})
+    target = scratch / "elsewhere"
+    target.write_bytes(A)
+    path = store.shard_path(man, "a")
+    path.unlink()
+    path.symlink_to(target)
+    st = _begin(store, 2, {"a": A, "b": B}, base=1)
+    assert not st.files["a"].shared and st.files["b"].shared  # "a" is staged anew, as a regular file
+    assert not os.path.islink(st.files["a"].path) and os.stat(target).st_nlink == 1
+    store.abort(st.save_id)
