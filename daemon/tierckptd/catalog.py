@@ -124,10 +124,6 @@ class Catalog:
                 out.append(step)
         return sorted(out)
 
-    def shared_bytes(self) -> tuple[int, int]:
-        """(charged, data) bytes of the shared inodes."""
-        return self.links.charged, self.links.data_bytes
-
     # -- pins
 
     def pin(self, job: str, step: int, reason: str) -> None:

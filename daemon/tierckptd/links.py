@@ -39,7 +39,6 @@ class Links:
         self._of: dict[Hashable, tuple[Ino, int]] = {}
         self.charged = 0  # charged bytes of the shared inodes (each once)
         self.data_bytes = 0
-        self.shared_bytes = 0  # shard bytes that were linked rather than written, in total (a counter)
 
     def holds(self, holder: Hashable) -> bool:
         return holder in self._of
@@ -72,6 +71,3 @@ class Links:
         """How many other holders name the inode ``holder`` names (0: not shared, or only it)."""
         entry = self._of.get(holder)
         return 0 if entry is None else len(self._holders[entry[0]]) - 1
-
-    def __len__(self) -> int:
-        return len(self._holders)

@@ -120,7 +120,6 @@ class OpenSaves:
             f.shared, f.ino, f.checksum = True, ino, entry.checksum
             self._catalog.share(man, entry, ino, ("staging", staging.save_id, name))
             self._recycle.forget(self._layout.shard_path(man, entry.name))  # never recycled again
-            self._catalog.links.shared_bytes += f.size
 
     def _unshare_locked(self, staging: Staging) -> None:
         for f in staging.files.values():
