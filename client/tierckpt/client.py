@@ -331,7 +331,8 @@ class Client(DataManagementMixin):
         self._committer = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._shared_fs: dict[tuple[str, str], bool] = {}
         self._plans: dict[tuple, tuple[list[pb.ShardSpec], _pack.Layout | None]] = {}
-        self._committed: dict[tuple[str, int], int] = {}  # (job, rank) -> the last step this client committed
+        # (job, rank) -> (step, save_id) of the last save this client committed there
+        self._committed: dict[tuple[str, int], tuple[int, str]] = {}
         self._maps = StagingMaps()
         self._loans = Loans(self._release)
         self._node_id: str | None = None
@@ -459,7 +460,7 @@ class Client(DataManagementMixin):
         base = self._committed.get((req.job, req.rank))
         names = [s.name for s in req.shards if s.name in unchanged]
         if base is not None and names:
-            req.base_step = base
+            req.base_step, req.base_generation = base
             req.unchanged.extend(names)
 
     def _sees(self, local_dir: str, token: str) -> bool:
@@ -492,7 +493,7 @@ class Client(DataManagementMixin):
             req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist, policy=policy,
                                        digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
             resp = self._call(self._stub.CommitSave, req, "CommitSave")
-            self._committed[(fut.job, fut.rank)] = fut.step
+            self._committed[(fut.job, fut.rank)] = (fut.step, save_id)
             fut.set_result(SaveResult(fut.job, fut.step, fut.rank, resp.bytes, fut.blocking_seconds,
                                       time.perf_counter() - t0, fut.shared_bytes))
         except BaseException as e:  # thread boundary: the future carries the error

@@ -52,8 +52,8 @@ def _check_json_object(text: str, field: str) -> str:
     return text
 
 
-def _check_unchanged(request: pb.BeginSaveRequest, names: set[str]) -> tuple[int, list[str]] | None:
-    """(base_step, unchanged) of a BeginSave, or None without ``unchanged``.
+def _check_unchanged(request: pb.BeginSaveRequest, names: set[str]) -> tuple[int, str, list[str]] | None:
+    """(base_step, base_generation, unchanged) of a BeginSave, or None without ``unchanged``.
 
     Raises:
         InvalidArgumentError: an unchanged name that is not one of the save's shards.
@@ -64,7 +64,9 @@ def _check_unchanged(request: pb.BeginSaveRequest, names: set[str]) -> tuple[int
     unknown = sorted(set(request.unchanged) - names)
     if unknown:
         raise InvalidArgumentError(f"unchanged: {[n[:64] for n in unknown[:8]]} not among the save's shards")
-    return request.base_step, list(request.unchanged)
+    if len(request.base_generation) > 64:
+        raise InvalidArgumentError("base_generation: at most 64 characters")
+    return request.base_step, request.base_generation, list(request.unchanged)
 
 
 class TierckptServicer(pb_grpc.TierckptServicer):

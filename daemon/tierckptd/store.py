@@ -243,7 +243,7 @@ class LocalStore:
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
               stream: bool = False, prefault: bool = False, evictable: Callable[[str], bool] | None = None,
               unchanged: Collection[str] = (), base_step: int | None = None,
-              checksums: Mapping[str, str] | None = None) -> Staging:
+              checksums: Mapping[str, str] | None = None, base_generation: str | None = None) -> Staging:
         """Reserve capacity and create sized staging files for one rank's shards.
 
         Args:
@@ -254,7 +254,8 @@ class LocalStore:
             evictable: the jobs whose steps may be evicted to make room (None: any): a TCP client
                 restricted by ``client_jobs`` makes room only among its own jobs.
             unchanged: shards whose bytes a committed copy of this (job, rank) already holds:
-                with ``base_step``, that step's shard of the same name, size, dtype and shape;
+                with ``base_step``, that step's shard of the same name, size, dtype and shape
+                (with ``base_generation``, only if the step is still that save);
                 with ``checksums`` (shard -> checksum, an inbound replica), the newest committed
                 step holding the same name, size, dtype, shape and checksum. Such a file is
                 hard-linked into the staging area (``StagedFile.shared``: nothing is written)
@@ -271,7 +272,7 @@ class LocalStore:
             wanted = frozenset(unchanged)
 
             def share(st: Staging) -> dict[str, tuple[Manifest, ShardEntry]]:
-                return self._share_sources_locked(st, wanted, base_step, checksums)
+                return self._share_sources_locked(st, wanted, base_step, checksums, base_generation)
 
         st = self._saves.begin(job, step, rank, world_size, specs, stream=stream, prefault=keep, evictable=evictable,
                                share=share)
@@ -280,11 +281,13 @@ class LocalStore:
         return st
 
     def _share_sources_locked(self, st: Staging, wanted: frozenset[str], base_step: int | None,
-                              checksums: Mapping[str, str] | None) -> dict[str, tuple[Manifest, ShardEntry]]:
+                              checksums: Mapping[str, str] | None,
+                              generation: str | None = None) -> dict[str, tuple[Manifest, ShardEntry]]:
         """The committed files (see :meth:`begin`, ``unchanged``) holding shards of ``st``."""
         steps = self._catalog.steps(st.job)
         order = [base_step] if base_step is not None else sorted(steps, reverse=True)
-        bases = [m for m in (steps.get(s, {}).get(st.rank) for s in order) if m is not None]
+        bases = [m for m in (steps.get(s, {}).get(st.rank) for s in order)
+                 if m is not None and generation in (None, m.generation)]
         out: dict[str, tuple[Manifest, ShardEntry]] = {}
         for f in st.files.values():
             if f.name not in wanted or f.size <= 0:

@@ -168,3 +168,14 @@ def test_a_flipped_byte_in_a_shared_file_fails_both_steps(daemon):
         for step in (1, 2):
             with pytest.raises(tierckpt.DataLossError):
                 c.restore("job", 0, step)
+
+
+def test_a_base_step_resaved_by_another_writer_is_not_shared(daemon_factory):
+    d = daemon_factory(args=("--keep-local", "5"))
+    mine, theirs = _rand(1, 100_000), _rand(2, 100_000)
+    with d.client() as c1, d.client() as c2:
+        c1.save("job", 1, 0, 1, {"a": mine}).result(30)
+        c2.save("job", 1, 0, 1, {"a": theirs}).result(30)  # the same step, other bytes, another save
+        r = c1.save("job", 2, 0, 1, {"a": mine}, unchanged=["a"]).result(30)
+        assert r.shared_bytes == 0  # c1's hint is about its own save of step 1, which is gone
+        _check(c1, "job", 2, {"a": mine})

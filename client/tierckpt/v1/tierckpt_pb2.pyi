@@ -51,7 +51,7 @@ class ShardSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("job", "step", "rank", "world_size", "shards", "transfer", "base_step", "unchanged")
+    __slots__ = ("job", "step", "rank", "world_size", "shards", "transfer", "base_step", "unchanged", "base_generation")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class BeginSaveRequest(_message.Message):
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     BASE_STEP_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
@@ -68,7 +69,8 @@ class BeginSaveRequest(_message.Message):
     transfer: Transfer
     base_step: int
     unchanged: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardSpec, _Mapping]]] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., base_step: _Optional[int] = ..., unchanged: _Optional[_Iterable[str]] = ...) -> None: ...
+    base_generation: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardSpec, _Mapping]]] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., base_step: _Optional[int] = ..., unchanged: _Optional[_Iterable[str]] = ..., base_generation: _Optional[str] = ...) -> None: ...
 
 class StagedShard(_message.Message):
     __slots__ = ("name", "path", "recycled", "shared")
