@@ -284,10 +284,12 @@ class LocalStore:
                               checksums: Mapping[str, str] | None,
                               generation: str | None = None) -> dict[str, tuple[Manifest, ShardEntry]]:
         """The committed files (see :meth:`begin`, ``unchanged``) holding shards of ``st``."""
-        steps = self._catalog.steps(st.job)
-        order = [base_step] if base_step is not None else sorted(steps, reverse=True)
-        bases = [m for m in (steps.get(s, {}).get(st.rank) for s in order)
-                 if m is not None and generation in (None, m.generation)]
+        if base_step is not None:
+            found = [self._catalog.get(st.job, base_step, st.rank)]
+        else:  # an inbound replica: any copy of the rank held here, newest first
+            steps = self._catalog.steps(st.job)
+            found = [steps[s].get(st.rank) for s in sorted(steps, reverse=True)]
+        bases = [m for m in found if m is not None and generation in (None, m.generation)]
         out: dict[str, tuple[Manifest, ShardEntry]] = {}
         for f in st.files.values():
             if f.name not in wanted or f.size <= 0:
