@@ -183,7 +183,7 @@ def test_random_sequences_keep_accounting_and_bytes_exact(scratch):
             base = last.get(job) if rng.random() < 0.7 and (job, last.get(job)) in want else None
             same = rng.sample(sorted(data), 2) if base is not None else []
             for n in same:  # two of three shards unchanged since the base
-                data[n] = want[(job, base)][n]  # type: ignore[index]
+                data[n] = want[(job, base)][n]
             if op < 0.1:
                 st = _begin(s, step, data, base, job, same)
                 s.abort(st.save_id)
