@@ -36,12 +36,18 @@ def test_replica_of_an_unchanged_shard_links_the_previous_replica(daemon_factory
         fut = c.save("job", 2, 0, 1, {"frozen": frozen, "w": w2}, unchanged=["frozen"])
         assert fut.wait("peer", timeout=60) == ["n1"]
         assert fut.result().shared_bytes == frozen.nbytes
+        on_peer = metrics(peer.info["metrics_port"])
+        assert on_peer['tierckpt_shared_bytes_total{tier="peer"}'] == frozen.nbytes  # linked, not received
+        # Nothing changed at all: nothing travels on the bulk channel, the replica still commits.
+        fut = c.save("job", 3, 0, 1, {"frozen": frozen, "w": w2}, unchanged=["frozen", "w"])
+        assert fut.wait("peer", timeout=60) == ["n1"]
     on_peer = metrics(peer.info["metrics_port"])
-    assert on_peer['tierckpt_shared_bytes_total{tier="peer"}'] == frozen.nbytes  # linked, not received
+    assert on_peer['tierckpt_shared_bytes_total{tier="peer"}'] == 2 * frozen.nbytes + w2.nbytes
     assert metrics(owner.info["metrics_port"])['tierckpt_saved_bytes_total{tier="peer"}'] == (
-        2 * frozen.nbytes + w1.nbytes + w2.nbytes)
+        3 * frozen.nbytes + w1.nbytes + 2 * w2.nbytes)
+    assert _replica(peer, "job", 3, "w").st_ino == _replica(peer, "job", 2, "w").st_ino
     r1, r2 = _replica(peer, "job", 1, "frozen"), _replica(peer, "job", 2, "frozen")
-    assert (r1.st_ino, r2.st_nlink) == (r2.st_ino, 2)
+    assert (r1.st_ino, r2.st_nlink) == (r2.st_ino, 3)  # steps 1, 2 and 3 name one inode
     assert _replica(peer, "job", 1, "w").st_ino != _replica(peer, "job", 2, "w").st_ino
     # The replica restores byte-exact once the owner loses its copy.
     owner.kill()
