@@ -10,6 +10,7 @@ from tierckptd.metrics import Metrics
 EXPECTED = {
     # name as exposed: (type, labels)
     "tierckpt_saved_bytes_total": ("counter", {"tier"}),
+    "tierckpt_shared_bytes_total": ("counter", {"tier"}),
     "tierckpt_saves_total": ("counter", {"tier", "result"}),
     "tierckpt_restored_bytes_total": ("counter", {"tier"}),
     "tierckpt_restores_total": ("counter", {"tier", "result"}),

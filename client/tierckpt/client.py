@@ -16,7 +16,7 @@ import json
 import mmap
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,7 @@ class SaveResult:
     nbytes: int
     blocking_seconds: float  # time save() held the caller
     commit_seconds: float  # from save() call to local commit
+    shared_bytes: int = 0  # bytes of unchanged shards the daemon linked from the base step (not written)
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,58 @@ class CheckpointInfo:
     created: float
 
 
+def _check_save(job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any],
+                unchanged: Iterable[str]) -> frozenset[str]:
+    """Validate a save's arguments; returns its ``unchanged`` names (see :func:`_check_unchanged`)."""
+    check_job(job)
+    check_step(step)
+    check_rank(rank, world_size)
+    if not isinstance(shards, Mapping) or not shards:
+        raise InvalidArgumentError("shards: a non-empty mapping of name -> buffer is required")
+    if len(shards) > MAX_SHARDS_PER_RANK:
+        raise InvalidArgumentError(f"shards: at most {MAX_SHARDS_PER_RANK} shards per rank")
+    for n in shards:
+        _pack.check_name(check_stored_shard(n, "shards"))
+    return _check_unchanged(unchanged, shards)
+
+
+def _check_unchanged(unchanged: Iterable[str], shards: Mapping[str, Any]) -> frozenset[str]:
+    """The ``unchanged`` names of a save, each one of its shards.
+
+    Raises:
+        InvalidArgumentError: not an iterable of shard names, or a name not in ``shards``.
+    """
+    if isinstance(unchanged, (str, bytes)):
+        raise InvalidArgumentError("unchanged: an iterable of shard names is required, not one string")
+    try:
+        names = frozenset(unchanged)
+    except TypeError:
+        raise InvalidArgumentError(f"unchanged: {type(unchanged).__name__} is not an iterable of shard names") from None
+    unknown = [n for n in names if not isinstance(n, str) or n not in shards]
+    if unknown:
+        raise InvalidArgumentError(f"unchanged: {sorted(map(repr, unknown))[:8]} not among the shards of this save")
+    return names
+
+
+def _staged_copies(buffers: list[ShardBuffer], maps: dict[str, Any], staged: dict[str, pb.StagedShard],
+                   layout: _pack.Layout | None) -> tuple[list[tuple[str, Any, int]], tuple | None]:
+    """What the commit thread hashes: (name, map or path, size) per written shard, and the pack's."""
+    paths_sizes = [(b.name, maps.get(b.name) or staged[b.name].path, b.nbytes) for b in buffers]
+    packed = None
+    if layout is not None:
+        packed = (layout, maps.get(_pack.PACK) or staged[_pack.PACK].path, staged[_pack.INDEX].path)
+    return paths_sizes, packed
+
+
+def _unshared(begun: pb.BeginSaveResponse, buffers: list[ShardBuffer], fut: SaveFuture) -> list[ShardBuffer]:
+    """The buffers to write: the daemon linked the shared ones from the base step."""
+    shared = {s.name for s in begun.shards if s.shared}
+    if not shared:
+        return buffers
+    fut.shared_bytes = sum(b.nbytes for b in buffers if b.name in shared)
+    return [b for b in buffers if b.name not in shared]
+
+
 class SaveFuture(cf.Future):
     """Resolves to a :class:`SaveResult` when the rank is committed in the local tier.
 
@@ -181,6 +234,7 @@ class SaveFuture(cf.Future):
         self._client = client
         self.job, self.step, self.rank = job, step, rank
         self.blocking_seconds = 0.0
+        self.shared_bytes = 0
 
     def wait(self, tier: str = "local", timeout: float | None = None) -> list[str]:
         """Block until the rank is in ``tier``; returns the nodes holding it there.
@@ -277,6 +331,8 @@ class Client(DataManagementMixin):
         self._committer = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._shared_fs: dict[tuple[str, str], bool] = {}
         self._plans: dict[tuple, tuple[list[pb.ShardSpec], _pack.Layout | None]] = {}
+        # (job, rank) -> (step, save_id) of the last save this client committed there
+        self._committed: dict[tuple[str, int], tuple[int, str]] = {}
         self._maps = StagingMaps()
         self._loans = Loans(self._release)
         self._node_id: str | None = None
@@ -328,30 +384,28 @@ class Client(DataManagementMixin):
 
     def save(self, job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any], *,
              metadata: Mapping[str, Any] | None = None, persist: bool = False,
-             policy: JobPolicy | None = None) -> SaveFuture:
+             policy: JobPolicy | None = None, unchanged: Iterable[str] = ()) -> SaveFuture:
         """Stage one rank's shards and commit them in the background.
 
         ``policy`` (a :class:`JobPolicy`) sets the job's ``keep_local`` / ``keep_persistent`` /
         ``persist_every`` on this node with the commit (fields left ``None`` keep their value).
 
+        ``unchanged``: shards (also in ``shards``) whose bytes equal those of the step this
+        client last committed for ``(job, rank)``; the daemon links that step's file where it
+        still holds it (same name, size, dtype, shape), else the shard is written (README,
+        "Unchanged shards"). A wrong hint stores the old bytes.
+
         Returns once the bytes are copied out of the caller's buffers: the caller may modify them
         immediately. The future resolves when the rank is committed in the local tier.
 
         Raises:
-            InvalidArgumentError: a bad name, rank, buffer or metadata (nothing is stored).
+            InvalidArgumentError: a bad name, rank, buffer or metadata, or an ``unchanged`` name that
+                is not in ``shards`` (nothing is stored).
             CapacityError: the local tier is full.
             UnavailableError: the daemon cannot be reached.
         """
         t0 = time.perf_counter()
-        check_job(job)
-        check_step(step)
-        check_rank(rank, world_size)
-        if not isinstance(shards, Mapping) or not shards:
-            raise InvalidArgumentError("shards: a non-empty mapping of name -> buffer is required")
-        if len(shards) > MAX_SHARDS_PER_RANK:
-            raise InvalidArgumentError(f"shards: at most {MAX_SHARDS_PER_RANK} shards per rank")
-        for n in shards:
-            _pack.check_name(check_stored_shard(n, "shards"))
+        hint = _check_save(job, step, rank, world_size, shards, unchanged)
         buffers = [as_buffer(n, v) for n, v in shards.items()]
         meta = _encode_metadata(metadata)
         pol = policy.to_pb() if policy is not None else None
@@ -363,17 +417,10 @@ class Client(DataManagementMixin):
             buffers = [buffers[i] for i in layout.unpacked]
         req = pb.BeginSaveRequest(job=job, step=step, rank=rank, world_size=world_size, shards=specs,
                                   transfer=pb.TRANSFER_STREAM if stream else pb.TRANSFER_SHARED_FS)
-        begun = self._call(self._stub.BeginSave, req, "BeginSave")
-        if not stream and not self._sees(begun.local_dir, begun.fs_token):
-            if self.transfer == "shared":
-                self._abort(begun.save_id)
-                raise InvalidArgumentError("transfer: 'shared' but the daemon's local_dir is not visible here")
-            self._abort(begun.save_id)
-            self._fs_hidden = True  # the daemon's files are not visible from here: stream from now on
-            req.transfer = pb.TRANSFER_STREAM
-            begun = self._call(self._stub.BeginSave, req, "BeginSave")
-            stream = True
+        self._hint(req, hint)
+        begun, stream = self._begin(req, stream)
         fut = SaveFuture(self, job, step, rank)
+        buffers = _unshared(begun, buffers, fut)
         digests: dict[str, str] | None = None  # streamed saves: filled as the stream is sent
         try:
             if stream:
@@ -387,14 +434,34 @@ class Client(DataManagementMixin):
             self._abort(begun.save_id)
             raise
         fut.blocking_seconds = time.perf_counter() - t0
-        paths_sizes, packed = [], None
-        if not stream:
-            paths_sizes = [(b.name, maps.get(b.name) or staged[b.name].path, b.nbytes) for b in buffers]
-            if layout is not None:
-                packed = (layout, maps.get(_pack.PACK) or staged[_pack.PACK].path, staged[_pack.INDEX].path)
+        paths_sizes: list[tuple[str, Any, int]] = []
+        packed: tuple | None = None
+        if not stream:  # hashed from the staged copies (kept maps, else the files)
+            paths_sizes, packed = _staged_copies(buffers, maps, staged, layout)
         self._committer.submit(self._finish, fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol,
                                packed)
         return fut
+
+    def _begin(self, req: pb.BeginSaveRequest, stream: bool) -> tuple[pb.BeginSaveResponse, bool]:
+        """BeginSave; a client that finds it cannot see the daemon's files streams from then on.
+        Returns the answer and whether the bytes are streamed."""
+        begun = self._call(self._stub.BeginSave, req, "BeginSave")
+        if stream or self._sees(begun.local_dir, begun.fs_token):
+            return begun, stream
+        self._abort(begun.save_id)
+        if self.transfer == "shared":
+            raise InvalidArgumentError("transfer: 'shared' but the daemon's local_dir is not visible here")
+        self._fs_hidden = True  # the daemon's files are not visible from here: stream from now on
+        req.transfer = pb.TRANSFER_STREAM
+        return self._call(self._stub.BeginSave, req, "BeginSave"), True
+
+    def _hint(self, req: pb.BeginSaveRequest, unchanged: frozenset[str]) -> None:
+        """Fill the request's ``unchanged`` shards (those stored on their own) and ``base_step``."""
+        base = self._committed.get((req.job, req.rank))
+        names = [s.name for s in req.shards if s.name in unchanged]
+        if base is not None and names:
+            req.base_step, req.base_generation = base
+            req.unchanged.extend(names)
 
     def _sees(self, local_dir: str, token: str) -> bool:
         if self.transfer == "stream":
@@ -426,8 +493,9 @@ class Client(DataManagementMixin):
             req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist, policy=policy,
                                        digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
             resp = self._call(self._stub.CommitSave, req, "CommitSave")
+            self._committed[(fut.job, fut.rank)] = (fut.step, save_id)
             fut.set_result(SaveResult(fut.job, fut.step, fut.rank, resp.bytes, fut.blocking_seconds,
-                                      time.perf_counter() - t0))
+                                      time.perf_counter() - t0, fut.shared_bytes))
         except BaseException as e:  # thread boundary: the future carries the error
             self._abort(save_id)
             fut.set_exception(e if isinstance(e, TierckptError) else TierckptError(f"commit failed: {e!r}"))

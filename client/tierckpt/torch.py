@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import logging
 import pickle
 import random
@@ -313,6 +314,12 @@ class SaveStats:
     last_blocking_seconds: float = 0.0
 
 
+def _fingerprint(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's bytes without reading them: its storage, layout and version
+    counter (bumped by every in-place op autograd sees; not by writes through ``.data``)."""
+    return (str(t.device), t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 class Checkpointer:
     """Saves and restores one rank's training state under ``job``.
 
@@ -328,11 +335,20 @@ class Checkpointer:
         pack_below: tensors smaller than this many bytes are packed into one shard.
         map_location: device for tensors that cannot be copied into an existing tensor on load;
             default: the device they were saved from when it exists here, else CPU.
+        incremental: pass as ``unchanged`` (see :meth:`tierckpt.Client.save`) the tensors with
+            their own shard whose storage, layout and version counter (``t._version``) did not
+            move since this Checkpointer's previous committed save: the daemon links their files
+            instead of a copy. Frozen parameters (``requires_grad=False``) are the common case.
+            Opt-in because an in-place write through ``.data`` (or from outside autograd's view,
+            e.g. a custom kernel writing the storage) does not bump the version counter: such a
+            tensor would be saved with its previous bytes. Use it only when every update goes
+            through ordinary tensor ops (as optimizers do).
     """
 
     def __init__(self, job: str, *, client: Client | None = None, address: str | None = None,
                  rank: int | None = None, world_size: int | None = None, raise_on_error: bool = False,
-                 pack_below: int = 64 << 10, map_location: str | torch.device | None = None) -> None:
+                 pack_below: int = 64 << 10, map_location: str | torch.device | None = None,
+                 incremental: bool = False) -> None:
         check_job(job)
         if rank is None or world_size is None:
             up = dist.is_available() and dist.is_initialized()
@@ -349,6 +365,8 @@ class Checkpointer:
         self._pending: set[SaveFuture] = set()
         self._deferred: BaseException | None = None
         self._pinned: dict[tuple, torch.Tensor] = {}
+        self.incremental = bool(incremental)
+        self._prints: dict[str, tuple] = {}  # shard -> fingerprint at the last committed save (incremental)
 
     # ------------------------------------------------------------------ saving
 
@@ -385,11 +403,13 @@ class Checkpointer:
         shards[OBJECTS_SHARD] = pickle.dumps({"format": FORMAT, "state": skeleton, "tensors": locs},
                                              protocol=pickle.HIGHEST_PROTOCOL)
         meta = {"tierckpt.torch": FORMAT, "keys": [str(k) for k in state], "user": dict(metadata or {})}
+        prints = {n: _fingerprint(t) for n, (_, t) in zip(names, tensors) if n in shards} if self.incremental else {}
         with self._lock:
             self.stats.started += 1
+            unchanged = [n for n, p in prints.items() if self._prints.get(n) == p]
         try:
             fut = self.client.save(self.job, step, self.rank, self.world_size, shards, metadata=meta,
-                                   persist=persist)
+                                   persist=persist, unchanged=unchanged)
         except InvalidArgumentError:
             raise  # a bad name or metadata is a bug in the caller, not a storage failure
         except (TierckptError, OSError) as e:
@@ -404,7 +424,7 @@ class Checkpointer:
         with self._lock:
             self.stats.last_blocking_seconds = fut.total_blocking_seconds  # type: ignore[attr-defined]
             self._pending.add(fut)
-        fut.add_done_callback(self._done)
+        fut.add_done_callback(functools.partial(self._done, prints=prints))
         return fut
 
     def _to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -429,12 +449,14 @@ class Checkpointer:
         self._pinned = pinned  # reused by the next save of the same layout; others are freed
         return out
 
-    def _done(self, fut: cf.Future) -> None:
+    def _done(self, fut: cf.Future, prints: dict[str, tuple] | None = None) -> None:
         err = fut.exception()
         with self._lock:
             self._pending.discard(fut)  # type: ignore[arg-type]
             if err is None:
                 self.stats.committed += 1
+                if prints:  # commits complete in save order (one committer thread per client)
+                    self._prints = prints
                 return
             self.stats.failed += 1
             self.stats.last_error = repr(err)

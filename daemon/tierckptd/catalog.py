@@ -6,10 +6,11 @@ to evict live in :mod:`tierckptd.retention`; this class only answers from its st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from . import retention
-from .manifest import Manifest
+from .links import Ino, Links
+from .manifest import Manifest, ShardEntry
 
 __all__ = ["Catalog", "CompletenessFn", "local_complete"]
 
@@ -22,29 +23,65 @@ def local_complete(job: str, step: int, world_size: int, ranks: set[int]) -> boo
 
 
 class Catalog:
-    """job -> step -> rank -> Manifest, with the committed byte count and the pins."""
+    """job -> step -> rank -> Manifest, with the committed byte count and the pins.
+
+    Files shared with other names (see :mod:`.links`) are charged once, in ``links``; the
+    manifests naming them are charged for their other files only."""
 
     def __init__(self, is_complete: CompletenessFn | None = None) -> None:
         self._jobs: dict[str, dict[int, dict[int, Manifest]]] = {}
         self._pins: dict[tuple[str, int], set[str]] = {}
         self.is_complete: CompletenessFn = is_complete or local_complete
-        self.committed_bytes = 0  # charged against the capacity
-        self.data_bytes = 0  # bytes of shard data
+        self.links = Links()
+        self.committed_bytes = 0  # charged against the capacity (without the shared inodes: see links)
+        self.data_bytes = 0  # bytes of shard data (likewise)
 
     # -- entries
 
-    def add(self, man: Manifest, charge: int) -> Manifest | None:
-        """Record a committed rank (``charge`` bytes); returns the manifest it replaced, if any."""
+    def add(self, man: Manifest, charge: int, inodes: Mapping[str, Ino] | None = None) -> Manifest | None:
+        """Record a committed rank (``charge`` bytes); returns the manifest it replaced, if any.
+
+        ``inodes``: file name -> inode of its files that other names may share (their bytes are
+        charged once, to the inode)."""
         by_rank = self._jobs.setdefault(man.job, {}).setdefault(man.step, {})
         old = by_rank.get(man.rank)
         by_rank[man.rank] = man
+        data = man.nbytes
+        for s in man.shards:
+            ino = (inodes or {}).get(s.file)
+            if ino is not None:
+                self.links.hold(ino, _holder(man, s), s.size)
+                charge -= retention.charge_file(s.size)
+                data -= s.size
         self.committed_bytes += charge
-        self.data_bytes += man.nbytes
+        self.data_bytes += data
         return old
 
     def uncharge(self, man: Manifest, charge: int) -> None:
+        """Forget the bytes of a rank the caller removed (a shared file's only with its last name)."""
+        data = man.nbytes
+        for s in man.shards:
+            h = _holder(man, s)
+            if self.links.holds(h):
+                charge -= retention.charge_file(s.size)
+                data -= s.size
+                self.links.drop(h)
         self.committed_bytes -= charge
-        self.data_bytes -= man.nbytes
+        self.data_bytes -= data
+
+    def share(self, man: Manifest, entry: ShardEntry, ino: Ino, holder: tuple) -> None:
+        """``holder`` (an open save's file) links committed file ``entry`` of ``man``: from now on
+        the inode, not the manifest, carries its bytes."""
+        h = _holder(man, entry)
+        if not self.links.holds(h):
+            self.committed_bytes -= retention.charge_file(entry.size)
+            self.data_bytes -= entry.size
+            self.links.hold(ino, h, entry.size)
+        self.links.hold(ino, holder, entry.size)
+
+    def freeable(self, man: Manifest, charge: int) -> int:
+        """Bytes that removing ``man`` alone would free (files other names share stay)."""
+        return charge - sum(retention.charge_file(s.size) for s in man.shards if self.links.others(_holder(man, s)))
 
     def get(self, job: str, step: int, rank: int) -> Manifest | None:
         return self._jobs.get(job, {}).get(step, {}).get(rank)
@@ -116,3 +153,7 @@ class Catalog:
                 for job, steps in self._jobs.items()}
         newest = {job: (c[-1] if (c := self.complete(job)) else None) for job in self._jobs}
         return retention.capacity_order(jobs, newest, set(self._pins), allow_pinned=allow_pinned)
+
+
+def _holder(man: Manifest, entry: ShardEntry) -> tuple[str, int, int, str]:
+    return (man.job, man.step, man.rank, entry.file)

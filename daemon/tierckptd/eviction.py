@@ -24,10 +24,11 @@ log = logging.getLogger(__name__)
 
 
 def charge(x: Staging | Manifest) -> int:
-    """Bytes an open save or a committed rank is charged against the capacity."""
+    """Bytes an open save or a committed rank is charged against the capacity (an open save's
+    shared files are charged to their inode, see :mod:`.links`)."""
     if isinstance(x, Manifest):
         return charge_rank(s.size for s in x.shards)
-    return charge_rank(f.size for f in x.files.values())
+    return charge_rank(f.size for f in x.files.values() if not f.shared)
 
 
 class Evictor:
@@ -60,15 +61,17 @@ class Evictor:
         order += [k for k in self._catalog.capacity_order(allow_pinned=True) if k not in first]
         if evictable is not None:
             order = [k for k in order if evictable(k[0])]
-        cands = [(k, sum(charge(m) for m in self._catalog.steps(k[0])[k[1]].values())) for k in order]
+        cat = self._catalog
+        cands = [(k, sum(cat.freeable(m, charge(m)) for m in cat.steps(k[0])[k[1]].values())) for k in order]
         plan = plan_room(need, capacity, used, self._recycle.bytes, cands)
         if not plan.fits:
             raise CapacityError(f"shards: {need} bytes do not fit in local_capacity {capacity} "
                                 f"({used - plan.reclaimable} used by the newest complete and in-progress steps)")
-        staging = used - self._catalog.committed_bytes - self._recycle.bytes  # open and committing saves
+        # open and committing saves:
+        staging = used - cat.committed_bytes - cat.links.charged - self._recycle.bytes
 
         def over() -> int:
-            return staging + self._catalog.committed_bytes + self._recycle.bytes + need - capacity
+            return staging + cat.committed_bytes + cat.links.charged + self._recycle.bytes + need - capacity
 
         self._recycle.drop(over())
         evictions = []

@@ -15,8 +15,9 @@ from pathlib import Path
 from tierckpt.errors import DataLossError, FailedPreconditionError, NotFoundError
 
 from .knobs import KNOBS
+from .links import Ino
 from .localfs import FILE_MODE, STAGING_MODE, LocalDir, UnsafeFileError, digest_fd
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 from .recycle import RecyclePool
 from .staging import StagedFile, Staging
 
@@ -63,6 +64,8 @@ class StoreLayout:
         (see :mod:`.warm`)."""
         with self.fs.dir(STAGING_DIR) as sfd, self.fs.child(sfd, st.save_id, create=True) as dfd:
             for f in st.files.values():
+                if f.shared:
+                    continue
                 big = prefault is not None and f.size >= max(1, KNOBS.warm_min_bytes)
                 if f.recycled:
                     ok = self.recycle.move_out(reused[f.name], f.size, dfd, f.name)
@@ -87,6 +90,41 @@ class StoreLayout:
         except (FileNotFoundError, UnsafeFileError):
             return  # the writer's open fails on it the same way
         prefault(fd, f.size)
+
+    def link_shared(self, st: Staging, sources: dict[str, tuple[Manifest, ShardEntry]]) -> dict[str, Ino]:
+        """Hard-link committed files into the save's staging area, for shards whose bytes they
+        hold (``sources``: shard -> the committed rank and its entry). A source that is gone or
+        not a regular file of its size is skipped (that shard is staged anew). Returns the inode
+        of each linked file. The caller holds the store's lock (no eviction runs meanwhile)."""
+        linked: dict[str, Ino] = {}
+        by_base: dict[tuple[str, int, int], list[tuple[str, ShardEntry]]] = {}
+        for name, (man, entry) in sources.items():
+            by_base.setdefault(man.key, []).append((name, entry))
+        with self.fs.dir(STAGING_DIR) as sfd, self.fs.child(sfd, st.save_id, create=True) as dfd:
+            for key, entries in by_base.items():
+                try:
+                    with self.fs.dir(self.rank_rel(*key)) as rfd:
+                        for name, entry in entries:
+                            try:
+                                linked[name] = self._link_one(rfd, entry, dfd, name)
+                            except OSError as e:  # staged anew: the hint never changes the bytes
+                                log.warning("%s: not sharing %s (%s)", "/".join(map(str, key)), entry.file,
+                                            e.strerror or e)
+                except OSError as e:
+                    log.warning("%s: not sharing its files (%s)", "/".join(map(str, key)), e.strerror or e)
+        return linked
+
+    def _link_one(self, rfd: int, entry: ShardEntry, dfd: int, name: str) -> Ino:
+        fd = self.fs.open_regular(rfd, entry.file, os.O_RDONLY, f"committed file {entry.file}", size=entry.size)
+        try:
+            ident = os.fstat(fd)
+        finally:
+            os.close(fd)
+        os.link(entry.file, name, src_dir_fd=rfd, dst_dir_fd=dfd, follow_symlinks=False)
+        if not self.fs.same_file(dfd, name, ident):  # replaced between the check and the link
+            self.fs.unlink(dfd, name)
+            raise UnsafeFileError(0, f"{entry.file} was replaced while being linked")
+        return (ident.st_dev, ident.st_ino)
 
     def open_staged(self, st: Staging, f: StagedFile, flags: int) -> int:
         """Open a staging file without following a link; it must be a regular file of its size.
@@ -126,10 +164,19 @@ class StoreLayout:
                    fsync: bool) -> os.stat_result:
         try:
             fd = self.fs.open_regular(dfd, f.name, os.O_RDONLY, f"staging file of shard {f.name!r}", size=f.size,
-                                      single_link=True)
+                                      single_link=not f.shared)
         except (FileNotFoundError, UnsafeFileError) as e:
             raise FailedPreconditionError(f"shards[{f.name}]: the staging file was replaced or removed "
                                           f"({e.strerror or e}); the save is refused") from None
+        if f.shared:  # a link to a committed file: still that inode, not hashed again nor made writable
+            try:
+                ident = os.fstat(fd)
+            finally:
+                os.close(fd)
+            if (ident.st_dev, ident.st_ino) != f.ino:
+                raise FailedPreconditionError(f"shards[{f.name}]: the shared staging file was replaced; "
+                                              "the save is refused")
+            return ident
         try:
             os.fchmod(fd, FILE_MODE)  # the socket group wrote it; committed bytes are read-only to it
             ident = os.fstat(fd)

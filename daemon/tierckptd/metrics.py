@@ -49,7 +49,7 @@ class Metrics:
     """Every metric the daemon exports. Attributes are prometheus-client metric objects.
 
     Counters (``.inc(n)``; labelled ones via ``.labels(...)``):
-        saved_bytes (tier), saves (tier, result), restored_bytes (tier), restores (tier, result),
+        saved_bytes (tier), shared_bytes (tier), saves (tier, result), restored_bytes (tier), restores (tier, result),
         replication_failures (peer), drain_failures, drained_bytes, checksum_failures (tier),
         evictions (reason), staging_reclaimed.
     Histograms (``.observe(seconds)`` or ``with h.time():``):
@@ -81,6 +81,12 @@ class Metrics:
             "tierckpt_saved_bytes_total",
             "Shard bytes committed into a tier by this daemon: local = trainer saves committed here, "
             "peer = replicas acknowledged by peers, persistent = ranks whose manifest reached the object store.",
+            ["tier"], registry=r)
+        self.shared_bytes = Counter(
+            "tierckpt_shared_bytes_total",
+            "Shard bytes not copied because a committed file on this node already held them (unchanged "
+            "shards): local = linked from the base step at BeginSave, peer = linked from a copy the receiver "
+            "held when a replica was prepared (not sent over the bulk channel).",
             ["tier"], registry=r)
         self.saves = Counter(
             "tierckpt_saves_total",
@@ -168,7 +174,8 @@ class Metrics:
     def _zero_series(self) -> None:
         """Create every labelled series whose labels are known up front at zero (rate() sees the first event)."""
         for tier in TIERS:
-            for metric in (self.saved_bytes, self.restored_bytes, self.checksum_failures, self.restore_latency):
+            for metric in (self.saved_bytes, self.shared_bytes, self.restored_bytes, self.checksum_failures,
+                           self.restore_latency):
                 metric.labels(tier)
             for result in RESULTS:
                 self.saves.labels(tier, result)

@@ -125,13 +125,21 @@ class Node:
 
     async def begin_save(self, job: str, step: int, rank: int, world_size: int,
                          specs: Sequence[tuple[str, int, str, Sequence[int]]], stream: bool,
-                         evictable: Callable[[str], bool] | None = None) -> Staging:
+                         evictable: Callable[[str], bool] | None = None,
+                         share: tuple[int, str, Sequence[str]] | None = None) -> Staging:
+        """Begin a save (see :meth:`.store.LocalStore.begin`); ``share``: (base_step,
+        base_generation or "", unchanged shards)."""
         self._enter()
+        base_step, base_gen, unchanged = share if share is not None else (None, "", ())
         try:
             st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, world_size, specs,
-                                  stream=stream, evictable=evictable)
+                                  stream=stream, evictable=evictable, base_step=base_step, unchanged=unchanged,
+                                  base_generation=base_gen or None)
         finally:
             self._leave()
+        shared = sum(f.size for f in st.files.values() if f.shared)
+        if shared and self.metrics:
+            self.metrics.shared_bytes.labels(tier="local").inc(shared)
         self._update_gauges()
         sizes = [f.size for f in st.files.values()]
         for t in self.tiers:

@@ -69,6 +69,10 @@ class RecyclePool:
         """A freshly committed file that no reader has mapped yet."""
         self._recyclable.add(path)
 
+    def forget(self, path: Path) -> None:
+        """A committed file that another name now shares (see :mod:`.links`): never recycled."""
+        self._recyclable.discard(path)
+
     def lend(self, key: tuple, paths: Iterable[Path]) -> None:
         """One more reader maps ``paths`` (the files of loan ``key``: one committed copy)."""
         counted, n = self._loans.get(key, ((), 0))
@@ -107,8 +111,9 @@ class RecyclePool:
 
     def release(self, dir_fd: int, name: str, path: Path, size: int) -> None:
         """A committed file (entry ``name`` of ``dir_fd``, known as ``path``) is no longer needed:
-        move it into the pool if it may be reused, else remove it."""
-        if path in self._recyclable and size > 0:
+        move it into the pool if it may be reused, else remove it. A file with another link
+        (shared by another step, see :mod:`.links`) is never pooled: only this name goes."""
+        if path in self._recyclable and size > 0 and self._single_link(dir_fd, name):
             self._recyclable.discard(path)
             target = f"{size}.{secrets.token_hex(6)}"
             try:
@@ -126,6 +131,13 @@ class RecyclePool:
         else:
             self._recyclable.discard(path)
             self.fs.unlink(dir_fd, name)
+
+    @staticmethod
+    def _single_link(dir_fd: int, name: str) -> bool:
+        try:
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_nlink == 1
+        except OSError:
+            return False
 
     def take(self, size: int) -> str | None:
         """Name (in ``recycle/``) of a pooled file of exactly ``size`` bytes, now the caller's; or None."""

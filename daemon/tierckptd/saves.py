@@ -20,13 +20,19 @@ from tierckpt.common.fileio import pwrite_all
 from tierckpt.common.names import check_job, check_rank, check_step
 from tierckpt.errors import CapacityError, InvalidArgumentError
 
+from .catalog import Catalog
 from .eviction import charge
 from .layout import StoreLayout
 from .localfs import LocalDir
+from .manifest import Manifest, ShardEntry
 from .recycle import RecyclePool
 from .staging import ShardSpec, StagedFile, Staging, check_specs
 
-__all__ = ["OpenSaves"]
+__all__ = ["OpenSaves", "ShareFn"]
+
+ShareFn = Callable[[Staging], dict[str, tuple[Manifest, ShardEntry]]]
+"""Under the lock: the committed files holding the bytes of some of a save's shards (see
+:meth:`.store.LocalStore.begin`, ``unchanged``)."""
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +42,14 @@ class OpenSaves:
         lock: the store's lock (guards this state together with the catalog).
         make_room: ``make_room(bytes, evictable)`` under the lock: evict what may be evicted (steps
             of the jobs ``evictable`` accepts; None: any), or raise CapacityError.
+        catalog: the committed ranks (shared files are counted there, see :mod:`.links`).
     """
 
     def __init__(self, lock: threading.RLock, fs: LocalDir, layout: StoreLayout, recycle: RecyclePool,
                  make_room: Callable[[int, Callable[[str], bool] | None], None], *, max_open_saves: int,
-                 max_shard_bytes: int, counters: dict[str, int]) -> None:
+                 max_shard_bytes: int, counters: dict[str, int], catalog: Catalog) -> None:
         self._lock, self._fs, self._layout, self._recycle = lock, fs, layout, recycle
+        self._catalog = catalog
         self._make_room = make_room
         self.max_open_saves, self.max_shard_bytes, self.counters = max_open_saves, max_shard_bytes, counters
         self._open: dict[str, Staging] = {}
@@ -52,11 +60,13 @@ class OpenSaves:
 
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
               stream: bool = False, prefault: Callable[[int, int], None] | None = None,
-              evictable: Callable[[str], bool] | None = None, inbound: bool = False) -> Staging:
+              evictable: Callable[[str], bool] | None = None, share: ShareFn | None = None,
+              inbound: bool = False) -> Staging:
         """Reserve capacity and create sized staging files (see :meth:`LocalStore.begin`).
 
         ``prefault(fd, size)``: takes each freshly created (not recycled) staging file, to
-        allocate its pages ahead of the writer."""
+        allocate its pages ahead of the writer. ``share``: committed files to link instead of
+        staging new ones."""
         check_job(job)
         check_step(step)
         check_rank(rank, world_size)
@@ -68,7 +78,7 @@ class OpenSaves:
         for name, size, dtype, shape in specs:
             staging.files[name] = StagedFile(name, size, sdir / name, dtype, tuple(int(d) for d in shape))
         with self._lock:
-            reused = self._reserve_locked(staging)
+            reused = self._reserve_locked(staging, share)
         try:
             self._layout.create_staging(staging, reused, prefault)
         except OSError as e:
@@ -79,8 +89,9 @@ class OpenSaves:
             raise
         return staging
 
-    def _reserve_locked(self, staging: Staging) -> dict[str, str]:
-        """Supersede an older open save of the rank, bound open saves, make room, take recycled files."""
+    def _reserve_locked(self, staging: Staging, share: ShareFn | None = None) -> dict[str, str]:
+        """Supersede an older open save of the rank, bound open saves, link shared files, make
+        room, take recycled files."""
         self.last_begin = time.monotonic()
         key = (staging.job, staging.step, staging.rank)
         older = self._by_key.get(key)
@@ -90,11 +101,38 @@ class OpenSaves:
         if len(self._open) >= self.max_open_saves:
             raise CapacityError(f"saves: {len(self._open)} saves are open on this node (limit {self.max_open_saves});"
                                 " commit or abort some first")
+        if share is not None:
+            self._link_locked(staging, share(staging))
+        try:
+            return self._take_room_locked(staging, key)
+        except BaseException:
+            self._unshare_locked(staging)
+            if share is not None:
+                self._layout.remove_staging(staging.save_id)
+            raise
+
+    def _link_locked(self, staging: Staging, sources: dict[str, tuple[Manifest, ShardEntry]]) -> None:
+        """Link the committed files ``sources`` names into the staging area (see :mod:`.links`)."""
+        if not sources:
+            return
+        for name, ino in self._layout.link_shared(staging, sources).items():
+            man, entry = sources[name]
+            f = staging.files[name]
+            f.shared, f.ino, f.checksum = True, ino, entry.checksum
+            self._catalog.share(man, entry, ino, ("staging", staging.save_id, name))
+            self._recycle.forget(self._layout.shard_path(man, entry.name))  # never recycled again
+
+    def _unshare_locked(self, staging: Staging) -> None:
+        for f in staging.files.values():
+            if f.shared:
+                self._catalog.links.drop(("staging", staging.save_id, f.name))
+
+    def _take_room_locked(self, staging: Staging, key: tuple[str, int, int]) -> dict[str, str]:
         # Pooled files of the right sizes first: they become this save's, so room is made only for
         # the rest (making room first could drop the very files the save would reuse).
         reused: dict[str, str] = {}
         for f in staging.files.values():
-            name = self._recycle.take(f.size)
+            name = None if f.shared else self._recycle.take(f.size)
             if name is not None:
                 reused[f.name] = name
         try:
@@ -144,7 +182,7 @@ class OpenSaves:
         hashed. A save that fails is aborted. Returns each file's identity (see
         :meth:`.layout.StoreLayout.check_staged`)."""
         if st.stream:
-            short = [f.name for f in st.files.values() if f.written < f.size]
+            short = [f.name for f in st.files.values() if f.written < f.size and not f.shared]
             if short:
                 self.abort(st.save_id)
                 raise InvalidArgumentError(f"shard: {short} received fewer bytes than their declared size")
@@ -163,12 +201,14 @@ class OpenSaves:
             if self._by_key.get((st.job, st.step, st.rank)) == st.save_id:
                 del self._by_key[(st.job, st.step, st.rank)]
             self.committing_bytes += charge(st)
-            self.committing_data += st.nbytes
+            self.committing_data += st.new_bytes
 
     def committed_locked(self, st: Staging) -> None:
-        """A committing save left (published or failed): stop counting its bytes here."""
+        """A committing save left (published or failed): stop counting its bytes here (and its
+        links to shared files: a published save holds them as committed files)."""
         self.committing_bytes -= charge(st)
-        self.committing_data -= st.nbytes
+        self.committing_data -= st.new_bytes
+        self._unshare_locked(st)
 
     def abort(self, save_id: str) -> None:
         """Drop an open save and its staging files. Idempotent."""
@@ -182,6 +222,7 @@ class OpenSaves:
         if self._by_key.get((st.job, st.step, st.rank)) == save_id:
             del self._by_key[(st.job, st.step, st.rank)]
         self._layout.remove_staging(save_id)
+        self._unshare_locked(st)
 
     def reclaim_expired(self, timeout: float) -> int:
         """Abort saves open longer than ``timeout`` seconds (a client that died mid-save); release
@@ -210,7 +251,7 @@ class OpenSaves:
             return len(self._open)
 
     def data_bytes_locked(self) -> int:
-        return sum(st.nbytes for st in self._open.values()) + self.committing_data
+        return sum(st.new_bytes for st in self._open.values()) + self.committing_data
 
     def charged_locked(self) -> int:
         return sum(charge(st) for st in self._open.values()) + self.committing_bytes

@@ -52,6 +52,23 @@ def _check_json_object(text: str, field: str) -> str:
     return text
 
 
+def _check_unchanged(request: pb.BeginSaveRequest, names: set[str]) -> tuple[int, str, list[str]] | None:
+    """(base_step, base_generation, unchanged) of a BeginSave, or None without ``unchanged``.
+
+    Raises:
+        InvalidArgumentError: an unchanged name that is not one of the save's shards.
+    """
+    if not request.unchanged:
+        return None
+    check_step(request.base_step)
+    unknown = sorted(set(request.unchanged) - names)
+    if unknown:
+        raise InvalidArgumentError(f"unchanged: {[n[:64] for n in unknown[:8]]} not among the save's shards")
+    if len(request.base_generation) > 64:
+        raise InvalidArgumentError("base_generation: at most 64 characters")
+    return request.base_step, request.base_generation, list(request.unchanged)
+
+
 class TierckptServicer(pb_grpc.TierckptServicer):
     """The client service. ``access`` is set on the TCP listener's instance: callers there are
     bound by their certificate identity (:mod:`tierckptd.access`); Unix-socket callers are not."""
@@ -86,18 +103,21 @@ class TierckptServicer(pb_grpc.TierckptServicer):
             check_shard(s.name, "shards.name")
             specs.append((s.name, s.size, s.dtype, list(s.shape)))
         stream = request.transfer == pb.TRANSFER_STREAM
+        share = _check_unchanged(request, {s[0] for s in specs})
         if self.access is None:
-            st = await self.node.begin_save(request.job, request.step, request.rank, request.world_size, specs, stream)
+            st = await self.node.begin_save(request.job, request.step, request.rank, request.world_size, specs, stream,
+                                            share=share)
         else:
             access = self.access
             evictable = (lambda job: access.visible(context, job)) if access.rules else None
             with self.access.beginning(context, self.node.store.is_open) as begun:
                 st = await self.node.begin_save(request.job, request.step, request.rank, request.world_size, specs,
-                                                stream, evictable)
+                                                stream, evictable, share=share)
                 begun.append(st.save_id)
         return pb.BeginSaveResponse(
             save_id=st.save_id,
-            shards=[pb.StagedShard(name=f.name, path="" if stream else str(f.path), recycled=f.recycled)
+            shards=[pb.StagedShard(name=f.name, path="" if stream or f.shared else str(f.path), recycled=f.recycled,
+                                   shared=f.shared)
                     for f in st.files.values()],
             fs_token=self.node.fs_token,
             local_dir=self.node.local_dir,

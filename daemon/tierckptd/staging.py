@@ -46,6 +46,9 @@ class StagedFile:
     shape: tuple[int, ...] = ()
     recycled: bool = False
     written: int = 0  # bytes received through write_chunk (stream transfers)
+    shared: bool = False  # a link to a committed file with the same bytes (nothing is written)
+    ino: tuple[int, int] | None = None  # shared: (st_dev, st_ino) of the linked file
+    checksum: str = ""  # shared: the committed file's checksum
 
 
 @dataclass
@@ -68,6 +71,11 @@ class Staging:
     @property
     def nbytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+    @property
+    def new_bytes(self) -> int:
+        """Bytes of the files this save stages anew (not the shared ones)."""
+        return sum(f.size for f in self.files.values() if not f.shared)
 
 
 def check_specs(specs: Sequence[ShardSpec], max_shard_bytes: int) -> None:

@@ -105,6 +105,8 @@ class ScanResult:
     dropped: int = 0  # uncommitted rank directories removed
     quarantined: int = 0
     stray: int = 0  # entries that were not directories (links, files) removed
+    links: dict[tuple[str, int, int], dict[str, tuple[int, int]]] = field(default_factory=dict)
+    # rank -> file -> inode of its data files with more than one link (shared across steps, see links.py)
 
 
 def scan_jobs(fs: LocalDir, rank_rel: RankRel) -> ScanResult:
@@ -172,7 +174,10 @@ def _scan_rank(fs: LocalDir, sfd: int, rel: tuple[str, ...], rank_rel: RankRel, 
             return
         verdict, detail = _check_rank_dir(fs, rfd, rel, rank_rel)
     if verdict == "ok":
-        res.manifests.append(detail)
+        man, linked = detail
+        res.manifests.append(man)
+        if linked:
+            res.links[man.key] = linked
     elif verdict == "uncommitted":
         fs.remove_tree(sfd, rel[-1])
         res.dropped += 1
@@ -192,18 +197,23 @@ def _check_rank_dir(fs: LocalDir, rfd: int, rel: tuple[str, ...], rank_rel: Rank
         return "quarantine", f"manifest unreadable: {e}"
     if rank_rel(man.job, man.step, man.rank) != rel:
         return "quarantine", "the manifest names another location"
+    linked: dict[str, tuple[int, int]] = {}  # a file of an unchanged shard may be shared with other steps
     for s in man.shards:
         try:
-            os.close(fs.open_regular(rfd, s.file, os.O_RDONLY, s.file, size=s.size, single_link=True))
+            fd = fs.open_regular(rfd, s.file, os.O_RDONLY, s.file, size=s.size)
         except FileNotFoundError:
             return "quarantine", f"{s.file} is missing"
         except UnsafeFileError as e:
             return "quarantine", e.strerror
+        st = os.fstat(fd)
+        os.close(fd)
+        if st.st_nlink > 1:
+            linked[s.file] = (st.st_dev, st.st_ino)
     keep = {s.file for s in man.shards} | {MANIFEST_NAME}
     for name, _kind in fs.entries(rfd):
         if name not in keep:  # data of an interrupted re-save, or a temp manifest
             fs.remove_tree(rfd, name)
-    return "ok", man
+    return "ok", (man, linked)
 
 
 def _quarantine(fs: LocalDir, sfd: int, rel: tuple[str, ...], reason: str) -> None:

@@ -40,7 +40,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +104,33 @@ def _check_digests(save_id: str, files: Iterable[str], digests: dict[str, str], 
 _charge = charge
 
 
+def _same_bytes(base: Manifest, f: StagedFile, checksums: Mapping[str, str] | None) -> ShardEntry | None:
+    """``base``'s entry for ``f`` if it has the same name, size, dtype, shape (and checksum, when given)."""
+    try:
+        entry = base.shard(f.name)
+    except KeyError:
+        return None
+    if (entry.size, entry.dtype, tuple(entry.shape)) != (f.size, f.dtype, f.shape):
+        return None
+    if checksums is not None and checksums.get(f.name) != entry.checksum:
+        return None
+    return entry
+
+
+def _shared_digests(st: Staging, digests: dict[str, str]) -> dict[str, str]:
+    """The writer's digests plus the kept checksum of each shared file (the writer sent none,
+    or the same one)."""
+    out = dict(digests)
+    for f in st.files.values():
+        if not f.shared:
+            continue
+        given = out.setdefault(f.name, f.checksum)
+        if given != f.checksum:
+            raise InvalidArgumentError(f"digests[{f.name}].checksum: {given!r}, but the shard shares a committed "
+                                       f"file whose checksum is {f.checksum}")
+    return out
+
+
 class LocalStore:
     """The node's local tier. See the module docstring for layout, protocol and bounds.
 
@@ -146,7 +173,7 @@ class LocalStore:
         self._evictor = Evictor(self._catalog, self._layout, self._recycle, self.counters)
         self._saves = OpenSaves(self._lock, self._fs, self._layout, self._recycle, self._make_room_locked,
                                 max_open_saves=max_open_saves, max_shard_bytes=max_shard_bytes,
-                                counters=self.counters)
+                                counters=self.counters, catalog=self._catalog)
         self._lock_fd: int | None = None
         self._on_evict = on_evict
         self._tmpfs = False
@@ -177,7 +204,7 @@ class LocalStore:
         self.policies.load(self._fs)
         res = scan_jobs(self._fs, StoreLayout.rank_rel)
         for man in res.manifests:
-            self._catalog.add(man, _charge(man))
+            self._catalog.add(man, _charge(man), res.links.get(man.key))
         self.counters["quarantined"] += res.quarantined
         log.info("catalog rebuilt: %d committed ranks, %d uncommitted leftovers removed, %d quarantined",
                  len(res.manifests), res.dropped, res.quarantined)
@@ -215,8 +242,9 @@ class LocalStore:
     # ----------------------------------------------------------------------------- saving
 
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
-              stream: bool = False, prefault: bool = False,
-              evictable: Callable[[str], bool] | None = None) -> Staging:
+              stream: bool = False, prefault: bool = False, evictable: Callable[[str], bool] | None = None,
+              unchanged: Collection[str] = (), base_step: int | None = None,
+              checksums: Mapping[str, str] | None = None, base_generation: str | None = None) -> Staging:
         """Reserve capacity and create sized staging files for one rank's shards.
 
         Args:
@@ -226,17 +254,53 @@ class LocalStore:
                 background, ahead of the writer (an inbound replica or a restore, see :mod:`.warm`).
             evictable: the jobs whose steps may be evicted to make room (None: any): a TCP client
                 restricted by ``client_jobs`` makes room only among its own jobs.
+            unchanged: shards whose bytes a committed copy of this (job, rank) already holds:
+                with ``base_step``, that step's shard of the same name, size, dtype and shape
+                (with ``base_generation``, only if the step is still that save);
+                with ``checksums`` (shard -> checksum, an inbound replica), the newest committed
+                step holding the same name, size, dtype, shape and checksum. Such a file is
+                hard-linked into the staging area (``StagedFile.shared``: nothing is written)
+                instead of staged anew; any other shard is staged as usual (the hint never
+                changes the bytes committed).
 
         Raises:
             InvalidArgumentError: a field is invalid (the message names it).
             CapacityError: the shards do not fit even after eviction, or too many saves are open.
         """
         keep = self._warmer.prefault if prefault and self._warming(KNOBS.warm_ahead) else None
+        share = None
+        if unchanged and (base_step is not None or checksums is not None):
+            wanted = frozenset(unchanged)
+
+            def share(st: Staging) -> dict[str, tuple[Manifest, ShardEntry]]:
+                return self._share_sources_locked(st, wanted, base_step, checksums, base_generation)
+
         st = self._saves.begin(job, step, rank, world_size, specs, stream=stream, prefault=keep, evictable=evictable,
-                               inbound=prefault)
+                               share=share, inbound=prefault)
         if KNOBS.debug_begin_delay:  # test hook: the staging area exists, its caller has no answer yet
             time.sleep(KNOBS.debug_begin_delay)
         return st
+
+    def _share_sources_locked(self, st: Staging, wanted: frozenset[str], base_step: int | None,
+                              checksums: Mapping[str, str] | None,
+                              generation: str | None = None) -> dict[str, tuple[Manifest, ShardEntry]]:
+        """The committed files (see :meth:`begin`, ``unchanged``) holding shards of ``st``."""
+        if base_step is not None:
+            found = [self._catalog.get(st.job, base_step, st.rank)]
+        else:  # an inbound replica: any copy of the rank held here, newest first
+            steps = self._catalog.steps(st.job)
+            found = [steps[s].get(st.rank) for s in sorted(steps, reverse=True)]
+        bases = [m for m in found if m is not None and generation in (None, m.generation)]
+        out: dict[str, tuple[Manifest, ShardEntry]] = {}
+        for f in st.files.values():
+            if f.name not in wanted or f.size <= 0:
+                continue
+            for base in bases:
+                entry = _same_bytes(base, f, checksums)
+                if entry is not None:
+                    out[f.name] = (base, entry)
+                    break
+        return out
 
     def get_staging(self, save_id: str) -> Staging:
         return self._saves.get(save_id)
@@ -278,6 +342,7 @@ class LocalStore:
             FailedPreconditionError: a staging file was replaced (symlink, other file, resized).
         """
         st = self.get_staging(save_id)
+        digests = _shared_digests(st, digests)
         _check_digests(save_id, st.files, digests, metadata_json)
         stats = self._saves.check_staged(st, digests, verify=verify or st.stream, fsync=self.fsync)
         self._saves.take_for_commit(st)
@@ -325,9 +390,11 @@ class LocalStore:
         except OSError:
             self._layout.unplace(st, tmp)
             raise
-        old = self._catalog.add(man, _charge(man))
+        shared = {f"{f.name}.{st.save_id}": f.ino for f in st.files.values() if f.shared and f.ino}
+        old = self._catalog.add(man, _charge(man), shared)
         for s in man.shards:
-            self._recycle.mark_recyclable(self.shard_path(man, s.name))
+            if s.file not in shared:
+                self._recycle.mark_recyclable(self.shard_path(man, s.name))
         if old is not None:
             self._catalog.uncharge(old, _charge(old))
             self._layout.remove_rank_files(old, keep_manifest=True)
@@ -393,7 +460,8 @@ class LocalStore:
     def usage(self) -> Usage:
         with self._lock:
             staging = self._saves.data_bytes_locked()
-            return Usage(self.capacity, self._catalog.data_bytes, staging, self._recycle.data_bytes,
+            committed = self._catalog.data_bytes + self._catalog.links.data_bytes
+            return Usage(self.capacity, committed, staging, self._recycle.data_bytes,
                          charged=self._used_locked(), warm=self._recycle.warm_bytes)
 
     # ----------------------------------------------------------------------------- warm pages
@@ -443,7 +511,8 @@ class LocalStore:
             return fd, name, size
 
     def _used_locked(self) -> int:
-        return self._catalog.committed_bytes + self._saves.charged_locked() + self._recycle.bytes
+        return (self._catalog.committed_bytes + self._catalog.links.charged + self._saves.charged_locked()
+                + self._recycle.bytes)
 
     # ----------------------------------------------------------------------------- retention
 

@@ -85,22 +85,26 @@ class CatalogResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., instance: _Optional[str] = ..., bulk_port: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[CatalogEntry, _Mapping]]] = ..., version: _Optional[int] = ..., delta: _Optional[bool] = ..., removed: _Optional[_Iterable[_Union[RankKey, _Mapping]]] = ...) -> None: ...
 
 class PrepareReplicaRequest(_message.Message):
-    __slots__ = ("sender", "manifest_json")
+    __slots__ = ("sender", "manifest_json", "skips_linked")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    SKIPS_LINKED_FIELD_NUMBER: _ClassVar[int]
     sender: str
     manifest_json: str
-    def __init__(self, sender: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+    skips_linked: bool
+    def __init__(self, sender: _Optional[str] = ..., manifest_json: _Optional[str] = ..., skips_linked: _Optional[bool] = ...) -> None: ...
 
 class PrepareReplicaResponse(_message.Message):
-    __slots__ = ("already_committed", "ticket", "bulk_port")
+    __slots__ = ("already_committed", "ticket", "bulk_port", "linked")
     ALREADY_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    LINKED_FIELD_NUMBER: _ClassVar[int]
     already_committed: bool
     ticket: str
     bulk_port: int
-    def __init__(self, already_committed: _Optional[bool] = ..., ticket: _Optional[str] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    linked: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, already_committed: _Optional[bool] = ..., ticket: _Optional[str] = ..., bulk_port: _Optional[int] = ..., linked: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitReplicaRequest(_message.Message):
     __slots__ = ("ticket",)

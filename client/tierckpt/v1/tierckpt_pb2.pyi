@@ -51,30 +51,38 @@ class ShardSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("job", "step", "rank", "world_size", "shards", "transfer")
+    __slots__ = ("job", "step", "rank", "world_size", "shards", "transfer", "base_step", "unchanged", "base_generation")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    BASE_STEP_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
     world_size: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardSpec]
     transfer: Transfer
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardSpec, _Mapping]]] = ..., transfer: _Optional[_Union[Transfer, str]] = ...) -> None: ...
+    base_step: int
+    unchanged: _containers.RepeatedScalarFieldContainer[str]
+    base_generation: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardSpec, _Mapping]]] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., base_step: _Optional[int] = ..., unchanged: _Optional[_Iterable[str]] = ..., base_generation: _Optional[str] = ...) -> None: ...
 
 class StagedShard(_message.Message):
-    __slots__ = ("name", "path", "recycled")
+    __slots__ = ("name", "path", "recycled", "shared")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     RECYCLED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     recycled: bool
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., recycled: _Optional[bool] = ...) -> None: ...
+    shared: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., recycled: _Optional[bool] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
     __slots__ = ("save_id", "shards", "fs_token", "local_dir")

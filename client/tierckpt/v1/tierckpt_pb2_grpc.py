@@ -131,6 +131,7 @@ class TierckptServicer:
     def BeginSave(self, request, context):
         """Reserve capacity and create staging files for one rank's shards. Not idempotent: each call
         creates a new save; a new BeginSave for the same (job, step, rank) aborts an older open one.
+        Shards named in unchanged may come back shared (linked from base_step): nothing to write.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -100,9 +100,11 @@ class Receiver:
 
     # ------------------------------------------------------------------------------ replicas
 
-    async def prepare(self, sender: str, manifest_json: str,
-                      allowed: Callable[[Manifest], None] | None = None) -> ppb.PrepareReplicaResponse:
+    async def prepare(self, sender: str, manifest_json: str, allowed: Callable[[Manifest], None] | None = None, *,
+                      link: bool = False) -> ppb.PrepareReplicaResponse:
         """Open a staging area for a replica and issue its bulk "put" ticket (PrepareReplica RPC).
+
+        ``link``: the sender skips the shards the answer lists as linked (see :meth:`_begin_replica`).
 
         Raises:
             InvalidArgumentError: the manifest is malformed.
@@ -125,14 +127,23 @@ class Receiver:
         if cur is not None and cur.node == self.node_id != man.node:
             raise FailedPreconditionError(f"{man.job} step {man.step} rank {man.rank} was saved on {self.node_id}; "
                                           f"refusing a copy owned by {man.node}")
-        specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
-        st = await run_owning(self.store.begin, self.store.abort_staging, man.job, man.step, man.rank,
-                              man.world_size, specs, prefault=True)
+        st = await self._begin_replica(man, link)
+        linked = [f.name for f in st.files.values() if f.shared]
         ticket = secrets.token_urlsafe(18)
         with self._lock:
-            self._inbound[ticket] = _Inbound(ticket, man, st, sender,
-                                             {s.name: bulk.OrderedHasher(s.size) for s in man.shards})
-        return ppb.PrepareReplicaResponse(ticket=ticket, bulk_port=self.bulk_port)
+            self._inbound[ticket] = _Inbound(ticket, man, st, sender, {
+                s.name: bulk.OrderedHasher(s.size) for s in man.shards if not st.files[s.name].shared})
+        if linked and self.metrics:
+            self.metrics.shared_bytes.labels(tier="peer").inc(sum(st.files[n].size for n in linked))
+        return ppb.PrepareReplicaResponse(ticket=ticket, bulk_port=self.bulk_port, linked=linked)
+
+    async def _begin_replica(self, man: Manifest, link: bool) -> Staging:
+        """The replica's staging area. With ``link``, shards byte-identical to a copy held here
+        (same job and rank, name, size, layout and checksum) are linked, not sent (see links.py)."""
+        specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
+        sums = {s.name: s.checksum for s in man.shards} if link else {}
+        return await run_owning(self.store.begin, self.store.abort_staging, man.job, man.step, man.rank,
+                                man.world_size, specs, prefault=True, unchanged=list(sums), checksums=sums)
 
     async def commit(self, ticket: str) -> int:
         """Check every shard arrived whole with its checksum, then commit (CommitReplica RPC).
@@ -152,7 +163,9 @@ class Receiver:
         man = inb.man
         try:
             for s in man.shards:
-                h = inb.hashers[s.name]
+                h = inb.hashers.get(s.name)
+                if h is None:  # linked from a committed copy with this checksum
+                    continue
                 if not h.complete:
                     raise InvalidArgumentError(f"shard {s.name!r}: {h.pos} of {s.size} bytes received in order")
                 check_digest(man, s.name, h.hexdigest(), f"replica from {inb.sender}", self.metrics)
@@ -272,8 +285,8 @@ class Receiver:
             raise FailedPreconditionError("ticket: unknown or expired replica ticket")
         self._check_holder(sock, inb.sender)
         f = inb.staging.files.get(shard)
-        if f is None:
-            raise InvalidArgumentError(f"shard: {shard!r} is not part of this replica")
+        if f is None or f.shared:
+            raise InvalidArgumentError(f"shard: {shard!r} is not part of this replica, or was linked here")
         bulk.check_piece(*piece, f.size)
         try:
             fd = self.store.open_staged(inb.staging.save_id, shard)

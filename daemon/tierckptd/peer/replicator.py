@@ -68,12 +68,14 @@ class Pusher:
     async def push(self, man: Manifest, p: PeerInfo) -> None:
         t0 = time.perf_counter()
         prep = await self.cluster.call(p, "PrepareReplica", ppb.PrepareReplicaRequest(
-            sender=self.node_id, manifest_json=man.to_json().decode()))
+            sender=self.node_id, manifest_json=man.to_json().decode(), skips_linked=True))
         if prep.already_committed:
             return
         try:
-            files = {s.name: (functools.partial(self.store.open_shard, man, s.name), s.size) for s in man.shards}
-            pieces = plan_pieces([(s.name, s.size) for s in man.shards])
+            linked = set(prep.linked)  # the peer holds these bytes already (linked them): not sent
+            send = [s for s in man.shards if s.name not in linked]
+            files = {s.name: (functools.partial(self.store.open_shard, man, s.name), s.size) for s in send}
+            pieces = plan_pieces([(s.name, s.size) for s in send])
             await self.transfer.run(p.node_id, p.host, prep.bulk_port, prep.ticket, "put", pieces, files, {},
                                     p.tls_name)
             await self.cluster.call(p, "CommitReplica", ppb.CommitReplicaRequest(ticket=prep.ticket),
@@ -82,8 +84,10 @@ class Pusher:
             self._spawn(self._abort_remote(p, prep.ticket))
             raise
         elapsed = time.perf_counter() - t0
-        log.info("replicated %s step %d rank %d to %s: %d bytes in %.3fs (%.2f GB/s)", man.job, man.step,
-                 man.rank, p.node_id, man.nbytes, elapsed, man.nbytes / max(elapsed, 1e-9) / 1e9)
+        sent = sum(s.size for s in send)
+        log.info("replicated %s step %d rank %d to %s: %d bytes in %.3fs (%.2f GB/s; %d bytes linked there)",
+                 man.job, man.step, man.rank, p.node_id, sent, elapsed, sent / max(elapsed, 1e-9) / 1e9,
+                 man.nbytes - sent)
         if self.metrics:
             self.metrics.saves.labels(tier="peer", result="ok").inc()
             self.metrics.saved_bytes.labels(tier="peer").inc(man.nbytes)

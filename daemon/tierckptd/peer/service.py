@@ -44,7 +44,8 @@ class PeerServicer(ppb_grpc.PeerServicer):
             raise InvalidArgumentError("manifest_json: required")
         check_node(request.sender, "sender")
         self.guard.check_claim(self.guard.identity(context), request.sender, "sender")
-        return await self.tier.receiver.prepare(request.sender, request.manifest_json, self.guard.check_replica)
+        return await self.tier.receiver.prepare(request.sender, request.manifest_json, self.guard.check_replica,
+                                                link=request.skips_linked)
 
     @rpc
     async def CommitReplica(self, request: ppb.CommitReplicaRequest, context: Any) -> ppb.CommitReplicaResponse:
