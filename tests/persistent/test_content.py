@@ -20,7 +20,6 @@ from tierckptd.persistent.gc import collect
 
 from .rig import Rig
 
-pytestmark = pytest.mark.content_layout
 CHUNK = 4096
 
 
@@ -89,12 +88,11 @@ def test_unchanged_chunks_are_not_uploaded_again_and_restore_is_byte_exact(tmp_p
 
 def test_the_per_shard_layout_stays_readable(tmp_path: Path) -> None:
     async def body() -> None:
-        with KNOBS.overridden(per_shard_layout=1):
-            old = Rig(tmp_path, node_id="old")
-            await old.tier.start()
-            _save(old, 1, {"m": b"old layout " * 100})
-            await _drain(old, 1)
-            await old.tier.stop(1.0)
+        old = Rig(tmp_path, node_id="old", layout="per-shard")
+        await old.tier.start()
+        _save(old, 1, {"m": b"old layout " * 100})
+        await _drain(old, 1)
+        await old.tier.stop(1.0)
         keys = list(old.memory.objects)
         assert any("/data/" in k for k in keys) and not any("/content/" in k for k in keys)
         await _restores(old.memory, tmp_path, "new", 1, {"m": b"old layout " * 100})

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 import xxhash
-from tierckpt.errors import DataLossError
+from tierckpt.errors import DataLossError, UnavailableError
 
 from ..backends import BackendError
 from ..knobs import KNOBS
@@ -93,16 +93,21 @@ class ContentStore:
         leased = time.monotonic()
         body = json.dumps({"created": time.time(), "keys": keys}).encode()
         await self.calls.write(functools.partial(self.calls.be.put_bytes, lease, body), cancelled)
-        await self._wait_for_collections(job, cancelled)
-        shards = []
-        for s in man.shards:
-            offsets = _offsets(plan[s.name])
-            chunks = await asyncio.gather(*(
-                self.calls.write(functools.partial(self._put_chunk, held, s.name, off, d, n, codecs[s.name]),
-                                 cancelled)
-                for (d, n), off in zip(plan[s.name], offsets)))
-            shards.append(dataclasses.replace(s, file="", codec=codecs[s.name], chunks=tuple(chunks)))
+        try:
+            await self._wait_for_collections(job, cancelled)
+            shards = [await self._put_shard(held, s, plan[s.name], codecs[s.name], cancelled) for s in man.shards]
+        except BaseException:
+            await asyncio.shield(self.release(lease))  # this attempt is over; the next one leases again
+            raise
         return dataclasses.replace(man, shards=tuple(shards)), lease, leased
+
+    async def _put_shard(self, held: Manifest, s: ShardEntry, plan: list[tuple[str, int]], codec: str,
+                         cancelled: Any) -> ShardEntry:
+        """Step 4 for one shard: its chunks stored (or found), its manifest entry."""
+        chunks = await asyncio.gather(*(
+            self.calls.write(functools.partial(self._put_chunk, held, s.name, off, d, n, codec), cancelled)
+            for (d, n), off in zip(plan, _offsets(plan))))
+        return dataclasses.replace(s, file="", codec=codec, chunks=tuple(chunks))
 
     def _hash_shard(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
         """(xxh3-128 hex, size) of every chunk of a local shard, verifying the shard's checksum."""
@@ -164,9 +169,13 @@ class ContentStore:
                 return
             await asyncio.sleep(min(0.5, KNOBS.gc_window / 4))
 
-    async def release(self, lease: str, leased: float, cancelled: Any) -> None:
-        """Delete a lease once its manifest is published."""
-        await self.calls.write(functools.partial(self.calls.be.delete, [lease]), cancelled)
+    async def release(self, lease: str) -> None:
+        """Delete a lease (its manifest is published, or its attempt failed). Best effort: a lease
+        left behind only delays the collection of its chunks until it expires."""
+        try:
+            await self.calls.read(functools.partial(self.calls.be.delete, [lease]), KNOBS.catalog_retry)
+        except (BackendError, UnavailableError) as err:
+            log.warning("could not delete the lease %s (it expires by itself): %s", lease, err)
 
     @staticmethod
     def check_lease(leased: float) -> None:

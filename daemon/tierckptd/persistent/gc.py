@@ -30,10 +30,9 @@ from ..knobs import KNOBS
 from ..manifest import Manifest
 from .calls import BackendCalls
 from .layout import (
-    content_key,
+    chunk_keys,
     content_prefix,
     gc_prefix,
-    is_content,
     job_manifests_prefix,
     lease_prefix,
     parse_manifest_key,
@@ -98,5 +97,5 @@ async def _references(calls: BackendCalls, job: str) -> set[str]:
             man = Manifest.from_json(await calls.read(functools.partial(be.get_bytes, key), policy))
         except NotFoundError:
             continue  # deleted meanwhile (retention)
-        out.update(content_key(job, d, n, s.codec) for s in man.shards if is_content(s) for d, n, _ in s.chunks)
+        out.update(k for s in man.shards for k in chunk_keys(job, s))
     return out

@@ -38,7 +38,7 @@ import re
 
 from tierckpt.errors import DataLossError
 
-from ..manifest import ShardEntry
+from ..manifest import Manifest, ShardEntry
 
 CONTENT_CODECS = ("raw", "zstd", "bg2-zstd", "bg4-zstd")
 """The chunk codecs (:data:`.compress.CODECS`; named here so the layout needs no numpy)."""
@@ -46,7 +46,8 @@ CONTENT_CODECS = ("raw", "zstd", "bg2-zstd", "bg4-zstd")
 __all__ = [
     "manifest_key", "data_key", "parse_manifest_key", "manifest_rank_prefix", "rank_data_prefix",
     "job_manifests_prefix", "step_manifests_prefix", "step_data_prefix",
-    "content_key", "content_prefix", "is_content", "lease_prefix", "gc_prefix", "stamped_key", "stamp_of",
+    "content_key", "content_prefix", "is_content", "chunk_keys", "object_keys",
+    "lease_prefix", "gc_prefix", "stamped_key", "stamp_of",
 ]
 
 _MANIFEST_RE = re.compile(r"^manifests/(\d{20})/rank-(\d{7})-of-(\d{7})\.json$")
@@ -81,6 +82,24 @@ def is_content(shard: ShardEntry) -> bool:
 def content_key(job: str, digest: str, size: int, codec: str) -> str:
     """Object key of one chunk: its plain bytes' xxh3-128 (hex), plain size and codec."""
     return f"{job}/content/{digest[:2]}/{digest}-{size}.{codec}"
+
+
+def chunk_keys(job: str, shard: ShardEntry) -> list[str]:
+    """Object keys of a content-layout shard's chunks, in order (none for a per-shard one)."""
+    return [content_key(job, d, n, shard.codec) for d, n, _ in shard.chunks] if is_content(shard) else []
+
+
+def object_keys(man: Manifest) -> set[str]:
+    """Every data object a stored manifest names: its chunks (content layout) or its shards' data
+    objects (per-shard layout).
+
+    Raises:
+        DataLossError: a per-shard shard names no object (a malformed manifest).
+    """
+    out: set[str] = set()
+    for s in man.shards:
+        out.update(chunk_keys(man.job, s) if is_content(s) else (data_key(*man.key, s),))
+    return out
 
 
 def content_prefix(job: str) -> str:
