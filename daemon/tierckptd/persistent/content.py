@@ -7,15 +7,27 @@ Upload of one rank (:meth:`ContentStore.put_rank`), in this order:
    published) and every chunk's xxh3-128 is taken: the chunk keys are now known.
 2. Lease: ``<job>/leases/<ms>-<token>.json`` listing those keys is stored.
 3. Collections: while a collection marker ``<job>/gc/...`` exists, wait (see :mod:`.gc`).
-4. Chunks: each chunk whose key exists is skipped (deduplicated); the others are read again,
-   checked against their hash (so every byte sent was verified), encoded and stored.
-5. The caller publishes the manifest (commit marker), then :meth:`release` deletes the lease.
+4. Chunks: each chunk whose key exists is skipped (deduplicated) unless a restore of this
+   process found it damaged (it is then stored again, which repairs every step naming it); the
+   others are read again, checked against their hash (so every byte sent was verified), encoded
+   and stored.
+5. The caller publishes the manifest (commit marker), then :meth:`release` deletes the lease (a
+   failed attempt deletes it too; one left by a killed process expires after ``KNOBS.lease_ttl``).
+
+Download (:meth:`ContentStore.get_shard`): every chunk is checked before it is written: its stored
+size against the manifest's record (when the drain knew it; a chunk's encoding is deterministic
+for a codec name), then its decoded bytes against the hash in its name, so a damaged, truncated
+or swapped chunk is a :class:`DataLossError` naming it (the restore's commit then verifies each
+shard's checksum again).
 
 Why it is safe against a concurrent collection: a collection stores its marker, then reads the
 leases and manifests, deletes, and removes its marker. If the drain saw no marker (3), any
 collection that marks later reads this lease (2 came before 3), so it deletes none of these
 chunks; if it saw one, it waited for that collection to finish before checking existence (4),
-so a chunk that collection deleted is stored again.
+so a chunk that collection deleted is stored again. A marker counts for at most twice
+``KNOBS.gc_window`` from when this process first saw it (the collection deletes nothing later
+than ``gc_window`` after storing it); one that names this node and is older than this process
+was left by a killed collection and is removed at once.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from ..knobs import KNOBS
 from ..manifest import Manifest, ShardEntry
 from ..store import LocalStore
 from .calls import BackendCalls
-from .layout import content_key, gc_prefix, lease_prefix, stamped_key
+from .layout import content_key, gc_prefix, lease_prefix, stamp_of, stamped_key
 from .ledger import Bounded
 from .verify import VerifyingReader
 
@@ -63,14 +75,20 @@ class ContentStore:
         calls: the tier's object-store handle.
         setting: the ``codec`` setting (see :data:`.compress.SETTINGS`).
         metrics: optional metrics (``drained_bytes`` counts stored bytes sent).
+        node_id: this node (its collection markers left by a killed process are removed).
     """
 
-    def __init__(self, store: LocalStore, calls: BackendCalls, setting: str, metrics: Any = None) -> None:
+    def __init__(self, store: LocalStore, calls: BackendCalls, setting: str, metrics: Any = None,
+                 node_id: str = "") -> None:
         self.store = store
         self.calls = calls
         self.setting = setting
         self.metrics = metrics
+        self.node_id = node_id
+        self.started = time.time()
         self.stored: Bounded = Bounded(1 << 20)  # chunk key -> stored size, of chunks seen by this process
+        self.damaged: Bounded = Bounded(65536)  # chunk key -> True: a restore found it damaged (stored again)
+        self.markers_seen: Bounded = Bounded(4096)  # collection marker -> when this process first saw it
         self.sent = 0  # stored bytes uploaded by this process (benchmarks)
 
     # ----------------------------------------------------------------------------- upload
@@ -135,11 +153,11 @@ class ContentStore:
             raise FileNotFoundError(str(err)) from err
 
     def _put_chunk(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str) -> Chunk:
-        """Store one chunk unless its key exists; returns its manifest record."""
+        """Store one chunk unless its key exists (and was not found damaged); returns its manifest record."""
         from .compress import encode
 
         be, key = self.calls.be, content_key(held.job, digest, size, codec)
-        if be.exists(key):
+        if key not in self.damaged and be.exists(key):
             return (digest, size, self.stored.get(key, 0))
         fd = self._open(held, shard)
         try:
@@ -150,8 +168,10 @@ class ContentStore:
             raise DataLossError(f"{_what(held, shard)}: the local copy changed while uploading "
                                 f"(chunk at {offset}); not published")
         stored = encode(codec, data)
-        be.put_bytes(key, stored)
+        be.put_bytes(key, stored)  # a damaged chunk is replaced: its name fixes its plain bytes
         self.stored[key] = len(stored)
+        if self.damaged.pop(key, None):
+            log.warning("chunk %s, found damaged by a restore, stored again from %s", key, _what(held, shard))
         self.sent += len(stored)
         if self.metrics:
             self.metrics.drained_bytes.inc(len(stored))
@@ -159,15 +179,28 @@ class ContentStore:
 
     async def _wait_for_collections(self, job: str, cancelled: Any) -> None:
         """Wait while a collection of ``job`` is in flight (its marker exists), at most twice
-        ``KNOBS.gc_window`` per marker (a collector that died leaves its marker behind)."""
-        first_seen: dict[str, float] = {}
+        ``KNOBS.gc_window`` per marker from when this process first saw it (a collector that died
+        leaves its marker behind; one that this node's earlier process left is removed now)."""
         while True:
             markers = await self.calls.write(functools.partial(self.calls.be.list, gc_prefix(job)), cancelled)
-            now = time.monotonic()
-            live = [k for k in markers if now - first_seen.setdefault(k, now) < 2 * KNOBS.gc_window]
+            now, dead = time.monotonic(), []
+            live = []
+            for key in markers:
+                if self._left_by_an_earlier_process(job, key):
+                    dead.append(key)
+                elif now - self.markers_seen.setdefault(key, now) < 2 * KNOBS.gc_window:
+                    live.append(key)
+            if dead:
+                log.warning("removing collection markers of %s left by a killed process of this node: %s", job, dead)
+                await self.calls.write(functools.partial(self.calls.be.delete, dead), cancelled)
             if not live:
                 return
             await asyncio.sleep(min(0.5, KNOBS.gc_window / 4))
+
+    def _left_by_an_earlier_process(self, job: str, marker: str) -> bool:
+        stamp = stamp_of(gc_prefix(job), marker)
+        return (bool(self.node_id) and marker.endswith(f"-{self.node_id}") and stamp is not None
+                and stamp < self.started - 1.0)
 
     async def release(self, lease: str) -> None:
         """Delete a lease (its manifest is published, or its attempt failed). Best effort: a lease
@@ -192,18 +225,41 @@ class ContentStore:
                                for c, off in zip(shard.chunks, offsets)))
 
     def _get_chunk(self, job: str, codec: str, chunk: Chunk, offset: int, path: Any) -> None:
-        from .compress import decode
+        """Download, check and decode one chunk into ``path`` at ``offset``.
 
+        Raises:
+            DataLossError: the chunk is damaged: its stored size differs from the manifest's (when
+                known), it does not decode, or its bytes do not hash to its name. It is remembered,
+                and the next drain of this process holding those bytes stores it again.
+            NotFoundError: the chunk is missing.
+        """
         digest, size, _ = chunk
         key = content_key(job, digest, size, codec)
         stored = self.calls.be.get_bytes(key)
+        try:
+            data = _checked(key, codec, stored, chunk)
+        except DataLossError:
+            self.damaged[key] = True
+            raise
         self.stored[key] = len(stored)
-        data = decode(codec, stored, size)
         fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
             os.pwrite(fd, data, offset)
         finally:
             os.close(fd)
+
+
+def _checked(key: str, codec: str, stored: bytes, chunk: Chunk) -> bytes:
+    """The plain bytes of a downloaded chunk, checked against its manifest record and its name."""
+    from .compress import decode
+
+    digest, size, stored_size = chunk
+    if stored_size and len(stored) != stored_size:
+        raise DataLossError(f"chunk {key} has {len(stored)} bytes, its manifest says {stored_size}")
+    data = decode(codec, stored, size)
+    if xxhash.xxh3_128_hexdigest(data) != digest:
+        raise DataLossError(f"chunk {key}: checksum mismatch (its bytes do not hash to its name)")
+    return data
 
 
 def _offsets(chunks: list[tuple[str, int]]) -> list[int]:

@@ -2,18 +2,21 @@
 
 One pass over a job (:func:`collect`), run after retention deleted manifests:
 
-1. Mark: store ``<job>/gc/<ms>-<token>`` (drains that see it wait, :mod:`.content`).
+1. Mark: store ``<job>/gc/<ms>-<token>-<node>`` (drains that see it wait, :mod:`.content`).
 2. List every chunk of the job.
 3. Read the references: every key named by a manifest of the job and by a lease younger than
    ``KNOBS.lease_ttl`` (a drain in flight); expired leases are deleted.
 4. Sweep: delete the chunks listed in 2 and referenced by nothing read in 3, in batches, and
-   stop when ``KNOBS.gc_window`` has passed since 3 (a drain waits at most twice that).
+   stop when ``KNOBS.gc_window`` has passed since 1 began (a drain that saw the marker waits at
+   most twice that from then, so however long 2 and 3 take, no delete comes after it stopped
+   waiting).
 5. Remove the marker.
 
 A crash at any point deletes nothing a manifest names (manifests are read before any delete,
 and a manifest published later names only chunks its lease protected or stored after the
 listing); what is left is swept by the next pass. A marker left by a crash expires for drains
-after twice ``KNOBS.gc_window``.
+after twice ``KNOBS.gc_window``, and the drains of the node that left it (a new process of it)
+remove it (:mod:`.content`).
 """
 
 from __future__ import annotations
@@ -47,19 +50,22 @@ log = logging.getLogger(__name__)
 _BATCH = 1000
 
 
-async def collect(calls: BackendCalls, job: str) -> int:
+async def collect(calls: BackendCalls, job: str, node_id: str = "") -> int:
     """One mark-and-sweep pass over ``job`` (see the module docstring); returns chunks deleted.
+
+    Args:
+        node_id: the collecting node, named in the marker.
 
     Raises:
         BackendError, UnavailableError: the store failed (nothing unsafe was done; retry later).
     """
     be, policy = calls.be, KNOBS.catalog_retry
-    marker = stamped_key(gc_prefix(job), time.time(), secrets.token_hex(6))
+    marker = stamped_key(gc_prefix(job), time.time(), secrets.token_hex(6), f"-{node_id}" if node_id else "")
+    marked = time.monotonic()  # before the marker can be seen
     await calls.read(functools.partial(be.put_bytes, marker, b""), policy)
     try:
         chunks = await calls.read(functools.partial(be.list, content_prefix(job)), policy)
         referenced = await _references(calls, job)
-        marked = time.monotonic()
         doomed = [k for k in chunks if k not in referenced]
         deleted = 0
         for i in range(0, len(doomed), _BATCH):
