@@ -200,7 +200,7 @@ class ContentStore:
     def _left_by_an_earlier_process(self, job: str, marker: str) -> bool:
         stamp = stamp_of(gc_prefix(job), marker)
         return (bool(self.node_id) and marker.endswith(f"-{self.node_id}") and stamp is not None
-                and stamp < self.started - 1.0)
+                and stamp < self.started - 0.002)  # (stamps are whole milliseconds)
 
     async def release(self, lease: str) -> None:
         """Delete a lease (its manifest is published, or its attempt failed). Best effort: a lease
@@ -221,8 +221,8 @@ class ContentStore:
     async def get_shard(self, job: str, shard: ShardEntry, path: Any) -> None:
         """Fill the sized staging file ``path`` with the decoded chunks of ``shard``."""
         offsets = _offsets([(d, n) for d, n, _ in shard.chunks])
-        await asyncio.gather(*(self.calls.read(functools.partial(self._get_chunk, job, shard.codec, c, off, path))
-                               for c, off in zip(shard.chunks, offsets)))
+        await settled(*(self.calls.read(functools.partial(self._get_chunk, job, shard.codec, c, off, path))
+                         for c, off in zip(shard.chunks, offsets)))
 
     def _get_chunk(self, job: str, codec: str, chunk: Chunk, offset: int, path: Any) -> None:
         """Download, check and decode one chunk into ``path`` at ``offset``.
@@ -247,6 +247,16 @@ class ContentStore:
             os.pwrite(fd, data, offset)
         finally:
             os.close(fd)
+
+
+async def settled(*aws: Any) -> list[Any]:
+    """``asyncio.gather`` that, when one fails, first lets the others finish (none writes into a
+    staging file after the caller discarded it), then raises the first error."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
 
 
 def _checked(key: str, codec: str, stored: bytes, chunk: Chunk) -> bytes:
