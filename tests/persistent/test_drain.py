@@ -35,6 +35,12 @@ def _shards(step: int, rank: int, nbytes: int = 64 * 1024) -> dict[str, np.ndarr
             "optim": rng.standard_normal((16, 8)).astype(np.float32)}
 
 
+def _queued_or_drained(d, be, step: int, rank: int) -> bool:
+    if (d.local_dir / "drain-queue" / f"job.{step:020d}.{rank:07d}.json").exists():
+        return True
+    return bool(be.list(f"job/manifests/{step:020d}/rank-{rank:07d}-"))
+
+
 def _noise(nbytes: int, seed: int) -> np.ndarray:
     """Incompressible bytes, new per seed (stored as they are, never deduplicated)."""
     return np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
@@ -182,6 +188,8 @@ def test_kill9_mid_drain_resumes_and_never_shows_a_partial_rank(daemon_factory, 
                                                               "b": _noise(3 * MiB, step)})
                               for r in range(world)]:
                         f.result(30)
+                _until(lambda: all(_queued_or_drained(a, be, step, r) for r in range(world)), 30,
+                       "every rank durable in the drain queue (it is written just after the commit)")
                 _until(lambda: be.list("job/leases/"), 30, "a drain in flight")
                 a.kill()
                 done = len(be.list(f"job/manifests/{step:020d}/"))
