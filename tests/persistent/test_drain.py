@@ -254,10 +254,11 @@ def test_outage_delays_drains_and_the_backlog_drains_when_the_store_returns(daem
         np.testing.assert_array_equal(ck.shards["model"], _shards(4, 0)["model"])
 
 
-def test_corrupted_objects_are_detected_and_not_returned(daemon_factory, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["content", "per-shard"])
+def test_corrupted_objects_are_detected_and_not_returned(daemon_factory, tmp_path: Path, layout: str) -> None:
     root = tmp_path / "store"
     url = root.as_uri()
-    a = daemon_factory("a", args=_persistent(url, "--persist-every", "1"))
+    a = daemon_factory("a", args=_persistent(url, "--persist-every", "1", "--persistent-layout", layout))
     with a.client() as c:
         for step in (1, 2):
             c.save("job", step, 0, 1, _shards(step, 0)).wait("persistent", timeout=30)
