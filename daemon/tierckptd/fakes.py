@@ -140,6 +140,11 @@ class FaultyBackend(Backend):
         with self._lock:
             self._faults[method].extend((BackendError(msg, retryable=retryable), where) for _ in range(times))
 
+    def clear_faults(self) -> None:
+        """Drop every failure :meth:`fail` queued and not yet raised."""
+        with self._lock:
+            self._faults.clear()
+
     def hang(self, method: str) -> None:
         """Hold every call of ``method`` from now on until :meth:`release`."""
         self._check(method)

@@ -26,8 +26,9 @@ collection that marks later reads this lease (2 came before 3), so it deletes no
 chunks; if it saw one, it waited for that collection to finish before checking existence (4),
 so a chunk that collection deleted is stored again. A marker counts for at most twice
 ``KNOBS.gc_window`` from when this process first saw it (the collection deletes nothing later
-than ``gc_window`` after storing it); one that names this node and is older than this process
-was left by a killed collection and is removed at once.
+than ``gc_window`` after storing it); one that names this node and is not held by a collection
+of this process (:attr:`ContentStore.collecting`) was left by a killed process, or by a
+collection that could not delete it (the store was down), and is removed at once.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from ..knobs import KNOBS
 from ..manifest import Manifest, ShardEntry
 from ..store import LocalStore
 from .calls import BackendCalls
-from .layout import content_key, gc_prefix, lease_prefix, stamp_of, stamped_key
+from .layout import content_key, gc_prefix, lease_prefix, stamped_key
 from .ledger import Bounded
 from .verify import VerifyingReader
 
@@ -75,7 +76,8 @@ class ContentStore:
         calls: the tier's object-store handle.
         setting: the ``codec`` setting (see :data:`.compress.SETTINGS`).
         metrics: optional metrics (``drained_bytes`` counts stored bytes sent).
-        node_id: this node (its collection markers left by a killed process are removed).
+        node_id: this node (its collection markers that no collection of this process holds,
+            left by a killed process or a collection that could not remove its own, are removed).
     """
 
     def __init__(self, store: LocalStore, calls: BackendCalls, setting: str, metrics: Any = None,
@@ -85,7 +87,7 @@ class ContentStore:
         self.setting = setting
         self.metrics = metrics
         self.node_id = node_id
-        self.started = time.time()
+        self.collecting: set[str] = set()  # markers of this process's collections in flight (see .gc)
         self.stored: Bounded = Bounded(1 << 20)  # chunk key -> stored size, of chunks seen by this process
         self.damaged: Bounded = Bounded(65536)  # chunk key -> True: a restore found it damaged (stored again)
         self.markers_seen: Bounded = Bounded(4096)  # collection marker -> when this process first saw it
@@ -180,27 +182,26 @@ class ContentStore:
     async def _wait_for_collections(self, job: str, cancelled: Any) -> None:
         """Wait while a collection of ``job`` is in flight (its marker exists), at most twice
         ``KNOBS.gc_window`` per marker from when this process first saw it (a collector that died
-        leaves its marker behind; one that this node's earlier process left is removed now)."""
+        leaves its marker behind; one naming this node that no collection of this process holds
+        is removed now)."""
         while True:
             markers = await self.calls.write(functools.partial(self.calls.be.list, gc_prefix(job)), cancelled)
             now, dead = time.monotonic(), []
             live = []
             for key in markers:
-                if self._left_by_an_earlier_process(job, key):
+                if self._dead_marker_of_this_node(key):
                     dead.append(key)
                 elif now - self.markers_seen.setdefault(key, now) < 2 * KNOBS.gc_window:
                     live.append(key)
             if dead:
-                log.warning("removing collection markers of %s left by a killed process of this node: %s", job, dead)
+                log.warning("removing collection markers of %s that no collection of this node holds: %s", job, dead)
                 await self.calls.write(functools.partial(self.calls.be.delete, dead), cancelled)
             if not live:
                 return
             await asyncio.sleep(min(0.5, KNOBS.gc_window / 4))
 
-    def _left_by_an_earlier_process(self, job: str, marker: str) -> bool:
-        stamp = stamp_of(gc_prefix(job), marker)
-        return (bool(self.node_id) and marker.endswith(f"-{self.node_id}") and stamp is not None
-                and stamp < self.started - 0.002)  # (stamps are whole milliseconds)
+    def _dead_marker_of_this_node(self, marker: str) -> bool:
+        return bool(self.node_id) and marker.endswith(f"-{self.node_id}") and marker not in self.collecting
 
     async def release(self, lease: str) -> None:
         """Delete a lease (its manifest is published, or its attempt failed). Best effort: a lease

@@ -50,11 +50,14 @@ log = logging.getLogger(__name__)
 _BATCH = 1000
 
 
-async def collect(calls: BackendCalls, job: str, node_id: str = "") -> int:
+async def collect(calls: BackendCalls, job: str, node_id: str = "", holding: set[str] | None = None) -> int:
     """One mark-and-sweep pass over ``job`` (see the module docstring); returns chunks deleted.
 
     Args:
         node_id: the collecting node, named in the marker.
+        holding: the markers of this process's collections in flight; the marker is in it from
+            before it is stored until the pass ends (this node's drains remove any other marker
+            naming this node, see :mod:`.content`).
 
     Raises:
         BackendError, UnavailableError: the store failed (nothing unsafe was done; retry later).
@@ -62,7 +65,13 @@ async def collect(calls: BackendCalls, job: str, node_id: str = "") -> int:
     be, policy = calls.be, KNOBS.catalog_retry
     marker = stamped_key(gc_prefix(job), time.time(), secrets.token_hex(6), f"-{node_id}" if node_id else "")
     marked = time.monotonic()  # before the marker can be seen
-    await calls.read(functools.partial(be.put_bytes, marker, b""), policy)
+    held = holding if holding is not None else set()
+    held.add(marker)
+    try:
+        await calls.read(functools.partial(be.put_bytes, marker, b""), policy)
+    except BaseException:
+        held.discard(marker)
+        raise
     try:
         chunks = await calls.read(functools.partial(be.list, content_prefix(job)), policy)
         referenced = await _references(calls, job)
@@ -79,7 +88,10 @@ async def collect(calls: BackendCalls, job: str, node_id: str = "") -> int:
             log.info("collected %d unreferenced chunks of %s", deleted, job)
         return deleted
     finally:
-        await calls.read(functools.partial(be.delete, [marker]), policy)
+        try:
+            await calls.read(functools.partial(be.delete, [marker]), policy)
+        finally:
+            held.discard(marker)
 
 
 async def _references(calls: BackendCalls, job: str) -> set[str]:

@@ -37,10 +37,13 @@ class Retention:
         catalog: lists the job's steps; told what was deleted.
         keep: a job's ``keep_persistent`` (0 keeps everything): its policy.
         node_id: this node (named by its collections' markers).
+        collecting: the markers of this process's collections in flight (:func:`.gc.collect`).
     """
 
-    def __init__(self, calls: BackendCalls, catalog: Catalog, keep: Callable[[str], int], node_id: str = "") -> None:
+    def __init__(self, calls: BackendCalls, catalog: Catalog, keep: Callable[[str], int], node_id: str = "",
+                 collecting: set[str] | None = None) -> None:
         self.node_id = node_id
+        self.collecting = collecting if collecting is not None else set()
         self.calls = calls
         self.catalog = catalog
         self.keep = keep
@@ -56,7 +59,7 @@ class Retention:
                 for step in doomed:
                     await self._delete_step(job, step)
                 if doomed:
-                    await collect(self.calls, job, self.node_id)
+                    await collect(self.calls, job, self.node_id, self.collecting)
             except (BackendError, UnavailableError, DataLossError) as err:
                 log.warning("persistent retention of %s postponed to the next drain: %s", job, err)
             finally:
@@ -76,7 +79,7 @@ class Retention:
             finally:
                 self.catalog.invalidate(job)
             try:
-                data += await collect(self.calls, job, self.node_id)
+                data += await collect(self.calls, job, self.node_id, self.collecting)
             except (BackendError, UnavailableError, DataLossError) as err:  # the step is gone already
                 log.warning("collection after deleting %s step %d postponed to the next one: %s", job, step, err)
             return manifests, data

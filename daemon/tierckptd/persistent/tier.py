@@ -82,7 +82,8 @@ class PersistentTier(RemoteTier):
                                      self.content if self._content_layout(codec) else None)
         self.writer = QueueWriter(self.queue)
         self.drainer = Drainer(config, store, self.ledger, self.writer, self.uploader, self.catalog_cache,
-                               Retention(self.calls, self.catalog_cache, self.keep_persistent, config.node_id),
+                               Retention(self.calls, self.catalog_cache, self.keep_persistent, config.node_id,
+                                         self.content.collecting),
                                metrics, self._spawn)
         self.takeover = TakeOver(config.node_id, self.persist_every, store, cluster, self.ledger,
                                  self.catalog_cache, self.drainer)
