@@ -63,25 +63,28 @@ def _fresh(d) -> None:
 @pytest.mark.parametrize("how", ["flip", "truncate", "extend", "delete"])
 def test_a_damaged_chunk_shared_by_two_steps_is_data_loss_until_a_drain_stores_it_again(
         daemon_factory, tmp_path: Path, matrix, how: str) -> None:
+    """n0 drains; n1 (no peer tier, same store) restores. The damage is found by n1; n0's next
+    drain of the same bytes stores the chunk again (it learns of the damage from n1's notice)."""
     chk, store, mport = Checker(matrix), tmp_path / "store", free_port()
-    d = daemon_factory("n0", args=("--persistent", f"file://{store}", "--persist-every", "1",
-                                   "--metrics-port", str(mport), knobs()))
-    with d.client() as c:
+    args = ("--persistent", f"file://{store}", "--persist-every", "1", "--keep-local", "1")
+    writer = daemon_factory("n0", args=(*args, knobs()))
+    reader = daemon_factory("n1", args=(*args, "--metrics-port", str(mport), knobs()))
+    with writer.client() as c:
         for step in (1, 2):
             c.save(JOB, step, 0, 1, _shards(step)).wait("persistent", timeout=60)
     shared = stored_objects(store, JOB, 1, 0, "frozen")
     assert len(shared) == 1 and shared == stored_objects(store, JOB, 2, 0, "frozen")
     _damage(shared[0], how)
-    _fresh(d)
-    with d.client() as c:
+    with reader.client() as c:
         for step in (1, 2):  # every step naming the chunk: DataLoss, never a wrong byte
             chk.expect_error(lambda s=step: c.restore(JOB, rank=0, step=s), tierckpt.DataLossError)
         assert c.status().jobs == []  # nothing half-restored was committed
     assert checksum_failures(mport, "persistent") >= 2
-    with d.client() as c:  # a new step holding the same bytes stores the chunk again: both steps are back
+    assert len(stored_files(store, "/damaged/")) == (0 if how == "delete" else 1)
+    with writer.client() as c:  # a new step holding the same bytes stores the chunk again: both steps are back
         c.save(JOB, 3, 0, 1, _shards(3)).wait("persistent", timeout=60)
-    _fresh(d)
-    with d.client() as c:
+    assert stored_files(store, "/damaged/") == []
+    with reader.client() as c:
         for step in (1, 2, 3):
             assert _restores(chk, c, step)
 

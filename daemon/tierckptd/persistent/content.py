@@ -51,7 +51,15 @@ from ..knobs import KNOBS
 from ..manifest import Manifest, ShardEntry
 from ..store import LocalStore
 from .calls import BackendCalls
-from .layout import content_key, gc_prefix, lease_prefix, stamped_key
+from .layout import (
+    content_key,
+    damaged_chunk,
+    damaged_key,
+    damaged_prefix,
+    gc_prefix,
+    lease_prefix,
+    stamped_key,
+)
 from .ledger import Bounded
 from .verify import VerifyingReader
 
@@ -115,6 +123,7 @@ class ContentStore:
         await self.calls.write(functools.partial(self.calls.be.put_bytes, lease, body), cancelled)
         try:
             await self._wait_for_collections(job, cancelled)
+            await self._note_damaged(job, cancelled)
             shards = [await self._put_shard(held, s, plan[s.name], codecs[s.name], cancelled) for s in man.shards]
         except BaseException:
             await asyncio.shield(self.release(lease))  # this attempt is over; the next one leases again
@@ -173,11 +182,18 @@ class ContentStore:
         be.put_bytes(key, stored)  # a damaged chunk is replaced: its name fixes its plain bytes
         self.stored[key] = len(stored)
         if self.damaged.pop(key, None):
+            be.delete([damaged_key(held.job, key)])
             log.warning("chunk %s, found damaged by a restore, stored again from %s", key, _what(held, shard))
         self.sent += len(stored)
         if self.metrics:
             self.metrics.drained_bytes.inc(len(stored))
         return (digest, size, len(stored))
+
+    async def _note_damaged(self, job: str, cancelled: Any) -> None:
+        """Remember the chunks a restore of any node found damaged: they are stored again."""
+        notices = await self.calls.write(functools.partial(self.calls.be.list, damaged_prefix(job)), cancelled)
+        for notice in notices:
+            self.damaged[damaged_chunk(job, notice)] = True
 
     async def _wait_for_collections(self, job: str, cancelled: Any) -> None:
         """Wait while a collection of ``job`` is in flight (its marker exists), at most twice
@@ -239,8 +255,8 @@ class ContentStore:
         stored = self.calls.be.get_bytes(key)
         try:
             data = _checked(key, codec, stored, chunk)
-        except DataLossError:
-            self.damaged[key] = True
+        except DataLossError as err:
+            self._report_damaged(job, key, err)
             raise
         self.stored[key] = len(stored)
         fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -248,6 +264,16 @@ class ContentStore:
             os.pwrite(fd, data, offset)
         finally:
             os.close(fd)
+
+
+    def _report_damaged(self, job: str, key: str, err: DataLossError) -> None:
+        """Remember a damaged chunk and leave a notice for the drains of every node (best effort)."""
+        self.damaged[key] = True
+        log.error("%s; a drain holding its bytes stores it again", err)
+        try:
+            self.calls.be.put_bytes(damaged_key(job, key), b"")
+        except BackendError as notice_err:
+            log.warning("could not store the notice that chunk %s is damaged: %s", key, notice_err)
 
 
 async def settled(*aws: Any) -> list[Any]:
