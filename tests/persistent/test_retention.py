@@ -52,8 +52,9 @@ def test_keep_persistent_deletes_old_steps_manifests_first_then_data(tmp_path: P
         if layout == "content":  # then the chunks only steps 1 and 2 named are collected, the shared one kept
             named = _chunks_named(rig, 3) | _chunks_named(rig, 4)
             assert len(named) == 3 and len(chunks[1]) == 2 and named & chunks[1]
-            await until(lambda: set(rig.memory.list("job/content/")) == named, "the collection")
-            assert rig.memory.list("job/gc/") == [] and rig.memory.list("job/leases/") == []
+            await until(lambda: set(rig.memory.list("job/content/")) == named and not rig.memory.list("job/gc/"),
+                        "the collection, its marker removed")
+            assert rig.memory.list("job/leases/") == []
         assert sorted(await rig.tier.catalog("job")) == [3, 4]
         await rig.tier.stop(1.0)
 
