@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--shards", type=int, default=1, help="shards the drained rank is split into")
+    ap.add_argument("--layout", default="content", choices=("content", "per-shard"),
+                    help="the daemon's persistent_layout (content: 8 MiB chunks, hashed and compressed)")
     args = ap.parse_args()
 
     import boto3
@@ -66,10 +68,10 @@ def main() -> None:
     print(f"{total / 2**20:.0f} MiB ({args.shards} shard(s)); moto_server {server.endpoint_url}; "
           f"TransferConfig: {config.multipart_chunksize >> 20} MiB parts, "
           f"concurrency {config.max_request_concurrency}; "
-          f"{os.cpu_count()} CPUs; median of {args.runs} rounds")
+          f"{os.cpu_count()} CPUs; layout {args.layout}; median of {args.runs} rounds")
 
     daemon = Daemon(work, "bench", args=("--persistent", f"s3://{bucket}/drain", "--persist-every", "1",
-                                         "--keep-local", "1"), env=env).start()
+                                         "--keep-local", "1", "--persistent-layout", args.layout), env=env).start()
     base: list[float] = []
     drain: list[float] = []
     try:

@@ -97,10 +97,10 @@ class DaemonConfig:
     only those)."""
     keep_persistent: int = 0
     """Newest steps per job kept in the persistent tier (0 = keep all)."""
-    persistent_layout: str = "per-shard"
-    """Object layout of drained steps: "per-shard" (one object per shard and save) or "content"
-    (content-addressed chunks shared across steps: unchanged data is not uploaded again, and is
-    compressed by ``codec``). Both are always read."""
+    persistent_layout: str = "content"
+    """Object layout of drained steps: "content" (content-addressed chunks shared across steps:
+    unchanged data is not uploaded again, and is compressed by ``codec``) or "per-shard" (one
+    object per shard and save, the layout of earlier versions). Both are always read."""
     codec: str = "auto"
     """How the persistent tier's content layout compresses chunks: "auto" (by dtype: float16/bfloat16/float32 byte
     planes + zstd, zstd for the rest), "none", "zstd" (every shard) or "bg-zstd" (byte planes by

@@ -19,7 +19,7 @@ from tierckpt.errors import DataLossError, NotFoundError
 
 from .backends import BackendError
 from .localfs import digest_fd
-from .manifest import Manifest
+from .manifest import Manifest, ShardEntry
 from .offload import run_blocking
 from .store import LocalStore
 
@@ -77,30 +77,40 @@ def _hash_file(path: Path, size: int) -> str:
         os.close(fd)
 
 
-async def _check_object(tier: Any, man: Manifest, tmpdir: Path) -> tuple[str, str]:
+async def _fetch_shard(tier: Any, man: Manifest, s: ShardEntry, path: Path) -> str:
+    """Download one stored shard into ``path`` (its chunks, or its data object); returns what
+    it was read from."""
     from .persistent.codec import codec_named
-    from .persistent.layout import data_key
+    from .persistent.layout import data_key, is_content
 
-    be = tier.calls.be
+    def sized() -> None:
+        with open(path, "wb") as fh:
+            fh.truncate(s.size)
+
+    await run_blocking(sized, pool=tier.calls.threads)
+    if is_content(s):
+        await tier.content.get_shard(man.job, s, path)
+        return f"the chunks of {s.name!r}"
+    key = data_key(*man.key, s)
+    await tier.calls.read(lambda: codec_named(s.codec).download_into(functools.partial(tier.calls.be.get_file, key),
+                                                                      path))
+    return f"object {key}"
+
+
+async def _check_object(tier: Any, man: Manifest, tmpdir: Path) -> tuple[str, str]:
     for s in man.shards:
-        key, path = data_key(*man.key, s), tmpdir / f"{s.name}.{secrets.token_hex(4)}"
-
-        def fetch(key: str = key, path: Path = path, size: int = s.size, codec: str = s.codec) -> None:
-            with open(path, "wb") as fh:
-                fh.truncate(size)
-            codec_named(codec).download_into(functools.partial(be.get_file, key), path)
-
+        path = tmpdir / f"{s.name}.{secrets.token_hex(4)}"
         try:
-            await tier.calls.read(fetch)
+            source = await _fetch_shard(tier, man, s, path)
             got = await run_blocking(_hash_file, path, s.size, pool=tier.calls.threads)
-        except NotFoundError:
-            return MISSING, f"shard {s.name}: object {key} missing"
+        except NotFoundError as e:
+            return MISSING, f"shard {s.name}: missing: {e}"
         except (DataLossError, BackendError) as e:
             return MISMATCH, f"shard {s.name}: {e}"
         finally:
             path.unlink(missing_ok=True)
         if got != s.checksum:
-            return MISMATCH, f"shard {s.name}: object {key}: {got}, manifest says {s.checksum}"
+            return MISMATCH, f"shard {s.name}: {source}: {got}, manifest says {s.checksum}"
     return OK, ""
 
 

@@ -124,18 +124,26 @@ class FaultyBackend(Backend):
         self.inner = inner
         self.url = inner.url
         self.calls: collections.Counter[str] = collections.Counter()
-        self._faults: dict[str, list[BackendError]] = collections.defaultdict(list)
+        self._faults: dict[str, list[tuple[BackendError, str]]] = collections.defaultdict(list)
         self._gates: dict[str, threading.Event] = {}
         self._held: dict[str, threading.Semaphore] = collections.defaultdict(lambda: threading.Semaphore(0))
         self._corrupt: set[str] = set()
+        self._corrupt_where = ""
         self._lock = threading.Lock()
 
-    def fail(self, method: str, times: int = 1, *, retryable: bool = True, message: str = "") -> None:
-        """Make the next ``times`` calls of ``method`` raise BackendError(``retryable``)."""
+    def fail(self, method: str, times: int = 1, *, retryable: bool = True, message: str = "",
+             where: str = "") -> None:
+        """Make the next ``times`` calls of ``method`` raise BackendError(``retryable``); with
+        ``where``, only calls whose key contains it (``"/content/"``: chunks, ``"/manifests/"``)."""
         self._check(method)
         msg = message or ("503 SlowDown (injected)" if retryable else "403 AccessDenied (injected)")
         with self._lock:
-            self._faults[method].extend(BackendError(msg, retryable=retryable) for _ in range(times))
+            self._faults[method].extend((BackendError(msg, retryable=retryable), where) for _ in range(times))
+
+    def clear_faults(self) -> None:
+        """Drop every failure :meth:`fail` queued and not yet raised."""
+        with self._lock:
+            self._faults.clear()
 
     def hang(self, method: str) -> None:
         """Hold every call of ``method`` from now on until :meth:`release`."""
@@ -154,9 +162,10 @@ class FaultyBackend(Backend):
         """Until one call of ``method`` is being held (counted once per held call)."""
         return self._held[method].acquire(timeout=timeout)
 
-    def corrupt_reads(self, *methods: str) -> None:
+    def corrupt_reads(self, *methods: str, where: str = "") -> None:
         """Flip one byte of every non-empty object that the read ``methods`` return from now on
-        (default: ``get_bytes`` and ``get_file``); ``corrupt_reads("none")`` stops it."""
+        (default: ``get_bytes`` and ``get_file``; with ``where``, only objects whose key contains
+        it); ``corrupt_reads("none")`` stops it."""
         if methods == ("none",):
             self._corrupt = set()
             return
@@ -164,15 +173,18 @@ class FaultyBackend(Backend):
             if m not in ("get_bytes", "get_file"):
                 raise ValueError(f"FaultyBackend: {m!r} is not a read")
         self._corrupt = set(methods or ("get_bytes", "get_file"))
+        self._corrupt_where = where
 
     def _check(self, method: str) -> None:
         if method not in self.METHODS:
             raise ValueError(f"FaultyBackend: unknown method {method!r}")
 
-    def _enter(self, method: str) -> None:
+    def _enter(self, method: str, key: str = "") -> None:
         with self._lock:
             self.calls[method] += 1
-            fault = self._faults[method].pop(0) if self._faults[method] else None
+            pending = self._faults[method]
+            hit = next((i for i, (_, where) in enumerate(pending) if where in key), None)
+            fault = pending.pop(hit)[0] if hit is not None else None
             gate = self._gates.get(method)
         if fault is not None:
             raise fault
@@ -181,21 +193,21 @@ class FaultyBackend(Backend):
             gate.wait()
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
-        self._enter("put_file")
+        self._enter("put_file", key)
         self.inner.put_file(key, path)
 
     def put_stream(self, key: str, src: BinaryIO, size: int) -> None:
-        self._enter("put_file")  # a shard upload counts as put_file, from a path or a stream
+        self._enter("put_file", key)  # a shard upload counts as put_file, from a path or a stream
         self.inner.put_stream(key, src, size)
 
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        self._enter("put_bytes")
+        self._enter("put_bytes", key)
         self.inner.put_bytes(key, data)
 
     def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
-        self._enter("get_file")
+        self._enter("get_file", key)
         self.inner.get_file(key, path)
-        if "get_file" in self._corrupt and os.path.getsize(path):
+        if self._corrupts("get_file", key) and os.path.getsize(path):
             with open(path, "r+b") as f:
                 f.seek(os.path.getsize(path) // 2)
                 b = f.read(1)
@@ -203,24 +215,27 @@ class FaultyBackend(Backend):
                 f.write(bytes([b[0] ^ 0xFF]))
 
     def get_bytes(self, key: str) -> bytes:
-        self._enter("get_bytes")
+        self._enter("get_bytes", key)
         data = self.inner.get_bytes(key)
-        if "get_bytes" in self._corrupt and data:
+        if self._corrupts("get_bytes", key) and data:
             mid = len(data) // 2
             data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:]
         return data
 
     def list(self, prefix: str = "") -> list[str]:
-        self._enter("list")
+        self._enter("list", prefix)
         return self.inner.list(prefix)
 
     def delete(self, keys: Sequence[str]) -> None:
-        self._enter("delete")
+        self._enter("delete", "\n".join(keys))
         self.inner.delete(keys)
 
     def exists(self, key: str) -> bool:
-        self._enter("exists")
+        self._enter("exists", key)
         return self.inner.exists(key)
+
+    def _corrupts(self, method: str, key: str) -> bool:
+        return method in self._corrupt and self._corrupt_where in key
 
     def close(self) -> None:
         self.release_all()

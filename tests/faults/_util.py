@@ -1,5 +1,7 @@
 """Helpers of the fault matrix: deterministic payloads, saving and byte-for-byte checking,
-bit flips in stored files, raw gRPC stubs, and a TCP proxy that can be cut or hung."""
+bit flips in stored files, the objects a rank's manifest names in a ``file://`` persistent tier
+(chunks of the content layout, or per-shard data objects), raw gRPC stubs, and a TCP proxy that
+can be cut or hung."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import tierckpt
 from tierckpt.errors import TierckptError
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
+from tierckptd.manifest import Manifest
+from tierckptd.persistent.layout import chunk_keys, data_key, is_content, manifest_rank_prefix
 
 from .matrix import Matrix
 
@@ -94,6 +98,43 @@ def flip_bit(path: Path, offset: int = 0) -> None:
         os.pwrite(fd, bytes([b[0] ^ 0x01]), offset)
     finally:
         os.close(fd)
+
+
+def stored_manifest(store: Path, job: str, step: int, rank: int) -> tuple[Path, Manifest]:
+    """The manifest file of a rank in a ``file://`` persistent tier at ``store``, parsed."""
+    prefix = manifest_rank_prefix(job, step, rank)
+    head, tail = prefix.rsplit("/", 1)
+    path = next(p for p in (Path(store) / head).iterdir() if p.name.startswith(tail))
+    return path, Manifest.from_json(path.read_bytes())
+
+
+def stored_objects(store: Path, job: str, step: int, rank: int, shard: str | None = None) -> list[Path]:
+    """The objects a rank's stored manifest names, in shard order (of ``shard`` only when given):
+    its chunks (content layout) or its data objects (per-shard layout)."""
+    _, man = stored_manifest(store, job, step, rank)
+    keys = [k for s in man.shards if shard in (None, s.name)
+            for k in (chunk_keys(job, s) if is_content(s) else [data_key(job, step, rank, s)])]
+    return [Path(store) / k for k in keys]
+
+
+def stored_shards(store: Path, job: str, step: int, rank: int) -> dict[str, bytes]:
+    """The bytes of every shard of a rank as the ``file://`` persistent tier holds them (decoded)."""
+    from tierckptd.persistent.compress import decode
+
+    _, man = stored_manifest(store, job, step, rank)
+    out = {}
+    for s in man.shards:
+        paths = stored_objects(store, job, step, rank, s.name)
+        if is_content(s):
+            out[s.name] = b"".join(decode(s.codec, p.read_bytes(), n) for p, (_, n, _) in zip(paths, s.chunks))
+        else:
+            out[s.name] = paths[0].read_bytes()
+    return out
+
+
+def stored_files(store: Path, where: str) -> list[Path]:
+    """Every finished object of the store whose path contains ``where`` (``"/content/"``, ...)."""
+    return sorted(p for p in Path(store).rglob("*") if p.is_file() and where in str(p) and "tierckpt-tmp" not in p.name)
 
 
 def stubs(target: str) -> tuple[grpc.Channel, pb_grpc.TierckptStub, ppb_grpc.PeerStub]:

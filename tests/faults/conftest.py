@@ -48,12 +48,3 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         with open(out, "w") as f:
             json.dump(sorted(rows.values(), key=lambda r: r["test"]), f, indent=1)
 
-
-@pytest.fixture(autouse=True)
-def _per_shard_layout():
-    """In-process persistent tiers (tests/persistent/rig.py) drain the per-shard layout here, as
-    the daemons do by default: these scenarios inspect and break its objects."""
-    from tierckptd.knobs import KNOBS
-
-    with KNOBS.overridden(per_shard_layout=1):
-        yield

@@ -22,7 +22,18 @@ from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckptd.testing import free_port
 
 from ..harness import Cluster, wait_until
-from ._util import Checker, Proxy, data_files, flip_bit, rank_dir, save, shards_for, stubs
+from ._util import (
+    Checker,
+    Proxy,
+    data_files,
+    flip_bit,
+    rank_dir,
+    save,
+    shards_for,
+    stored_files,
+    stored_objects,
+    stubs,
+)
 
 SIZES = {"model": 300_000, "optim": 40_000, "tiny": 3}
 BIG = {"model": 48 << 20}
@@ -122,15 +133,16 @@ def test_kill9_while_a_replica_is_in_flight(daemon_factory, matrix, victim: str)
             assert chk.restore_ok(c, JOB, step, 0, sizes)
 
 
-def test_kill9_during_a_drain_upload_and_a_download(daemon_factory, tmp_path: Path, matrix) -> None:
+@pytest.mark.parametrize("layout", ["content", "per-shard"])
+def test_kill9_during_a_drain_upload_and_a_download(daemon_factory, tmp_path: Path, matrix, layout: str) -> None:
     chk = Checker(matrix)
     store = tmp_path / "store"
-    args = ("--persistent", f"file://{store}", "--persist-every", "1")
+    args = ("--persistent", f"file://{store}", "--persist-every", "1", "--persistent-layout", layout)
+    objects = "/content/" if layout == "content" else "/data/"  # one chunk or object per shard here
     d = daemon_factory("n0", args=(*args, knobs("debug_manifest_delay=3")))
     with d.client() as c:
         save(c, JOB, 1, 0, SIZES)
-        wait_until(lambda: len([p for p in store.rglob("*") if p.is_file() and "/data/" in str(p)
-                                and "tierckpt-tmp" not in p.name]) == len(SIZES), 10, "shards uploaded")
+        wait_until(lambda: len(stored_files(store, objects)) == len(SIZES), 10, "shards uploaded")
         d.kill()  # every shard is up, the manifest is not
     assert not [p for p in store.rglob("*") if "/manifests/" in str(p) and p.is_file()]
     d.args = (*args, knobs())
@@ -268,7 +280,7 @@ def test_bit_flips_in_a_local_file_a_replica_and_an_object(daemon_factory, tmp_p
         assert c.restore(JOB, rank=0, step=2).tier in ("local", "persistent")
     assert checksum_failures(ports["n0"], "peer") >= 1
     # object flipped, no other copy: DataLoss, never a wrong byte
-    for obj in (p for p in store.rglob("*") if p.is_file() and f"/data/{1:020d}/" in str(p) and "model" in p.name):
+    for obj in stored_objects(store, JOB, 1, 0, "model"):  # its chunk (named by step 1 only)
         flip_bit(obj, 5)
     n1.kill()
     n0.kill()

@@ -66,6 +66,16 @@ def test_rm_verify_persist_single_node(daemon_factory, tmp_path: Path) -> None:
         res = c.verify_job("j", step=2)
         bad = [x for x in res.copies if x.state != "ok"]
         assert [(x.tier, x.state) for x in bad] == [("local", "mismatch")]
+        # damage the chunk of step 2 in the store (the content layout): verify finds it too
+        chunks = sorted(p for p in (store / "j" / "content").rglob("*") if p.is_file())
+        assert len(chunks) == 2  # steps 1 (its re-save) and 2
+        step2 = [p for p in chunks if p.name.endswith("-100.zstd")]
+        saved = step2[0].read_bytes()
+        step2[0].write_bytes(saved[:-1])
+        res = c.verify_job("j", step=2)
+        assert sorted((x.tier, x.state) for x in res.copies if x.state != "ok") == \
+            [("local", "mismatch"), ("persistent", "mismatch")], res.copies
+        step2[0].write_bytes(saved)
         # persist a step that was not selected
         _save(c, "j", 3)
         queued, done = c.persist_step("j", 3, wait=True, timeout=60)
@@ -76,6 +86,7 @@ def test_rm_verify_persist_single_node(daemon_factory, tmp_path: Path) -> None:
         assert (r.local, r.persistent) == (1, 1)
         assert 2 not in [i.step for i in c.list("j")]
         assert not (store / "j" / "manifests" / f"{2:020d}").exists()
+        assert not step2[0].exists()  # its chunk, named by no other step, is collected
         r = c.delete_step("j", 3, tiers=["local"])
         assert (r.local, r.persistent) == (1, 0)
         assert [t for i in c.list("j") if i.step == 3 for t in i.tiers] == ["persistent"]

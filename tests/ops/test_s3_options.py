@@ -90,7 +90,7 @@ def test_daemon_drains_with_the_configured_options(s3, daemon_factory) -> None:
         c.save("job", 3, 0, 1, {"model": b"x" * 1000}).wait("persistent", timeout=60)
     with open_backend(target.url, endpoint_url=endpoint, region="us-east-1") as be:
         keys = be.list("job/")
-        assert any("/manifests/" in k for k in keys) and any("/data/" in k for k in keys)
+        assert any("/manifests/" in k for k in keys) and any("/content/" in k for k in keys)  # chunks
         for key in keys:
             head = _head(be, key)
             assert head["ServerSideEncryption"] == "AES256" and head["StorageClass"] == "REDUCED_REDUNDANCY", key

@@ -48,11 +48,12 @@ class Host:
 
 
 class Rig:
-    """One node: ``store``, ``tier``, ``faulty`` (wrapping ``memory``), ``cluster``, ``host``."""
+    """One node: ``store``, ``tier``, ``faulty`` (wrapping ``memory``), ``cluster``, ``host``;
+    ``layout`` is the ``persistent_layout`` its drains write (both are read)."""
 
     def __init__(self, root: Path, *, node_id: str = "n0", persist_every: int = 1, keep_persistent: int = 0,
                  cluster: FakeCluster | None = None, memory: MemoryBackend | None = None,
-                 store: LocalStore | None = None, **tier_kw: Any) -> None:
+                 store: LocalStore | None = None, layout: str = "content", **tier_kw: Any) -> None:
         self.root = root
         self.node_id = node_id
         if store is None:
@@ -66,7 +67,7 @@ class Rig:
         self.host = Host()
         self.config = DaemonConfig(node_id=node_id, local_dir=str(store.root), persistent=URL,
                                    persist_every=persist_every, keep_persistent=keep_persistent,
-                                   persistent_layout="content")  # the conftest's knob picks per-shard
+                                   persistent_layout=layout)
         self.tier = PersistentTier(self.config, store, cluster=cluster, backend=self.faulty, **tier_kw)
         self.tier.bind(self.host)
 

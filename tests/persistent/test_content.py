@@ -18,9 +18,8 @@ from tierckptd.persistent import compress, manifest_key
 from tierckptd.persistent.calls import BackendCalls
 from tierckptd.persistent.gc import collect
 
-from .rig import Rig
+from .rig import Rig, until
 
-pytestmark = pytest.mark.content_layout
 CHUNK = 4096
 
 
@@ -89,12 +88,11 @@ def test_unchanged_chunks_are_not_uploaded_again_and_restore_is_byte_exact(tmp_p
 
 def test_the_per_shard_layout_stays_readable(tmp_path: Path) -> None:
     async def body() -> None:
-        with KNOBS.overridden(per_shard_layout=1):
-            old = Rig(tmp_path, node_id="old")
-            await old.tier.start()
-            _save(old, 1, {"m": b"old layout " * 100})
-            await _drain(old, 1)
-            await old.tier.stop(1.0)
+        old = Rig(tmp_path, node_id="old", layout="per-shard")
+        await old.tier.start()
+        _save(old, 1, {"m": b"old layout " * 100})
+        await _drain(old, 1)
+        await old.tier.stop(1.0)
         keys = list(old.memory.objects)
         assert any("/data/" in k for k in keys) and not any("/content/" in k for k in keys)
         await _restores(old.memory, tmp_path, "new", 1, {"m": b"old layout " * 100})
@@ -155,5 +153,25 @@ def test_chunks_named_by_a_live_lease_are_not_collected(tmp_path: Path) -> None:
         rig.memory.put_bytes("job/leases/9999999999999-t.json", b'{"keys": ["job/content/cd/leased-1.raw"]}')
         assert await collect(BackendCalls(backend=rig.memory), "job") == 1
         assert rig.memory.list("job/content/") == ["job/content/cd/leased-1.raw"]
+
+    asyncio.run(body())
+
+
+def test_a_marker_its_collection_could_not_remove_does_not_hold_up_this_nodes_drains(tmp_path: Path) -> None:
+    async def body() -> None:
+        rig = Rig(tmp_path, keep_persistent=1)
+        rig.faulty.fail("delete", times=20, retryable=False, where="/gc/")  # the store refuses, as if down
+        await rig.tier.start()
+        for step in (1, 2):
+            _save(rig, step, {"w": _floats(1000, step).tobytes()})
+            await _drain(rig, step)
+        await until(lambda: rig.memory.list("job/manifests/00000000000000000001/") == [], "retention of step 1")
+        await until(lambda: rig.memory.list("job/gc/") and not rig.tier.content.collecting, "the collection's end")
+        rig.faulty.clear_faults()  # the store is back
+        _save(rig, 3, {"w": _floats(1000, 3).tobytes()})
+        await _drain(rig, 3)  # within 10 s, not 2 x gc_window (120 s)
+        assert rig.memory.list("job/gc/") == []
+        await rig.tier.stop(1.0)
+        await _restores(rig.memory, tmp_path, "r", 3, {"w": _floats(1000, 3).tobytes()})
 
     asyncio.run(body())

@@ -19,13 +19,14 @@ FAST = RetryPolicy(initial_delay=0.01, max_delay=0.02, deadline=None, jitter=Fal
 def test_an_outage_delays_the_drain_and_loses_nothing(tmp_path: Path) -> None:
     async def body() -> None:
         rig = Rig(tmp_path)
-        rig.faulty.fail("put_file", times=5, retryable=True)
-        rig.faulty.fail("put_bytes", times=3, retryable=True)
+        rig.faulty.fail("put_bytes", times=5, retryable=True, where="/content/")
+        rig.faulty.fail("put_bytes", times=3, retryable=True, where="/manifests/")
         with KNOBS.overridden(drain_retry=FAST):
             await rig.tier.start()
             rig.save("job", 1, 0, {"a": b"a" * 100})
             assert await asyncio.wait_for(rig.tier.wait("job", 1, 0, None), 10) == [URL]
-        assert rig.faulty.calls["put_file"] == 6 and rig.faulty.calls["put_bytes"] == 4
+        assert rig.faulty.calls["put_bytes"] == 1 + 6 + 4  # the lease, the one chunk, the manifest
+        assert rig.memory.list("job/leases/") == []
         assert rig.tier.status()["backlog_steps"] == 0
         await rig.tier.stop(1.0)
 
@@ -35,7 +36,7 @@ def test_an_outage_delays_the_drain_and_loses_nothing(tmp_path: Path) -> None:
 def test_a_refusal_is_reported_and_the_rank_is_tried_again_later(tmp_path: Path) -> None:
     async def body() -> None:
         rig = Rig(tmp_path)
-        rig.faulty.fail("put_file", times=1, retryable=False)
+        rig.faulty.fail("put_bytes", times=1, retryable=False, where="/content/")
         with KNOBS.overridden(failed_retry_seconds=0.05):
             await rig.tier.start()
             rig.save("job", 1, 0, {"a": b"a"})
@@ -60,7 +61,7 @@ def test_a_corrupt_download_is_discarded_and_a_good_one_restored(tmp_path: Path)
 
         reader = Rig(tmp_path, node_id="b", memory=writer.memory)  # a brand-new node
         await reader.tier.start()
-        reader.faulty.corrupt_reads("get_file")  # the data objects, not the manifest
+        reader.faulty.corrupt_reads("get_bytes", where="/content/")  # the chunks, not the manifest
         with pytest.raises(DataLossError, match="failed verification"):
             await reader.tier.fetch("job", 3, 0)
         assert reader.store.get("job", 3, 0) is None and reader.store.open_saves() == 0

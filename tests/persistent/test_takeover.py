@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from tierckptd.knobs import KNOBS
 from tierckptd.manifest import Manifest
 from tierckptd.persistent import data_key, manifest_key
@@ -21,9 +22,10 @@ def _holder(tmp_path: Path, node_id: str = "n1", **kw) -> tuple[Rig, Manifest]:
     return rig, man
 
 
-def test_owner_down_past_grace_the_first_holder_drains_it_in_the_owners_form(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["content", "per-shard"])
+def test_owner_down_past_grace_the_first_holder_drains_it_in_the_owners_form(tmp_path: Path, layout: str) -> None:
     async def body() -> None:
-        rig, _man = _holder(tmp_path)
+        rig, _man = _holder(tmp_path, layout=layout)
         await rig.tier.start()
         with KNOBS.overridden(takeover_grace=10.0):
             rig.cluster.down["n0"] = 9.9
@@ -35,8 +37,17 @@ def test_owner_down_past_grace_the_first_holder_drains_it_in_the_owners_form(tmp
         assert await asyncio.wait_for(rig.tier.wait(*KEY, None), 10) == [URL]
         stored = Manifest.from_json(rig.memory.get_bytes(manifest_key(*KEY, 2)))
         assert stored.node == "n0" and stored.generation == "g0"
-        assert {s.file for s in stored.shards} == {"model.g0", "optim.g0"}
-        assert rig.memory.list("job/data/") == sorted(data_key(*KEY, s) for s in stored.shards)
+        if layout == "per-shard":
+            assert {s.file for s in stored.shards} == {"model.g0", "optim.g0"}
+            assert rig.memory.list("job/data/") == sorted(data_key(*KEY, s) for s in stored.shards)
+        else:  # chunks are named by content: the owner's drain of this save names the same ones
+            assert {s.file for s in stored.shards} == {""} and all(s.chunks for s in stored.shards)
+            assert rig.memory.list("job/data/") == [] and len(rig.memory.list("job/content/")) == 2
+        reader = Rig(tmp_path, node_id="r", memory=rig.memory)
+        await reader.tier.start()
+        local = await reader.tier.fetch(*KEY)
+        assert reader.store.shard_path(local, "model").read_bytes() == b"M" * 1000
+        await reader.tier.stop(1.0)
         await rig.tier.stop(1.0)
 
     asyncio.run(body())

@@ -2,7 +2,9 @@
 
 One concept per module:
 
-- :mod:`.layout`: object keys (data objects, manifests as commit markers).
+- :mod:`.layout`: object keys (chunks or data objects, manifests as commit markers).
+- :mod:`.content`: the content layout's chunks (deduplicated upload, decoded download); :mod:`.gc`
+  collects the chunks no manifest names.
 - :mod:`.selection`: which ranks are drained; which steps retention removes (pure).
 - :mod:`.queue`: the durable drain queue (one JSON file per pending rank), written off the loop.
 - :mod:`.ledger`: pending, drained and failed ranks of this process (in memory).
@@ -21,13 +23,13 @@ take-over, retention, restore).
 """
 
 from .codec import IDENTITY, ShardCodec, codec_named, register_codec
-from .layout import data_key, manifest_key, parse_manifest_key
+from .layout import data_key, manifest_key, object_keys, parse_manifest_key
 from .queue import DrainQueue
 from .selection import not_selected_reason, plan_retention, selected
 from .tier import PersistentTier
 
 __all__ = [
     "PersistentTier", "DrainQueue", "selected", "not_selected_reason", "plan_retention",
-    "manifest_key", "data_key", "parse_manifest_key",
+    "manifest_key", "data_key", "object_keys", "parse_manifest_key",
     "ShardCodec", "IDENTITY", "register_codec", "codec_named",
 ]

@@ -7,15 +7,28 @@ Upload of one rank (:meth:`ContentStore.put_rank`), in this order:
    published) and every chunk's xxh3-128 is taken: the chunk keys are now known.
 2. Lease: ``<job>/leases/<ms>-<token>.json`` listing those keys is stored.
 3. Collections: while a collection marker ``<job>/gc/...`` exists, wait (see :mod:`.gc`).
-4. Chunks: each chunk whose key exists is skipped (deduplicated); the others are read again,
-   checked against their hash (so every byte sent was verified), encoded and stored.
-5. The caller publishes the manifest (commit marker), then :meth:`release` deletes the lease.
+4. Chunks: each chunk whose key exists is skipped (deduplicated) unless a restore of this
+   process found it damaged (it is then stored again, which repairs every step naming it); the
+   others are read again, checked against their hash (so every byte sent was verified), encoded
+   and stored.
+5. The caller publishes the manifest (commit marker), then :meth:`release` deletes the lease (a
+   failed attempt deletes it too; one left by a killed process expires after ``KNOBS.lease_ttl``).
+
+Download (:meth:`ContentStore.get_shard`): every chunk is checked before it is written: its stored
+size against the manifest's record (when the drain knew it; a chunk's encoding is deterministic
+for a codec name), then its decoded bytes against the hash in its name, so a damaged, truncated
+or swapped chunk is a :class:`DataLossError` naming it (the restore's commit then verifies each
+shard's checksum again).
 
 Why it is safe against a concurrent collection: a collection stores its marker, then reads the
 leases and manifests, deletes, and removes its marker. If the drain saw no marker (3), any
 collection that marks later reads this lease (2 came before 3), so it deletes none of these
 chunks; if it saw one, it waited for that collection to finish before checking existence (4),
-so a chunk that collection deleted is stored again.
+so a chunk that collection deleted is stored again. A marker counts for at most twice
+``KNOBS.gc_window`` from when this process first saw it (the collection deletes nothing later
+than ``gc_window`` after storing it); one that names this node and is not held by a collection
+of this process (:attr:`ContentStore.collecting`) was left by a killed process, or by a
+collection that could not delete it (the store was down), and is removed at once.
 """
 
 from __future__ import annotations
@@ -31,14 +44,22 @@ import time
 from typing import Any
 
 import xxhash
-from tierckpt.errors import DataLossError
+from tierckpt.errors import DataLossError, UnavailableError
 
 from ..backends import BackendError
 from ..knobs import KNOBS
 from ..manifest import Manifest, ShardEntry
 from ..store import LocalStore
 from .calls import BackendCalls
-from .layout import content_key, gc_prefix, lease_prefix, stamped_key
+from .layout import (
+    content_key,
+    damaged_chunk,
+    damaged_key,
+    damaged_prefix,
+    gc_prefix,
+    lease_prefix,
+    stamped_key,
+)
 from .ledger import Bounded
 from .verify import VerifyingReader
 
@@ -63,14 +84,21 @@ class ContentStore:
         calls: the tier's object-store handle.
         setting: the ``codec`` setting (see :data:`.compress.SETTINGS`).
         metrics: optional metrics (``drained_bytes`` counts stored bytes sent).
+        node_id: this node (its collection markers that no collection of this process holds,
+            left by a killed process or a collection that could not remove its own, are removed).
     """
 
-    def __init__(self, store: LocalStore, calls: BackendCalls, setting: str, metrics: Any = None) -> None:
+    def __init__(self, store: LocalStore, calls: BackendCalls, setting: str, metrics: Any = None,
+                 node_id: str = "") -> None:
         self.store = store
         self.calls = calls
         self.setting = setting
         self.metrics = metrics
+        self.node_id = node_id
+        self.collecting: set[str] = set()  # markers of this process's collections in flight (see .gc)
         self.stored: Bounded = Bounded(1 << 20)  # chunk key -> stored size, of chunks seen by this process
+        self.damaged: Bounded = Bounded(65536)  # chunk key -> True: a restore found it damaged (stored again)
+        self.markers_seen: Bounded = Bounded(4096)  # collection marker -> when this process first saw it
         self.sent = 0  # stored bytes uploaded by this process (benchmarks)
 
     # ----------------------------------------------------------------------------- upload
@@ -93,16 +121,22 @@ class ContentStore:
         leased = time.monotonic()
         body = json.dumps({"created": time.time(), "keys": keys}).encode()
         await self.calls.write(functools.partial(self.calls.be.put_bytes, lease, body), cancelled)
-        await self._wait_for_collections(job, cancelled)
-        shards = []
-        for s in man.shards:
-            offsets = _offsets(plan[s.name])
-            chunks = await asyncio.gather(*(
-                self.calls.write(functools.partial(self._put_chunk, held, s.name, off, d, n, codecs[s.name]),
-                                 cancelled)
-                for (d, n), off in zip(plan[s.name], offsets)))
-            shards.append(dataclasses.replace(s, file="", codec=codecs[s.name], chunks=tuple(chunks)))
+        try:
+            await self._wait_for_collections(job, cancelled)
+            await self._note_damaged(job, cancelled)
+            shards = [await self._put_shard(held, s, plan[s.name], codecs[s.name], cancelled) for s in man.shards]
+        except BaseException:
+            await asyncio.shield(self.release(lease))  # this attempt is over; the next one leases again
+            raise
         return dataclasses.replace(man, shards=tuple(shards)), lease, leased
+
+    async def _put_shard(self, held: Manifest, s: ShardEntry, plan: list[tuple[str, int]], codec: str,
+                         cancelled: Any) -> ShardEntry:
+        """Step 4 for one shard: its chunks stored (or found), its manifest entry."""
+        chunks = await asyncio.gather(*(
+            self.calls.write(functools.partial(self._put_chunk, held, s.name, off, d, n, codec), cancelled)
+            for (d, n), off in zip(plan, _offsets(plan))))
+        return dataclasses.replace(s, file="", codec=codec, chunks=tuple(chunks))
 
     def _hash_shard(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
         """(xxh3-128 hex, size) of every chunk of a local shard, verifying the shard's checksum."""
@@ -130,11 +164,11 @@ class ContentStore:
             raise FileNotFoundError(str(err)) from err
 
     def _put_chunk(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str) -> Chunk:
-        """Store one chunk unless its key exists; returns its manifest record."""
+        """Store one chunk unless its key exists (and was not found damaged); returns its manifest record."""
         from .compress import encode
 
         be, key = self.calls.be, content_key(held.job, digest, size, codec)
-        if be.exists(key):
+        if key not in self.damaged and be.exists(key):
             return (digest, size, self.stored.get(key, 0))
         fd = self._open(held, shard)
         try:
@@ -145,28 +179,53 @@ class ContentStore:
             raise DataLossError(f"{_what(held, shard)}: the local copy changed while uploading "
                                 f"(chunk at {offset}); not published")
         stored = encode(codec, data)
-        be.put_bytes(key, stored)
+        be.put_bytes(key, stored)  # a damaged chunk is replaced: its name fixes its plain bytes
         self.stored[key] = len(stored)
+        if self.damaged.pop(key, None):
+            be.delete([damaged_key(held.job, key)])
+            log.warning("chunk %s, found damaged by a restore, stored again from %s", key, _what(held, shard))
         self.sent += len(stored)
         if self.metrics:
             self.metrics.drained_bytes.inc(len(stored))
         return (digest, size, len(stored))
 
+    async def _note_damaged(self, job: str, cancelled: Any) -> None:
+        """Remember the chunks a restore of any node found damaged: they are stored again."""
+        notices = await self.calls.write(functools.partial(self.calls.be.list, damaged_prefix(job)), cancelled)
+        for notice in notices:
+            self.damaged[damaged_chunk(job, notice)] = True
+
     async def _wait_for_collections(self, job: str, cancelled: Any) -> None:
         """Wait while a collection of ``job`` is in flight (its marker exists), at most twice
-        ``KNOBS.gc_window`` per marker (a collector that died leaves its marker behind)."""
-        first_seen: dict[str, float] = {}
+        ``KNOBS.gc_window`` per marker from when this process first saw it (a collector that died
+        leaves its marker behind; one naming this node that no collection of this process holds
+        is removed now)."""
         while True:
             markers = await self.calls.write(functools.partial(self.calls.be.list, gc_prefix(job)), cancelled)
-            now = time.monotonic()
-            live = [k for k in markers if now - first_seen.setdefault(k, now) < 2 * KNOBS.gc_window]
+            now, dead = time.monotonic(), []
+            live = []
+            for key in markers:
+                if self._dead_marker_of_this_node(key):
+                    dead.append(key)
+                elif now - self.markers_seen.setdefault(key, now) < 2 * KNOBS.gc_window:
+                    live.append(key)
+            if dead:
+                log.warning("removing collection markers of %s that no collection of this node holds: %s", job, dead)
+                await self.calls.write(functools.partial(self.calls.be.delete, dead), cancelled)
             if not live:
                 return
             await asyncio.sleep(min(0.5, KNOBS.gc_window / 4))
 
-    async def release(self, lease: str, leased: float, cancelled: Any) -> None:
-        """Delete a lease once its manifest is published."""
-        await self.calls.write(functools.partial(self.calls.be.delete, [lease]), cancelled)
+    def _dead_marker_of_this_node(self, marker: str) -> bool:
+        return bool(self.node_id) and marker.endswith(f"-{self.node_id}") and marker not in self.collecting
+
+    async def release(self, lease: str) -> None:
+        """Delete a lease (its manifest is published, or its attempt failed). Best effort: a lease
+        left behind only delays the collection of its chunks until it expires."""
+        try:
+            await self.calls.read(functools.partial(self.calls.be.delete, [lease]), KNOBS.catalog_retry)
+        except (BackendError, UnavailableError) as err:
+            log.warning("could not delete the lease %s (it expires by itself): %s", lease, err)
 
     @staticmethod
     def check_lease(leased: float) -> None:
@@ -179,22 +238,65 @@ class ContentStore:
     async def get_shard(self, job: str, shard: ShardEntry, path: Any) -> None:
         """Fill the sized staging file ``path`` with the decoded chunks of ``shard``."""
         offsets = _offsets([(d, n) for d, n, _ in shard.chunks])
-        await asyncio.gather(*(self.calls.read(functools.partial(self._get_chunk, job, shard.codec, c, off, path))
-                               for c, off in zip(shard.chunks, offsets)))
+        await settled(*(self.calls.read(functools.partial(self._get_chunk, job, shard.codec, c, off, path))
+                         for c, off in zip(shard.chunks, offsets)))
 
     def _get_chunk(self, job: str, codec: str, chunk: Chunk, offset: int, path: Any) -> None:
-        from .compress import decode
+        """Download, check and decode one chunk into ``path`` at ``offset``.
 
+        Raises:
+            DataLossError: the chunk is damaged: its stored size differs from the manifest's (when
+                known), it does not decode, or its bytes do not hash to its name. It is remembered,
+                and the next drain of this process holding those bytes stores it again.
+            NotFoundError: the chunk is missing.
+        """
         digest, size, _ = chunk
         key = content_key(job, digest, size, codec)
         stored = self.calls.be.get_bytes(key)
+        try:
+            data = _checked(key, codec, stored, chunk)
+        except DataLossError as err:
+            self._report_damaged(job, key, err)
+            raise
         self.stored[key] = len(stored)
-        data = decode(codec, stored, size)
         fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
             os.pwrite(fd, data, offset)
         finally:
             os.close(fd)
+
+
+    def _report_damaged(self, job: str, key: str, err: DataLossError) -> None:
+        """Remember a damaged chunk and leave a notice for the drains of every node (best effort)."""
+        self.damaged[key] = True
+        log.error("%s; a drain holding its bytes stores it again", err)
+        try:
+            self.calls.be.put_bytes(damaged_key(job, key), b"")
+        except BackendError as notice_err:
+            log.warning("could not store the notice that chunk %s is damaged: %s", key, notice_err)
+
+
+async def settled(*aws: Any) -> list[Any]:
+    """``asyncio.gather`` that, when one fails, first lets the others finish (none writes into a
+    staging file after the caller discarded it), then raises the first error."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def _checked(key: str, codec: str, stored: bytes, chunk: Chunk) -> bytes:
+    """The plain bytes of a downloaded chunk, checked against its manifest record and its name."""
+    from .compress import decode
+
+    digest, size, stored_size = chunk
+    if stored_size and len(stored) != stored_size:
+        raise DataLossError(f"chunk {key} has {len(stored)} bytes, its manifest says {stored_size}")
+    data = decode(codec, stored, size)
+    if xxhash.xxh3_128_hexdigest(data) != digest:
+        raise DataLossError(f"chunk {key}: checksum mismatch (its bytes do not hash to its name)")
+    return data
 
 
 def _offsets(chunks: list[tuple[str, int]]) -> list[int]:

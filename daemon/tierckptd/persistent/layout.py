@@ -5,7 +5,8 @@ Object layout below the URL's root (``file:///dir``, ``s3://bucket/prefix``, ``g
     <job>/content/<h[:2]>/<h>-<size>.<codec>                                 one chunk (content layout)
     <job>/manifests/<step:020d>/rank-<rank:07d>-of-<world:07d>.json          commit marker
     <job>/leases/<unix-ms:013d>-<token>.json                                 a drain in flight (see :mod:`.gc`)
-    <job>/gc/<unix-ms:013d>-<token>                                          a collection in flight
+    <job>/gc/<unix-ms:013d>-<token>-<node>                                   a collection in flight
+    <job>/damaged/<h[:2]>/<h>-<size>.<codec>                                 a chunk a restore found damaged
     <job>/data/<step:020d>/rank-<rank:07d>/<shard>.<save-id>                 shard bytes (per-shard layout)
 
 Content layout (what drains write): a shard is cut into chunks of ``KNOBS.chunk_bytes`` (the last
@@ -14,7 +15,10 @@ it is stored with (:mod:`.compress`), so the same bytes stored the same way are 
 by every step and rank of the job that holds them, and a drain learns whether a chunk is already
 stored from its name alone. The manifest's ``shards[].chunks`` lists ``[hash, size, stored size]``
 in order and ``shards[].codec`` the codec; ``shards[].file`` is empty. Chunks no manifest names
-are collected by :mod:`.gc`. The name is 128 bits of xxh3 plus the size rather than a
+are collected by :mod:`.gc`. A restore that finds a chunk damaged (it does not hash to its name)
+stores an empty notice under ``damaged/`` with the chunk's name; the next drain of any node that
+holds those bytes stores the chunk again (repairing every step that names it) and deletes the
+notice. The name is 128 bits of xxh3 plus the size rather than a
 cryptographic hash: an accidental collision needs ~2^64 chunks, the name is only compared within
 one job, whose writers can replace its data anyway, restores still verify each shard's
 checksum, and xxh3-128 hashes at ~20 GB/s where sha256/blake2b run at 0.3 GB/s on one core here,
@@ -38,7 +42,7 @@ import re
 
 from tierckpt.errors import DataLossError
 
-from ..manifest import ShardEntry
+from ..manifest import Manifest, ShardEntry
 
 CONTENT_CODECS = ("raw", "zstd", "bg2-zstd", "bg4-zstd")
 """The chunk codecs (:data:`.compress.CODECS`; named here so the layout needs no numpy)."""
@@ -46,7 +50,8 @@ CONTENT_CODECS = ("raw", "zstd", "bg2-zstd", "bg4-zstd")
 __all__ = [
     "manifest_key", "data_key", "parse_manifest_key", "manifest_rank_prefix", "rank_data_prefix",
     "job_manifests_prefix", "step_manifests_prefix", "step_data_prefix",
-    "content_key", "content_prefix", "is_content", "lease_prefix", "gc_prefix", "stamped_key", "stamp_of",
+    "content_key", "content_prefix", "is_content", "chunk_keys", "object_keys",
+    "lease_prefix", "gc_prefix", "damaged_prefix", "damaged_key", "damaged_chunk", "stamped_key", "stamp_of",
 ]
 
 _MANIFEST_RE = re.compile(r"^manifests/(\d{20})/rank-(\d{7})-of-(\d{7})\.json$")
@@ -83,9 +88,42 @@ def content_key(job: str, digest: str, size: int, codec: str) -> str:
     return f"{job}/content/{digest[:2]}/{digest}-{size}.{codec}"
 
 
+def chunk_keys(job: str, shard: ShardEntry) -> list[str]:
+    """Object keys of a content-layout shard's chunks, in order (none for a per-shard one)."""
+    return [content_key(job, d, n, shard.codec) for d, n, _ in shard.chunks] if is_content(shard) else []
+
+
+def object_keys(man: Manifest) -> set[str]:
+    """Every data object a stored manifest names: its chunks (content layout) or its shards' data
+    objects (per-shard layout).
+
+    Raises:
+        DataLossError: a per-shard shard names no object (a malformed manifest).
+    """
+    out: set[str] = set()
+    for s in man.shards:
+        out.update(chunk_keys(man.job, s) if is_content(s) else (data_key(*man.key, s),))
+    return out
+
+
 def content_prefix(job: str) -> str:
     """Prefix of every chunk of a job."""
     return f"{job}/content/"
+
+
+def damaged_prefix(job: str) -> str:
+    """Prefix of the notices of chunks found damaged."""
+    return f"{job}/damaged/"
+
+
+def damaged_key(job: str, chunk: str) -> str:
+    """The notice that the chunk ``chunk`` (a :func:`content_key` of ``job``) was found damaged."""
+    return damaged_prefix(job) + chunk[len(content_prefix(job)):]
+
+
+def damaged_chunk(job: str, notice: str) -> str:
+    """The chunk key a :func:`damaged_key` notice names."""
+    return content_prefix(job) + notice[len(damaged_prefix(job)):]
 
 
 def lease_prefix(job: str) -> str:

@@ -35,8 +35,8 @@ class Entry:
 
 
 class Bounded(collections.OrderedDict):
-    """An insertion-ordered dict that forgets its oldest items beyond ``limit``. Setting and
-    ``get`` are safe from several threads (the content layout's upload workers share one)."""
+    """An insertion-ordered dict that forgets its oldest items beyond ``limit``. Setting, ``get``
+    and ``pop`` are safe from several threads (the content layout's upload workers share one)."""
 
     def __init__(self, limit: int) -> None:
         super().__init__()
@@ -53,6 +53,10 @@ class Bounded(collections.OrderedDict):
     def get(self, key: Any, default: Any = None) -> Any:
         with self._lock:
             return super().get(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        with self._lock:
+            return super().pop(key, *default)
 
 
 class Ledger:

@@ -29,7 +29,7 @@ from ..store import LocalStore
 from .calls import BackendCalls
 from .catalog import Catalog, count_checksum_failure
 from .codec import codec_named
-from .content import ContentStore
+from .content import ContentStore, settled
 from .layout import data_key, is_content
 from .ledger import Key
 
@@ -107,7 +107,7 @@ class Restorer:
         st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, remote.world_size, specs,
                               stream=False, prefault=True)
         try:
-            await asyncio.gather(*(self._get_shard(st, remote, s, st.files[s.name].path) for s in remote.shards))
+            await settled(*(self._get_shard(st, remote, s, st.files[s.name].path) for s in remote.shards))
             local, _ = await run_blocking(
                 self.store.commit, st.save_id, {s.name: s.checksum for s in remote.shards},
                 remote.metadata_json, persist=remote.persist, verify=True, node=remote.node,

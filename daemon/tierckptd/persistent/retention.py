@@ -36,9 +36,14 @@ class Retention:
         calls: the tier's object-store handle.
         catalog: lists the job's steps; told what was deleted.
         keep: a job's ``keep_persistent`` (0 keeps everything): its policy.
+        node_id: this node (named by its collections' markers).
+        collecting: the markers of this process's collections in flight (:func:`.gc.collect`).
     """
 
-    def __init__(self, calls: BackendCalls, catalog: Catalog, keep: Callable[[str], int]) -> None:
+    def __init__(self, calls: BackendCalls, catalog: Catalog, keep: Callable[[str], int], node_id: str = "",
+                 collecting: set[str] | None = None) -> None:
+        self.node_id = node_id
+        self.collecting = collecting if collecting is not None else set()
         self.calls = calls
         self.catalog = catalog
         self.keep = keep
@@ -54,7 +59,7 @@ class Retention:
                 for step in doomed:
                     await self._delete_step(job, step)
                 if doomed:
-                    await collect(self.calls, job)
+                    await collect(self.calls, job, self.node_id, self.collecting)
             except (BackendError, UnavailableError, DataLossError) as err:
                 log.warning("persistent retention of %s postponed to the next drain: %s", job, err)
             finally:
@@ -62,16 +67,22 @@ class Retention:
 
     async def delete_step(self, job: str, step: int) -> tuple[int, int]:
         """Delete one step on request (``tierckpt rm``), under the job's retention lock: every
-        rank's manifest first, then the data. Returns (manifests, data objects) deleted.
+        rank's manifest first, then the data (per-shard objects; then the chunks no other step
+        names are collected). Returns (manifests, data objects and chunks) deleted.
 
         Raises:
             BackendError, UnavailableError: the store failed (manifests may be gone already).
         """
         async with self._locks[job]:
             try:
-                return await self._delete_step(job, step, "deleted on request")
+                manifests, data = await self._delete_step(job, step, "deleted on request")
             finally:
                 self.catalog.invalidate(job)
+            try:
+                data += await collect(self.calls, job, self.node_id, self.collecting)
+            except (BackendError, UnavailableError, DataLossError) as err:  # the step is gone already
+                log.warning("collection after deleting %s step %d postponed to the next one: %s", job, step, err)
+            return manifests, data
 
     async def _delete_step(self, job: str, step: int, why: str = "") -> tuple[int, int]:
         be, policy = self.calls.be, KNOBS.catalog_retry

@@ -77,13 +77,14 @@ class PersistentTier(RemoteTier):
         self.calls = BackendCalls(metrics, backend)
         self.ledger = Ledger()
         self.catalog_cache = Catalog(self.calls, self.url, metrics, self._spawn)
-        self.content = ContentStore(store, self.calls, config.codec, metrics)
+        self.content = ContentStore(store, self.calls, config.codec, metrics, config.node_id)
         self.uploader = RankUploader(store, self.calls, self.catalog_cache, config.node_id, metrics, codec,
                                      self.content if self._content_layout(codec) else None)
         self.writer = QueueWriter(self.queue)
         self.drainer = Drainer(config, store, self.ledger, self.writer, self.uploader, self.catalog_cache,
-                               Retention(self.calls, self.catalog_cache, self.keep_persistent), metrics,
-                               self._spawn)
+                               Retention(self.calls, self.catalog_cache, self.keep_persistent, config.node_id,
+                                         self.content.collecting),
+                               metrics, self._spawn)
         self.takeover = TakeOver(config.node_id, self.persist_every, store, cluster, self.ledger,
                                  self.catalog_cache, self.drainer)
         self.restorer = Restorer(store, self.calls, self.catalog_cache, metrics, self._announce, self.content)

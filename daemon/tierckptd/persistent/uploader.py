@@ -84,18 +84,25 @@ class RankUploader:
         if held.generation != man.generation:
             return False
         local, man = man, self.stored_form(man)
-        lease, leased = "", 0.0
-        if self.content is not None:
-            try:
-                man, lease, leased = await self.content.put_rank(held, man, lambda: e.cancelled)
-            except DataLossError as err:
-                log.error("drain of %s step %d rank %d refused: %s", job, step, rank, err)
-                if self.metrics:
-                    self.metrics.checksum_failures.labels(tier="local").inc()
-                raise
-        else:
+        if self.content is None:
             await asyncio.gather(*(self._put_shard(e, data_key(job, step, rank, s), held, s.name)
                                    for s in man.shards))
+            return await self._publish(e, local, man)
+        try:
+            man, lease, leased = await self.content.put_rank(held, man, lambda: e.cancelled)
+        except DataLossError as err:
+            log.error("drain of %s step %d rank %d refused: %s", job, step, rank, err)
+            if self.metrics:
+                self.metrics.checksum_failures.labels(tier="local").inc()
+            raise
+        try:
+            return await self._publish(e, local, man, leased)
+        finally:  # published or not, the lease's work is over (a manifest protects its chunks)
+            await self.content.release(lease)
+
+    async def _publish(self, e: Entry, local: Manifest, man: Manifest, leased: float | None = None) -> bool:
+        """Upload the manifest once the rank is known to be the same save; False if superseded."""
+        job, step, rank = man.key
         # Every byte above was read while the rank was still committed here (eviction removes it
         # from the catalog before touching its files), unless this check fails.
         current = self.store.get(job, step, rank)
@@ -109,13 +116,11 @@ class RankUploader:
             log.info("take-over of %s step %d rank %d: a newer save of it is in %s; not replacing it",
                      job, step, rank, self.catalog.url)
             return True
-        if lease:
+        if leased is not None:
             ContentStore.check_lease(leased)
         await self.calls.write(functools.partial(self.calls.be.put_bytes,
                                                  manifest_key(job, step, rank, man.world_size), man.to_json()),
                                lambda: e.cancelled)
-        if lease and self.content is not None:
-            await self.content.release(lease, leased, lambda: e.cancelled)
         await self._remove_stale(e, man)
         return True
 
