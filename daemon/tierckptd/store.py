@@ -26,7 +26,9 @@ capacity is decided before anything is evicted; at most ``max_open_saves`` saves
 Pieces: :mod:`.catalog` (in-memory state), :mod:`.retention` (which steps go),
 :mod:`.recycle` (reuse of evicted files), :mod:`.staging` (open saves and spec rules),
 :mod:`.localfs` (symlink-safe file operations), :mod:`.layout` (the file steps), :mod:`.startup`
-(lock, recovery, quarantine), :mod:`.eviction` (carrying out retention and capacity evictions).
+(lock, recovery, quarantine), :mod:`.eviction` (carrying out retention and capacity evictions),
+:mod:`.saves` (open saves), :mod:`.commit` (the commit path), :mod:`.links` (unchanged shards
+shared by inode), :mod:`.warm` (warm pages). :class:`LocalStore` is their facade.
 
 Thread safety: every public method may be called from any thread (the daemon calls them through
 :func:`tierckptd.offload.run_blocking`). One lock guards the in-memory state; long file I/O
@@ -43,8 +45,6 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-from tierckpt.errors import InvalidArgumentError
 
 from .catalog import Catalog, CompletenessFn
 from .commit import Committer
@@ -221,10 +221,10 @@ class LocalStore:
             InvalidArgumentError: a field is invalid (the message names it).
             CapacityError: the shards do not fit even after eviction, or too many saves are open.
         """
-        keep = self._warm.warmer.prefault if prefault and self._warm.warming(KNOBS.warm_ahead) else None
         share = share_fn(self._catalog, unchanged, base_step, checksums, base_generation)
-        st = self._saves.begin(job, step, rank, world_size, specs, stream=stream, prefault=keep, evictable=evictable,
-                               share=share, inbound=prefault)
+        st = self._saves.begin(job, step, rank, world_size, specs, stream=stream,
+                               prefault=self._warm.prefaulter(prefault), evictable=evictable, share=share,
+                               inbound=prefault)
         if KNOBS.debug_begin_delay:  # test hook: the staging area exists, its caller has no answer yet
             time.sleep(KNOBS.debug_begin_delay)
         return st
@@ -273,8 +273,7 @@ class LocalStore:
                                                 node=node or self.node_id, generation=generation, created=created,
                                                 pin=pin, fsync=self.fsync)
         self._notify(evictions)
-        if self._warm.warming(KNOBS.warm_pool):
-            self._warm.warmer.kick()
+        self._warm.committed()
         return man, evictions
 
     def abort(self, save_id: str) -> None:
@@ -283,11 +282,7 @@ class LocalStore:
 
     def is_open(self, save_id: str) -> bool:
         """Whether ``save_id`` is an open save (begun, not yet committed, aborted or reclaimed)."""
-        try:
-            self._saves.get(save_id)
-        except InvalidArgumentError:
-            return False
-        return True
+        return self._saves.is_open(save_id)
 
     def abort_staging(self, st: Staging) -> None:
         """:meth:`abort` by the staging area :meth:`begin` returned."""

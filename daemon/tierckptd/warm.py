@@ -292,6 +292,16 @@ class WarmPages:
     def warming(self, mode: int) -> bool:
         return bool(mode) and (mode >= 2 or self.tmpfs) and not self.warmer.disabled
 
+    def prefaulter(self, prefault: bool) -> Callable[[int, int], None] | None:
+        """What allocates a save's new staging files ahead of the writer (``prefault``: an
+        inbound replica or a restore), or None when that is off here."""
+        return self.warmer.prefault if prefault and self.warming(KNOBS.warm_ahead) else None
+
+    def committed(self) -> None:
+        """A save was committed: top the pool up in the background (when pool warming is on)."""
+        if self.warming(KNOBS.warm_pool):
+            self.warmer.kick()
+
     def counters(self) -> dict[str, int]:
         """Warm files taken by saves; bytes allocated in pool files and ahead of writers."""
         with self._lock:
