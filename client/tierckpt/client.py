@@ -25,18 +25,14 @@ import numpy as np
 
 from . import _pack
 from ._admin import DataManagementMixin, JobPolicy
-from ._buffers import ShardBuffer, as_buffer, to_array, to_tensor
+from ._buffers import ShardBuffer, as_buffer, to_tensor
+from ._catalog import TIER_ENUM as _TIER_ENUM
+from ._catalog import TIER_NAMES as _TIER_NAMES
+from ._catalog import CatalogMixin, CheckpointInfo, RankLocation, StepAvailability
 from ._loans import Loans
-from ._transfer import (
-    Progress,
-    StagingMaps,
-    copy_into,
-    hash_staged,
-    map_verified,
-    read_stream,
-    run_batched,
-    write_requests,
-)
+from ._restore import materialize, read_only_arrays
+from ._saveplan import SavePlanner, split_packed
+from ._transfer import StagingMaps, copy_into, hash_staged, run_batched, write_requests
 from .common.names import (
     MAX_METADATA_BYTES,
     MAX_SHARDS_PER_RANK,
@@ -55,11 +51,10 @@ from .errors import (
 from .v1 import tierckpt_pb2 as pb
 from .v1 import tierckpt_pb2_grpc as pb_grpc
 
-__all__ = ["Client", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "DEFAULT_ADDRESS"]
+__all__ = ["Client", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation", "StepAvailability",
+           "DEFAULT_ADDRESS"]
 
 DEFAULT_ADDRESS = "unix:///run/tierckpt/tierckptd.sock"
-_TIER_NAMES = {pb.TIER_LOCAL: "local", pb.TIER_PEER: "peer", pb.TIER_PERSISTENT: "persistent"}
-_TIER_ENUM = {v: k for k, v in _TIER_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -141,34 +136,6 @@ class Checkpoint:
 
     def tensors(self) -> dict:
         return {n: self.tensor(n) for n in self.shards}
-
-
-@dataclass(frozen=True)
-class RankLocation:
-    rank: int
-    tiers: tuple[str, ...]
-    nodes: tuple[str, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class StepAvailability:
-    """A step that one rank can restore, and from where (nearest tier first)."""
-
-    step: int
-    world_size: int
-    tiers: tuple[str, ...]
-    nodes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    step: int
-    world_size: int
-    complete: bool
-    tiers: tuple[str, ...]  # tiers in which every rank is held
-    ranks: tuple[RankLocation, ...]
-    created: float
 
 
 def _check_save(job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any],
@@ -285,7 +252,7 @@ def _channel(address: str, opts: list, cert: str | None, key: str | None, ca: st
     return grpc.secure_channel(address, creds, options=opts)
 
 
-class Client(DataManagementMixin):
+class Client(CatalogMixin, DataManagementMixin):
     """A connection to the tierckpt daemon on this node.
 
     Args:
@@ -330,9 +297,7 @@ class Client(DataManagementMixin):
         self._io = cf.ThreadPoolExecutor(io_threads or min(4, os.cpu_count() or 2), thread_name_prefix="tierckpt-io")
         self._committer = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._shared_fs: dict[tuple[str, str], bool] = {}
-        self._plans: dict[tuple, tuple[list[pb.ShardSpec], _pack.Layout | None]] = {}
-        # (job, rank) -> (step, save_id) of the last save this client committed there
-        self._committed: dict[tuple[str, int], tuple[int, str]] = {}
+        self._planner = SavePlanner()
         self._maps = StagingMaps()
         self._loans = Loans(self._release)
         self._node_id: str | None = None
@@ -366,22 +331,6 @@ class Client(DataManagementMixin):
 
     # ------------------------------------------------------------------ saving
 
-    def _plan(self, buffers: list[ShardBuffer]) -> tuple[list[pb.ShardSpec], _pack.Layout | None]:
-        """The BeginSave shard list and the pack layout, cached per layout (as DCP caches save plans)."""
-        key = (self.pack_below, self.pack_min_shards, *((b.name, b.nbytes, b.dtype, b.shape) for b in buffers))
-        plan = self._plans.get(key)
-        if plan is None:
-            layout = _pack.plan(buffers, self.pack_below, self.pack_min_shards)
-            stored = buffers if layout is None else [buffers[i] for i in layout.unpacked]
-            specs = [pb.ShardSpec(name=b.name, size=b.nbytes, dtype=b.dtype, shape=list(b.shape)) for b in stored]
-            if layout is not None:
-                specs += [pb.ShardSpec(name=_pack.PACK, size=layout.size), pb.ShardSpec(name=_pack.INDEX,
-                                                                                       size=layout.index_size)]
-            if len(self._plans) > 64:
-                self._plans.clear()
-            plan = self._plans[key] = (specs, layout)
-        return plan
-
     def save(self, job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any], *,
              metadata: Mapping[str, Any] | None = None, persist: bool = False,
              policy: JobPolicy | None = None, unchanged: Iterable[str] = ()) -> SaveFuture:
@@ -410,14 +359,11 @@ class Client(DataManagementMixin):
         meta = _encode_metadata(metadata)
         pol = policy.to_pb() if policy is not None else None
         stream = self.transfer == "stream" or self._fs_hidden
-        specs, layout = self._plan(buffers)
-        pack = None
-        if layout is not None:  # the small shards go in one pack shard (see _pack)
-            pack = (layout, [buffers[i] for i in layout.packed])
-            buffers = [buffers[i] for i in layout.unpacked]
+        specs, layout = self._planner.plan(buffers, self.pack_below, self.pack_min_shards)
+        buffers, pack = split_packed(buffers, layout)  # the small shards go in one pack shard (see _pack)
         req = pb.BeginSaveRequest(job=job, step=step, rank=rank, world_size=world_size, shards=specs,
                                   transfer=pb.TRANSFER_STREAM if stream else pb.TRANSFER_SHARED_FS)
-        self._hint(req, hint)
+        self._planner.hint(req, hint)
         begun, stream = self._begin(req, stream)
         fut = SaveFuture(self, job, step, rank)
         buffers = _unshared(begun, buffers, fut)
@@ -455,14 +401,6 @@ class Client(DataManagementMixin):
         req.transfer = pb.TRANSFER_STREAM
         return self._call(self._stub.BeginSave, req, "BeginSave"), True
 
-    def _hint(self, req: pb.BeginSaveRequest, unchanged: frozenset[str]) -> None:
-        """Fill the request's ``unchanged`` shards (those stored on their own) and ``base_step``."""
-        base = self._committed.get((req.job, req.rank))
-        names = [s.name for s in req.shards if s.name in unchanged]
-        if base is not None and names:
-            req.base_step, req.base_generation = base
-            req.unchanged.extend(names)
-
     def _sees(self, local_dir: str, token: str) -> bool:
         if self.transfer == "stream":
             return False
@@ -493,7 +431,7 @@ class Client(DataManagementMixin):
             req = pb.CommitSaveRequest(save_id=save_id, metadata_json=meta, persist=persist, policy=policy,
                                        digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
             resp = self._call(self._stub.CommitSave, req, "CommitSave")
-            self._committed[(fut.job, fut.rank)] = (fut.step, save_id)
+            self._planner.committed(fut.job, fut.rank, fut.step, save_id)
             fut.set_result(SaveResult(fut.job, fut.step, fut.rank, resp.bytes, fut.blocking_seconds,
                                       time.perf_counter() - t0, fut.shared_bytes))
         except BaseException as e:  # thread boundary: the future carries the error
@@ -518,58 +456,6 @@ class Client(DataManagementMixin):
         req = pb.WaitTierRequest(job=job, step=step, rank=rank, tier=_TIER_ENUM[tier], timeout_seconds=timeout or 0)
         return list(self._call(self._stub.WaitTier, req, "WaitTier",
                                timeout=None if timeout is None else timeout + 5).nodes)
-
-    # ------------------------------------------------------------------ catalog
-
-    def availability(self, job: str, rank: int) -> list[StepAvailability]:
-        """Steps that ``rank`` of ``job`` can restore through this daemon, oldest first.
-
-        The daemon answers from its local tier, its ring neighbourhood (the nodes holding its
-        replicas) and the persistent catalog: a constant number of calls whatever the cluster's
-        size. This is what a restarting job at scale should use: every rank asks its own daemon,
-        and the ranks agree on the newest step all of them can restore through their process
-        group (:func:`tierckpt.agree.newest_common_step`, used by ``tierckpt.torch`` and
-        ``tierckpt.dcp``).
-        """
-        check_job(job)
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise InvalidArgumentError(f"rank: {rank!r} must be a non-negative integer")
-        resp = self._call(self._stub.Availability, pb.AvailabilityRequest(job=job, rank=rank), "Availability")
-        return [StepAvailability(a.step, a.world_size, tuple(_TIER_NAMES[t] for t in a.tiers), tuple(a.nodes))
-                for a in resp.steps]
-
-    def latest(self, job: str) -> int | None:
-        """Newest step complete (every rank held) in some tier, or None.
-
-        It asks every node of the cluster (with bounded concurrency and a deadline; nodes that do
-        not answer in time are left out and logged by the daemon): right for operators
-        (``tierckpt ls``/``latest``) and small clusters. A restarting job of hundreds of nodes
-        should instead agree through its process group on what :meth:`availability` reports
-        (``tierckpt.torch`` and ``tierckpt.dcp`` do when torch.distributed is initialised).
-        """
-        check_job(job)
-        resp = self._call(self._stub.Latest, pb.LatestRequest(job=job), "Latest")
-        return resp.step if resp.found else None
-
-    def list(self, job: str) -> list[CheckpointInfo]:
-        """Every known step of ``job``, oldest first, with where each rank is held."""
-        check_job(job)
-        resp = self._call(self._stub.List, pb.ListRequest(job=job), "List")
-        return [
-            CheckpointInfo(
-                step=c.step, world_size=c.world_size, complete=c.complete,
-                tiers=tuple(_TIER_NAMES[t] for t in c.tiers), created=c.created_unix,
-                ranks=tuple(RankLocation(r.rank, tuple(_TIER_NAMES[t] for t in r.tiers), tuple(r.nodes), r.bytes)
-                            for r in c.ranks),
-            )
-            for c in resp.checkpoints
-        ]
-
-    def status(self) -> pb.StatusResponse:
-        """The daemon's status (tiers, capacity, backlog, peers) as the protobuf message."""
-        resp = self._call(self._stub.Status, pb.StatusRequest(), "Status")
-        self._node_id = resp.node_id
-        return resp
 
     # ------------------------------------------------------------------ restore
 
@@ -610,33 +496,10 @@ class Client(DataManagementMixin):
 
     def _materialize(self, resp: pb.RestoreResponse, job: str, rank: int,
                      progress: Callable[[int, int], None] | None) -> Checkpoint:
-        advance = Progress(sum(s.size for s in resp.shards), progress)
         shared = self.transfer != "stream" and self._sees(resp.local_dir, resp.fs_token)
-        key = (job, resp.step, rank, resp.generation)
-        finalizers: dict = {}
-        where = f"{job} step {resp.step} rank {rank}"
-        packed = _pack.is_packed(resp.shards)
-        if shared:
-            verify = self.verify == "always" or (self.verify is True and resp.tier == pb.TIER_LOCAL)
-            try:
-                # A pack is checked shard by shard against its index (in unpack), not twice.
-                bufs = run_batched(self._io, lambda s: map_verified(job, resp.step, rank, s, advance,
-                                                                    verify and not (packed and s.name == _pack.PACK)),
-                                   list(resp.shards), lambda s: s.size)
-                rows, pack = _pack.unpack(self._io, resp.shards, bufs, verify, where)
-            except BaseException:
-                self._loans.release_now(key)  # nothing was handed out
-                raise
-            held = {r[0]: r[3] for r in rows}
-            if pack is not None:
-                held[_pack.PACK] = pack
-            finalizers = self._loans.track(key, held)
-        else:
-            if self.transfer != "stream":
-                self._loans.release_now(key)  # asked for paths (and a loan), but reads over gRPC
-            bufs = [read_stream(self._stub, self.address, job, resp.step, rank, s, advance) for s in resp.shards]
-            rows, pack = _pack.unpack(self._io, resp.shards, bufs, self.verify is not False, where)
-        arrays, buffers, dtypes, shapes = _read_only_arrays(rows)
+        rows, pack, finalizers = materialize(self._io, self._loans, self._stub, self.address, resp, job, rank,
+                                             progress, shared=shared, transfer=self.transfer, verify=self.verify)
+        arrays, buffers, dtypes, shapes = read_only_arrays(rows)
         if pack is not None:
             buffers[_pack.PACK] = pack  # closed by Checkpoint.close() after the views
         return Checkpoint(job=job, step=resp.step, rank=rank, world_size=resp.world_size,
@@ -644,15 +507,6 @@ class Client(DataManagementMixin):
                           metadata=json.loads(resp.metadata_json or "{}"), shards=arrays,
                           dtypes=dtypes, shapes=shapes, _buffers=buffers, _finalizers=finalizers,
                           _loans=self._loans)
-
-def _read_only_arrays(rows: list[_pack.Row]) -> tuple[dict, dict, dict, dict]:
-    """Read-only arrays over the restored buffers, with the buffers, dtypes and shapes by shard."""
-    arrays, buffers, dtypes, shapes = {}, {}, {}, {}
-    for name, dtype, shape, buf in rows:
-        arr = to_array(buf, dtype, shape)
-        arr.flags.writeable = False
-        arrays[name], buffers[name], dtypes[name], shapes[name] = arr, buf, dtype, shape
-    return arrays, buffers, dtypes, shapes
 
 
 def _encode_metadata(metadata: Mapping[str, Any] | None) -> str:

@@ -71,7 +71,8 @@ class StoreLayout:
                     ok = self.recycle.move_out(reused[f.name], f.size, dfd, f.name)
                     del reused[f.name]
                     if ok:
-                        if big:  # a warm file may be taken half allocated: finish it ahead of the writer
+                        # a warm file may be taken half allocated: finish it ahead of the writer
+                        if big and prefault is not None:
                             self._prefault_moved(dfd, f, prefault)
                         continue
                     f.recycled = False

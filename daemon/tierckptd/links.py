@@ -21,11 +21,19 @@ Not thread-safe by itself: the local store calls it under its lock.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Collection, Hashable, Mapping
+from typing import TYPE_CHECKING
 
+from tierckpt.errors import InvalidArgumentError
+
+from .manifest import Manifest, ShardEntry
 from .retention import charge_file
+from .staging import StagedFile, Staging
 
-__all__ = ["Links", "Ino"]
+if TYPE_CHECKING:
+    from .catalog import Catalog
+
+__all__ = ["Links", "Ino", "share_fn", "share_sources_locked", "shared_digests"]
 
 Ino = tuple[int, int]
 """(st_dev, st_ino) of a file."""
@@ -71,3 +79,67 @@ class Links:
         """How many other holders name the inode ``holder`` names (0: not shared, or only it)."""
         entry = self._of.get(holder)
         return 0 if entry is None else len(self._holders[entry[0]]) - 1
+
+
+def _same_bytes(base: Manifest, f: StagedFile, checksums: Mapping[str, str] | None) -> ShardEntry | None:
+    """``base``'s entry for ``f`` if it has the same name, size, dtype, shape (and checksum, when given)."""
+    try:
+        entry = base.shard(f.name)
+    except KeyError:
+        return None
+    if (entry.size, entry.dtype, tuple(entry.shape)) != (f.size, f.dtype, f.shape):
+        return None
+    if checksums is not None and checksums.get(f.name) != entry.checksum:
+        return None
+    return entry
+
+
+def share_sources_locked(catalog: Catalog, st: Staging, wanted: frozenset[str], base_step: int | None,
+                         checksums: Mapping[str, str] | None,
+                         generation: str | None = None) -> dict[str, tuple[Manifest, ShardEntry]]:
+    """The committed files (see :meth:`.store.LocalStore.begin`, ``unchanged``) holding shards of ``st``."""
+    if base_step is not None:
+        found = [catalog.get(st.job, base_step, st.rank)]
+    else:  # an inbound replica: any copy of the rank held here, newest first
+        steps = catalog.steps(st.job)
+        found = [steps[s].get(st.rank) for s in sorted(steps, reverse=True)]
+    bases = [m for m in found if m is not None and generation in (None, m.generation)]
+    out: dict[str, tuple[Manifest, ShardEntry]] = {}
+    for f in st.files.values():
+        if f.name not in wanted or f.size <= 0:
+            continue
+        for base in bases:
+            entry = _same_bytes(base, f, checksums)
+            if entry is not None:
+                out[f.name] = (base, entry)
+                break
+    return out
+
+
+def share_fn(catalog: Catalog, unchanged: Collection[str], base_step: int | None,
+             checksums: Mapping[str, str] | None, generation: str | None
+             ) -> Callable[[Staging], dict[str, tuple[Manifest, ShardEntry]]] | None:
+    """The ``share`` rule of :meth:`.saves.OpenSaves.begin` for a save's ``unchanged`` hint (called
+    with the store's lock held), or None when the hint names no source."""
+    if not (unchanged and (base_step is not None or checksums is not None)):
+        return None
+    wanted = frozenset(unchanged)
+
+    def share(st: Staging) -> dict[str, tuple[Manifest, ShardEntry]]:
+        return share_sources_locked(catalog, st, wanted, base_step, checksums, generation)
+
+    return share
+
+
+def shared_digests(st: Staging, digests: dict[str, str]) -> dict[str, str]:
+    """The writer's digests plus the kept checksum of each shared file (the writer sent none,
+    or the same one)."""
+    out = dict(digests)
+    for f in st.files.values():
+        if not f.shared:
+            continue
+        given = out.setdefault(f.name, f.checksum)
+        if given != f.checksum:
+            raise InvalidArgumentError(f"digests[{f.name}].checksum: {given!r}, but the shard shares a committed "
+                                       f"file whose checksum is {f.checksum}")
+    return out

@@ -12,23 +12,20 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 
 from tierckpt.common.names import check_job, check_step
 from tierckpt.errors import (
-    DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
-    InvalidArgumentError,
     NotFoundError,
     TierckptError,
-    UnavailableError,
 )
 
 from .knobs import KNOBS
 from .manifest import Manifest
 from .offload import run_blocking, run_owning
 from .repair import LocalRepair
+from .restore import NodeRestore, RestoreResult
 from .store import Eviction, LocalStore, Staging
 from .tiers import RemoteTier
 from .views import CatalogViews
@@ -37,14 +34,6 @@ __all__ = ["Node", "RestoreResult"]
 
 log = logging.getLogger(__name__)
 
-
-
-@dataclass(frozen=True)
-class RestoreResult:
-    manifest: Manifest
-    tier: str
-    paths: list[str]
-    source_node: str
 
 
 class Node:
@@ -75,6 +64,8 @@ class Node:
         if metrics:  # warming runs in the background: read at scrape time
             metrics.local_warm_bytes.set_function(lambda: store.usage().warm)
         self.repair = LocalRepair(store, lambda: self.tier("peer"), metrics)
+        self._restores = NodeRestore(store, self.tiers, self.views, self.repair, node_id=node_id, metrics=metrics,
+                                     spawn=self._spawn, accepting=lambda: self.accepting)
 
     @property
     def fs_token(self) -> str:
@@ -256,54 +247,9 @@ class Node:
     async def restore(self, job: str, rank: int, step: int | None, *, local_corrupt: bool = False,
                       corrupt_generation: str = "", lend: bool = True) -> RestoreResult:
         """Bring one rank into the local tier and describe it; with ``lend`` (the client maps the
-        files) the answer opens a loan that the client ends with :meth:`release`."""
-        check_job(job)
-        t0 = time.perf_counter()
-        if step is None:
-            step = await self.views.latest(job)
-            if step is None:
-                raise NotFoundError(f"job {job!r} has no complete checkpoint in any tier")
-        check_step(step)
-        man = self.store.get(job, step, rank)
-        errors: list[str] = []
-        if man is not None and local_corrupt and corrupt_generation not in ("", man.generation):
-            log.info("client reported generation %s of %s step %d rank %d corrupt; it was re-saved since",
-                     corrupt_generation, job, step, rank)
-        elif man is not None and local_corrupt:
-            man = await self.repair.drop_if_corrupt(man, errors)
-        tier, source = "local", self.node_id
-        if man is None:
-            # A fetched copy may be older than the newest keep_local complete steps: pin the step
-            # (a reason of its own per restore) so the fetch's commit and retention soon after
-            # cannot evict it before the client has mapped it; mapped files stay valid after.
-            reason = f"restore-{id(asyncio.current_task()):x}-{time.monotonic_ns():x}"
-            self.store.pin(job, step, reason)
-            try:
-                for t in self.tiers:
-                    try:
-                        man = await t.fetch(job, step, rank)
-                    except NotFoundError:
-                        continue
-                    except (DataLossError, UnavailableError) as e:
-                        errors.append(f"{t.name}: {e}")
-                        continue
-                    tier, source = t.name, man.node
-                    break
-            finally:
-                self._spawn(self._unpin_later(job, step, reason, KNOBS.restore_pin_seconds if man else 0.0))
-            if man is None:
-                if errors:
-                    raise DataLossError(f"{job} step {step} rank {rank}: every copy failed: " + "; ".join(errors))
-                raise NotFoundError(f"{job} step {step} rank {rank} is not held by any tier")
-        if rank >= man.world_size:
-            raise InvalidArgumentError(f"rank: {rank} is outside world_size {man.world_size}")
-        paths = [str(p) for p in (self.store.lend(man) if lend
-                                  else (self.store.shard_path(man, s.name) for s in man.shards))]
-        if self.metrics:
-            self.metrics.restores.labels(tier=tier, result="ok").inc()
-            self.metrics.restored_bytes.labels(tier=tier).inc(man.nbytes)
-            self.metrics.restore_latency.labels(tier=tier).observe(time.perf_counter() - t0)
-        return RestoreResult(man, tier, paths, source)
+        files) the answer opens a loan that the client ends with :meth:`release`. See :mod:`.restore`."""
+        return await self._restores.restore(job, rank, step, local_corrupt=local_corrupt,
+                                            corrupt_generation=corrupt_generation, lend=lend)
 
     async def release(self, job: str, step: int, rank: int, generation: str) -> bool:
         """A client unmapped the files of one Restore (see :meth:`.store.LocalStore.release`)."""
@@ -321,10 +267,6 @@ class Node:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    async def _unpin_later(self, job: str, step: int, reason: str, delay: float) -> None:
-        await asyncio.sleep(delay if self.accepting else 0)
-        await run_blocking(self.store.unpin, job, step, reason)
 
     async def _reap_staging(self) -> None:
         interval = max(0.05, min(10.0, self.staging_timeout / 4))

@@ -154,6 +154,14 @@ class OpenSaves:
             raise InvalidArgumentError(f"save_id: {save_id!r} is not an open save (never begun, committed or expired)")
         return st
 
+    def is_open(self, save_id: str) -> bool:
+        """Whether ``save_id`` is an open save (begun, not yet committed, aborted or reclaimed)."""
+        try:
+            self.get(save_id)
+        except InvalidArgumentError:
+            return False
+        return True
+
     def open_staged(self, save_id: str, shard: str, flags: int = os.O_WRONLY) -> int:
         """A descriptor of an open save's staging file (see :meth:`LocalStore.open_staged`)."""
         st = self.get(save_id)

@@ -22,13 +22,21 @@ import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tierckpt.errors import DataLossError
 
+from .eviction import charge
 from .localfs import LocalDir, UnsafeFileError, check_regular
 from .manifest import MANIFEST_NAME, Manifest
 
-__all__ = ["take_dir_lock", "reclaim_staging", "scan_jobs", "ScanResult", "QUARANTINE_DIR", "MAX_MANIFEST_BYTES"]
+if TYPE_CHECKING:
+    from .catalog import Catalog
+    from .policies import JobPolicies
+    from .recycle import RecyclePool
+
+__all__ = ["take_dir_lock", "reclaim_staging", "scan_jobs", "rebuild", "ScanResult", "QUARANTINE_DIR",
+           "MAX_MANIFEST_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +127,20 @@ def scan_jobs(fs: LocalDir, rank_rel: RankRel) -> ScanResult:
                     _stray(fs, sfd, f"jobs/{job}/{step}/{rank}", res)
                     continue
                 _scan_rank(fs, sfd, ("jobs", job, step, rank), rank_rel, res)
+    return res
+
+
+def rebuild(fs: LocalDir, catalog: Catalog, recycle: RecyclePool, policies: JobPolicies,
+            rank_rel: RankRel, counters: dict[str, int]) -> ScanResult:
+    """Reclaim staging and recycle leftovers, load the job policies and add every committed rank
+    to ``catalog`` (``counters``: ``staging_reclaimed``, ``quarantined``)."""
+    counters["staging_reclaimed"] += reclaim_staging(fs)
+    recycle.clear_directory()
+    policies.load(fs)
+    res = scan_jobs(fs, rank_rel)
+    for man in res.manifests:
+        catalog.add(man, charge(man), res.links.get(man.key))
+    counters["quarantined"] += res.quarantined
     return res
 
 

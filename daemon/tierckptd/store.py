@@ -26,7 +26,9 @@ capacity is decided before anything is evicted; at most ``max_open_saves`` saves
 Pieces: :mod:`.catalog` (in-memory state), :mod:`.retention` (which steps go),
 :mod:`.recycle` (reuse of evicted files), :mod:`.staging` (open saves and spec rules),
 :mod:`.localfs` (symlink-safe file operations), :mod:`.layout` (the file steps), :mod:`.startup`
-(lock, recovery, quarantine), :mod:`.eviction` (carrying out retention and capacity evictions).
+(lock, recovery, quarantine), :mod:`.eviction` (carrying out retention and capacity evictions),
+:mod:`.saves` (open saves), :mod:`.commit` (the commit path), :mod:`.links` (unchanged shards
+shared by inode), :mod:`.warm` (warm pages). :class:`LocalStore` is their facade.
 
 Thread safety: every public method may be called from any thread (the daemon calls them through
 :func:`tierckptd.offload.run_blocking`). One lock guards the in-memory state; long file I/O
@@ -44,22 +46,21 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierckpt.common.names import MAX_METADATA_BYTES
-from tierckpt.errors import FailedPreconditionError, InvalidArgumentError
-
 from .catalog import Catalog, CompletenessFn
-from .eviction import Evictor, charge
+from .commit import Committer
+from .eviction import Evictor
 from .knobs import KNOBS
 from .layout import StoreLayout
-from .localfs import LocalDir, UnsafeFileError, fs_is_tmpfs
-from .manifest import Manifest, ShardEntry
+from .links import share_fn
+from .localfs import LocalDir, fs_is_tmpfs
+from .manifest import Manifest
 from .policies import JobPolicies, JobPolicy
 from .recycle import RecyclePool
 from .retention import Eviction, charge_file
 from .saves import OpenSaves
 from .staging import ShardSpec, StagedFile, Staging
-from .startup import prepare_local_dir, reclaim_staging, scan_jobs
-from .warm import Warmer, accept_hint, hinted_pool_size, next_pool_size
+from .startup import prepare_local_dir, rebuild
+from .warm import WarmPages
 
 __all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
 
@@ -87,48 +88,6 @@ class Usage:
     @property
     def free(self) -> int:
         return max(0, self.capacity - max(self.charged, self.used))
-
-
-def _check_digests(save_id: str, files: Iterable[str], digests: dict[str, str], metadata_json: str) -> None:
-    if len(metadata_json.encode()) > MAX_METADATA_BYTES:
-        raise InvalidArgumentError(f"metadata: larger than {MAX_METADATA_BYTES} bytes")
-    missing = set(files) - set(digests)
-    extra = set(digests) - set(files)
-    if missing or extra:
-        raise InvalidArgumentError(f"digests: missing {sorted(missing)} / unknown {sorted(extra)} for save {save_id}")
-    for name, d in digests.items():
-        if not isinstance(d, str) or len(d) != 16 or any(c not in "0123456789abcdef" for c in d):
-            raise InvalidArgumentError(f"digests[{name}].checksum: {d!r} is not 16 lowercase hex digits")
-
-
-_charge = charge
-
-
-def _same_bytes(base: Manifest, f: StagedFile, checksums: Mapping[str, str] | None) -> ShardEntry | None:
-    """``base``'s entry for ``f`` if it has the same name, size, dtype, shape (and checksum, when given)."""
-    try:
-        entry = base.shard(f.name)
-    except KeyError:
-        return None
-    if (entry.size, entry.dtype, tuple(entry.shape)) != (f.size, f.dtype, f.shape):
-        return None
-    if checksums is not None and checksums.get(f.name) != entry.checksum:
-        return None
-    return entry
-
-
-def _shared_digests(st: Staging, digests: dict[str, str]) -> dict[str, str]:
-    """The writer's digests plus the kept checksum of each shared file (the writer sent none,
-    or the same one)."""
-    out = dict(digests)
-    for f in st.files.values():
-        if not f.shared:
-            continue
-        given = out.setdefault(f.name, f.checksum)
-        if given != f.checksum:
-            raise InvalidArgumentError(f"digests[{f.name}].checksum: {given!r}, but the shard shares a committed "
-                                       f"file whose checksum is {f.checksum}")
-    return out
 
 
 class LocalStore:
@@ -176,9 +135,10 @@ class LocalStore:
                                 counters=self.counters, catalog=self._catalog)
         self._lock_fd: int | None = None
         self._on_evict = on_evict
-        self._tmpfs = False
-        self._warmer = Warmer(self._next_warm, self._recycle.is_warm, self._saves.trainer_saving)
-        self._hints: dict[int, int] = {}  # hinted pool files still to warm: size -> files wanted
+        self._warm = WarmPages(self._lock, self._catalog, self._recycle, lambda: self.capacity - self._used_locked(),
+                               self._saves.trainer_saving)
+        self._committer = Committer(self._lock, self._saves, self._layout, self._catalog, self._recycle,
+                                    self._retain_locked)
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -191,27 +151,21 @@ class LocalStore:
                 ``jobs`` directory is a symlink.
         """
         self._lock_fd = prepare_local_dir(self._fs)  # held (and the lock with it) until the process exits
-        self._tmpfs = fs_is_tmpfs(self.root)
+        self._warm.tmpfs = fs_is_tmpfs(self.root)
         if self._fsync_mode == "auto":
-            self.fsync = not self._tmpfs
+            self.fsync = not self._warm.tmpfs
         if not self._capacity_arg:
             st = os.statvfs(self._fs.fd)
             self.capacity = int(st.f_blocks * st.f_frsize * 0.9)
         self.fs_token = secrets.token_hex(16)
         self._fs.atomic_write(self._fs.fd, ".fs-token", self.fs_token.encode(), fsync=False)
-        self.counters["staging_reclaimed"] += reclaim_staging(self._fs)
-        self._recycle.clear_directory()
-        self.policies.load(self._fs)
-        res = scan_jobs(self._fs, StoreLayout.rank_rel)
-        for man in res.manifests:
-            self._catalog.add(man, _charge(man), res.links.get(man.key))
-        self.counters["quarantined"] += res.quarantined
+        res = rebuild(self._fs, self._catalog, self._recycle, self.policies, StoreLayout.rank_rel, self.counters)
         log.info("catalog rebuilt: %d committed ranks, %d uncommitted leftovers removed, %d quarantined",
                  len(res.manifests), res.dropped, res.quarantined)
 
     def close(self) -> None:
         """Stop warming; release the local_dir lock (a process exit releases it too)."""
-        self._warmer.stop()
+        self._warm.warmer.stop()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -267,40 +221,13 @@ class LocalStore:
             InvalidArgumentError: a field is invalid (the message names it).
             CapacityError: the shards do not fit even after eviction, or too many saves are open.
         """
-        keep = self._warmer.prefault if prefault and self._warming(KNOBS.warm_ahead) else None
-        share = None
-        if unchanged and (base_step is not None or checksums is not None):
-            wanted = frozenset(unchanged)
-
-            def share(st: Staging) -> dict[str, tuple[Manifest, ShardEntry]]:
-                return self._share_sources_locked(st, wanted, base_step, checksums, base_generation)
-
-        st = self._saves.begin(job, step, rank, world_size, specs, stream=stream, prefault=keep, evictable=evictable,
-                               share=share, inbound=prefault)
+        share = share_fn(self._catalog, unchanged, base_step, checksums, base_generation)
+        st = self._saves.begin(job, step, rank, world_size, specs, stream=stream,
+                               prefault=self._warm.prefaulter(prefault), evictable=evictable, share=share,
+                               inbound=prefault)
         if KNOBS.debug_begin_delay:  # test hook: the staging area exists, its caller has no answer yet
             time.sleep(KNOBS.debug_begin_delay)
         return st
-
-    def _share_sources_locked(self, st: Staging, wanted: frozenset[str], base_step: int | None,
-                              checksums: Mapping[str, str] | None,
-                              generation: str | None = None) -> dict[str, tuple[Manifest, ShardEntry]]:
-        """The committed files (see :meth:`begin`, ``unchanged``) holding shards of ``st``."""
-        if base_step is not None:
-            found = [self._catalog.get(st.job, base_step, st.rank)]
-        else:  # an inbound replica: any copy of the rank held here, newest first
-            steps = self._catalog.steps(st.job)
-            found = [steps[s].get(st.rank) for s in sorted(steps, reverse=True)]
-        bases = [m for m in found if m is not None and generation in (None, m.generation)]
-        out: dict[str, tuple[Manifest, ShardEntry]] = {}
-        for f in st.files.values():
-            if f.name not in wanted or f.size <= 0:
-                continue
-            for base in bases:
-                entry = _same_bytes(base, f, checksums)
-                if entry is not None:
-                    out[f.name] = (base, entry)
-                    break
-        return out
 
     def get_staging(self, save_id: str) -> Staging:
         return self._saves.get(save_id)
@@ -342,65 +269,12 @@ class LocalStore:
             FailedPreconditionError: a staging file was replaced (symlink, other file, resized).
         """
         st = self.get_staging(save_id)
-        digests = _shared_digests(st, digests)
-        _check_digests(save_id, st.files, digests, metadata_json)
-        stats = self._saves.check_staged(st, digests, verify=verify or st.stream, fsync=self.fsync)
-        self._saves.take_for_commit(st)
-        man = Manifest(
-            job=st.job, step=st.step, rank=st.rank, world_size=st.world_size,
-            node=node or self.node_id, generation=generation or save_id,
-            shards=tuple(ShardEntry(f.name, f.size, digests[f.name], f.dtype, f.shape, f"{f.name}.{save_id}")
-                         for f in st.files.values()),
-            metadata_json=metadata_json, created=created if created is not None else time.time(), persist=persist,
-        )
-        tmp = self._place_files(st, man, stats)
-        if KNOBS.debug_commit_delay:  # test hook: the data files are in place, the manifest is not
-            time.sleep(KNOBS.debug_commit_delay)
-        with self._lock:
-            self._saves.committed_locked(st)
-            evictions = self._publish_locked(st, man, tmp, pin)
-        if self.fsync:
-            self._layout.fsync_rank(st.job, st.step, st.rank)
+        man, evictions = self._committer.commit(st, digests, metadata_json, persist=persist, verify=verify,
+                                                node=node or self.node_id, generation=generation, created=created,
+                                                pin=pin, fsync=self.fsync)
         self._notify(evictions)
-        if self._warming(KNOBS.warm_pool):
-            self._warmer.kick()
+        self._warm.committed()
         return man, evictions
-
-    def _place_files(self, st: Staging, man: Manifest, stats: dict[str, os.stat_result]) -> str:
-        """Rename the staged files into the rank directory and write the manifest under a temporary name."""
-        try:
-            return self._layout.place(st, man, stats, fsync=self.fsync)
-        except BaseException as e:
-            with self._lock:
-                self._saves.committed_locked(st)
-            if isinstance(e, OSError):
-                self._layout.remove_staging(st.save_id)
-                self._layout.unplace(st)
-            if isinstance(e, UnsafeFileError):
-                raise FailedPreconditionError(f"shards: {e.strerror}; the save is refused") from None
-            raise
-        finally:
-            self._layout.remove_staging(st.save_id, only_if_empty=True)
-
-    def _publish_locked(self, st: Staging, man: Manifest, tmp: str, pin: str | None) -> list[Eviction]:
-        # The manifest goes into place in the critical section that updates the catalog, so
-        # overlapping commits of one rank (and evictions) change disk and catalog in one order.
-        try:
-            self._layout.publish(st, tmp)
-        except OSError:
-            self._layout.unplace(st, tmp)
-            raise
-        shared = {f"{f.name}.{st.save_id}": f.ino for f in st.files.values() if f.shared and f.ino}
-        old = self._catalog.add(man, _charge(man), shared)
-        for s in man.shards:
-            if s.file not in shared:
-                self._recycle.mark_recyclable(self.shard_path(man, s.name))
-        if old is not None:
-            self._catalog.uncharge(old, _charge(old))
-            self._layout.remove_rank_files(old, keep_manifest=True)
-        if pin:
-            self._catalog.pin(st.job, st.step, pin)
-        return self._retain_locked(st.job)
 
     def abort(self, save_id: str) -> None:
         """Drop an open save and its staging files. Idempotent."""
@@ -408,11 +282,7 @@ class LocalStore:
 
     def is_open(self, save_id: str) -> bool:
         """Whether ``save_id`` is an open save (begun, not yet committed, aborted or reclaimed)."""
-        try:
-            self._saves.get(save_id)
-        except InvalidArgumentError:
-            return False
-        return True
+        return self._saves.is_open(save_id)
 
     def abort_staging(self, st: Staging) -> None:
         """:meth:`abort` by the staging area :meth:`begin` returned."""
@@ -466,49 +336,16 @@ class LocalStore:
 
     # ----------------------------------------------------------------------------- warm pages
 
-    def _warming(self, mode: int) -> bool:
-        return bool(mode) and (mode >= 2 or self._tmpfs) and not self._warmer.disabled
-
     def warm_counters(self) -> dict[str, int]:
         """Warm files taken by saves; bytes allocated in pool files and ahead of writers."""
-        with self._lock:
-            taken = self._recycle.warm_taken
-        return {"warm_taken": taken, "warmed_bytes": self._warmer.warmed, "prefaulted_bytes": self._warmer.prefaulted}
+        return self._warm.counters()
 
     def expect(self, job: str, rank: int, sizes: list[int]) -> int:
         """A peer's first copy of its (job, rank) with these shard sizes is coming (a WarmReplica
         hint, see :mod:`tierckptd.peer.hints`): warm pool files for it in free capacity, in the
         background. Ignored when hints are off here, or when this node holds a step of that rank
         (the copy will recycle its files). Returns the bytes accepted."""
-        with self._lock:
-            if not self._warming(KNOBS.warm_hint):
-                return 0
-            if any(rank in ranks for ranks in self._catalog.steps(job).values()):
-                return 0
-            pending = sum(charge_file(size) * n for size, n in self._hints.items())
-            want = accept_hint(sizes, self.capacity - self._used_locked() - pending)
-            for size, n in want.items():
-                self._hints[size] = self._hints.get(size, 0) + n
-        if want:
-            self._warmer.kick()
-        return sum(size * n for size, n in want.items())
-
-    def _next_warm(self) -> tuple[int, str, int] | None:
-        """The warming thread's next pool file (see :mod:`.warm`): one a peer's hint asks for, else
-        the largest shard size that the next save of a job held here needs (its newest step's
-        ranks on this node) beyond what the pool holds; only if it fits in free capacity; created
-        in the pool. None when there is none (pending hints are then dropped)."""
-        with self._lock:
-            free, have = self.capacity - self._used_locked(), self._recycle.counts()
-            size = hinted_pool_size(self._hints, have, free) if self._hints else None
-            if size is None:
-                self._hints.clear()
-                if self._warming(KNOBS.warm_pool):
-                    size = next_pool_size(self._catalog, have, free)
-            if size is None:
-                return None
-            fd, name = self._recycle.add_warm(size)
-            return fd, name, size
+        return self._warm.expect(job, rank, sizes)
 
     def _used_locked(self) -> int:
         return (self._catalog.committed_bytes + self._catalog.links.charged + self._saves.charged_locked()

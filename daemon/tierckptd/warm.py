@@ -38,12 +38,16 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .knobs import KNOBS
 from .retention import charge_file
 
-__all__ = ["Warmer", "accept_hint", "fallocate_keep_size", "hinted_pool_size", "next_pool_size"]
+if TYPE_CHECKING:
+    from .catalog import Catalog
+    from .recycle import RecyclePool
+
+__all__ = ["WarmPages", "Warmer", "accept_hint", "fallocate_keep_size", "hinted_pool_size", "next_pool_size"]
 
 
 def next_pool_size(catalog: Any, have: dict[int, int], free: int) -> int | None:
@@ -264,3 +268,74 @@ class Warmer:
                 log.warning("warming stopped: %s", e)
             return off, True
         return off, False
+
+
+class WarmPages:
+    """The local store's warm pages: whether to warm, the peers' hints, and the pool's next file.
+
+    Args:
+        lock: the store's lock (guards ``catalog``, ``recycle`` and the hints).
+        free_locked: the store's free capacity in bytes (called with ``lock`` held).
+        saving: whether a local trainer's save is open (see :class:`Warmer`).
+    """
+
+    def __init__(self, lock: threading.RLock, catalog: Catalog, recycle: RecyclePool,
+                 free_locked: Callable[[], int], saving: Callable[[], bool]) -> None:
+        self._lock = lock
+        self._catalog = catalog
+        self._recycle = recycle
+        self._free_locked = free_locked
+        self.tmpfs = False  # the local dir is on tmpfs (set when the store opens)
+        self.warmer = Warmer(self._next_warm, recycle.is_warm, saving)
+        self._hints: dict[int, int] = {}  # hinted pool files still to warm: size -> files wanted
+
+    def warming(self, mode: int) -> bool:
+        return bool(mode) and (mode >= 2 or self.tmpfs) and not self.warmer.disabled
+
+    def prefaulter(self, prefault: bool) -> Callable[[int, int], None] | None:
+        """What allocates a save's new staging files ahead of the writer (``prefault``: an
+        inbound replica or a restore), or None when that is off here."""
+        return self.warmer.prefault if prefault and self.warming(KNOBS.warm_ahead) else None
+
+    def committed(self) -> None:
+        """A save was committed: top the pool up in the background (when pool warming is on)."""
+        if self.warming(KNOBS.warm_pool):
+            self.warmer.kick()
+
+    def counters(self) -> dict[str, int]:
+        """Warm files taken by saves; bytes allocated in pool files and ahead of writers."""
+        with self._lock:
+            taken = self._recycle.warm_taken
+        return {"warm_taken": taken, "warmed_bytes": self.warmer.warmed, "prefaulted_bytes": self.warmer.prefaulted}
+
+    def expect(self, job: str, rank: int, sizes: list[int]) -> int:
+        """See :meth:`.store.LocalStore.expect`. Returns the bytes accepted."""
+        with self._lock:
+            if not self.warming(KNOBS.warm_hint):
+                return 0
+            if any(rank in ranks for ranks in self._catalog.steps(job).values()):
+                return 0
+            pending = sum(charge_file(size) * n for size, n in self._hints.items())
+            want = accept_hint(sizes, self._free_locked() - pending)
+            for size, n in want.items():
+                self._hints[size] = self._hints.get(size, 0) + n
+        if want:
+            self.warmer.kick()
+        return sum(size * n for size, n in want.items())
+
+    def _next_warm(self) -> tuple[int, str, int] | None:
+        """The warming thread's next pool file: one a peer's hint asks for, else
+        the largest shard size that the next save of a job held here needs (its newest step's
+        ranks on this node) beyond what the pool holds; only if it fits in free capacity; created
+        in the pool. None when there is none (pending hints are then dropped)."""
+        with self._lock:
+            free, have = self._free_locked(), self._recycle.counts()
+            size = hinted_pool_size(self._hints, have, free) if self._hints else None
+            if size is None:
+                self._hints.clear()
+                if self.warming(KNOBS.warm_pool):
+                    size = next_pool_size(self._catalog, have, free)
+            if size is None:
+                return None
+            fd, name = self._recycle.add_warm(size)
+            return fd, name, size

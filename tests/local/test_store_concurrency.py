@@ -11,6 +11,7 @@ import pytest
 from tierckpt.common import checksum as _checksum
 from tierckpt.errors import CapacityError
 from tierckptd import store as store_mod
+from tierckptd.commit import Committer
 from tierckptd.localfs import LocalDir
 from tierckptd.retention import charge_file, charge_rank
 from tierckptd.store import LocalStore
@@ -64,16 +65,16 @@ def test_concurrent_resaves_of_one_rank_keep_disk_and_catalog_in_agreement(scrat
 
     a = begin_write(b"A" * 100)
     published, release = threading.Event(), threading.Event()
-    real = LocalStore._place_files
+    real = Committer.place
 
-    def slow(self, st, man, stats):
-        tmp = real(self, st, man, stats)
+    def slow(self, st, man, stats, fsync):
+        tmp = real(self, st, man, stats, fsync)
         if st.save_id == a.save_id:  # A's files are in place, its commit not finished
             published.set()
             assert release.wait(10)
         return tmp
 
-    monkeypatch.setattr(LocalStore, "_place_files", slow)
+    monkeypatch.setattr(Committer, "place", slow)
     t = threading.Thread(target=store.commit, args=(a.save_id, {"s": _checksum.digest(b"A" * 100)}))
     t.start()
     try:
@@ -83,7 +84,7 @@ def test_concurrent_resaves_of_one_rank_keep_disk_and_catalog_in_agreement(scrat
     finally:
         release.set()
         t.join(10)
-    monkeypatch.setattr(LocalStore, "_place_files", real)
+    monkeypatch.setattr(Committer, "place", real)
     man = store.get("j", 1, 0)
     on_disk = store_mod.Manifest.from_json((store._rank_dir("j", 1, 0) / "manifest.json").read_bytes())
     assert on_disk.generation == man.generation

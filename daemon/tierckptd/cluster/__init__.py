@@ -4,6 +4,7 @@
   how many copies are wanted, which nodes form a node's neighbourhood).
 - :mod:`.membership`: the peer set as this node sees it (discovery, health, down-since, the
   cached catalogs of the neighbourhood).
+- :mod:`.completeness`: cluster-aware completeness for local retention, from those catalogs.
 
 Both remote tiers read the cluster through :class:`ClusterView` only.
 """

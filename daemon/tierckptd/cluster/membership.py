@@ -14,7 +14,6 @@ both remote tiers read it through :class:`~tierckptd.cluster.ClusterView`.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 from ..config import DaemonConfig
 from ..knobs import KNOBS
 from . import Key, ring
+from .completeness import Completeness
 from .discovery import DnsDiscovery
 
 __all__ = ["Held", "PeerInfo", "Membership"]
@@ -107,10 +107,7 @@ class Membership:
         self.peers: dict[str, PeerInfo] = {p.node_id: PeerInfo(p.node_id, p.host, p.port)
                                            for p in config.other_peers()}
         self._dns = DnsDiscovery(self, config.peers_dns) if config.peers_dns else None
-        self._index: dict[tuple[str, int], frozenset[int]] = {}
-        self._owned: dict[str, set[int]] = {}
-        self._own: dict[str, set[int]] = {}
-        self._whole_view = True
+        self._completeness = Completeness(self.node_id)
         self._down_since: dict[str, float] = {}
         self._returned = False  # a peer came up or restarted since the last refresh() (any path)
 
@@ -348,45 +345,15 @@ class Membership:
         return p is not None and p.up and key in p.held
 
     def _rebuild_index(self) -> bool:
-        idx: dict[tuple[str, int], set[int]] = collections.defaultdict(set)
-        owned: dict[str, set[int]] = collections.defaultdict(set)  # job -> ranks owned by nodes in view
-        watched = self.watched()
-        for p in self.peers.values():
-            if p.up:
-                for (job, step, rank), h in p.held.items():
-                    idx[(job, step)].add(rank)
-                    if h.owner in watched or h.owner == self.node_id:
-                        owned[job].add(rank)
-        new = {k: frozenset(v) for k, v in idx.items()}
-        changed = new != self._index or owned != self._owned
-        self._index, self._owned = new, dict(owned)
-        self._whole_view = len(watched) == len(self.peers)
-        return changed
+        return self._completeness.rebuild(self.peers, self.watched())
 
     def is_complete(self, job: str, step: int, world_size: int, ranks: set[int]) -> bool:
-        """Cluster-aware completeness for local retention.
-
-        When this node watches every peer (small clusters): every rank is held here or by a
-        live peer. At scale it sees only its neighbourhood, so a step counts as complete when
-        every rank owned by a live node in view (this node's own included) is held for it: as
-        complete as this node can tell. A far node that failed to save the step is not seen;
-        see the README's "Retention at scale" for what that risks and how per-job retention on
-        the persistent tier bounds it.
-        """
-        present = ranks | self._index.get((job, step), frozenset())
-        if len(present) >= world_size:
-            return True
-        if self._whole_view:
-            return False
-        owned = self._owned.get(job, set()) | self._own_ranks(job)
-        return bool(present) and owned <= present
-
-    def _own_ranks(self, job: str) -> set[int]:
-        return self._own.get(job, set())
+        """Cluster-aware completeness for local retention (see :meth:`.completeness.Completeness.is_complete`)."""
+        return self._completeness.is_complete(job, step, world_size, ranks)
 
     def note_own(self, job: str, rank: int) -> None:
         """A rank of ``job`` was saved on this node (its owner); completeness expects it."""
-        self._own.setdefault(job, set()).add(rank)
+        self._completeness.note_own(job, rank)
 
     def status(self) -> list[dict]:
         """The watched neighbourhood's health (the other peers are not contacted in the background)."""
