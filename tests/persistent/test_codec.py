@@ -129,6 +129,9 @@ def test_zipnn_is_given_a_copy_and_noise_is_stored_raw() -> None:
     view = memoryview(bytearray(data))
     compress.encode("zipnn-f32", view)
     assert view == data  # ZipNN rewrites the buffer it compresses: never the caller's
+    mine = bytearray(data)
+    stored = compress.encode("zipnn-f32", mine, consume=True)  # the caller is done with it: no copy
+    assert compress.decode("zipnn-f32", stored, len(data)) == data
     noise = np.random.default_rng(2).bytes(40_000)
     for codec in ("zipnn-f32", "zipnn-bf16", "zstd", "bg4-zstd"):
         assert compress.encode(codec, noise) == b"\x00" + noise

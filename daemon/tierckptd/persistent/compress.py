@@ -9,14 +9,14 @@ A shard is stored as chunks; every chunk of a shard goes through the codec its m
   (https://github.com/zipnn/zipnn; byte grouping with the exponent in a byte of its own, each
   byte group Huffman-coded per 256 KiB, in C). The stored body is an xxh3-64 (8 bytes, little
   endian) of what follows it: the ZipNN stream, then the tail shorter than an element as it is.
-  The digest (of everything after it) is checked, and the stream's header must announce the
-  expected plain size and its own length, before the
-  stream reaches ZipNN's decoder: corrupt bytes never reach C code that trusts its input, and
-  the output is bounded by the chunk's size. ZipNN rewrites the buffer it compresses, so it is
-  given a private copy. Measured against the alternatives in bench/README.md ("Incremental and
-  compressed persistent checkpoints"): blosc2 shuffle + zstd/lz4, pcodec, zstd/deflate byte
-  planes lose ratio (zstd's match finder codes the exponent plane 10-13% above its entropy) or
-  decode at a fraction of ZipNN's speed;
+  The digest is checked, and the stream's header must announce the expected plain size and
+  its own length, before the stream reaches ZipNN's decoder: corrupt bytes never reach C code
+  that trusts its input, and the output is bounded by the chunk's size. ZipNN rewrites the
+  buffer it compresses, so it is given a private copy (or the caller's buffer, when the caller
+  says it is done with it). Chosen against the alternatives measured in bench/README.md
+  ("Incremental and compressed persistent checkpoints"): blosc2 shuffle/bitshuffle/bytedelta +
+  zstd/lz4, pcodec, byte planes + zstd or deflate lose ratio (zstd's match finder codes the
+  exponent plane 10-13% above its entropy) or decode at a fraction of ZipNN's speed;
 - ``bg2-zstd`` / ``bg4-zstd`` (written before the ZipNN codecs, still read; also the
   ``bg-zstd`` setting): byte grouping, then zstd per byte plane. Each element (2 bytes:
   float16, bfloat16; 4 bytes: float32) is rotated left by one bit, so that its top byte holds the
@@ -129,22 +129,23 @@ def _digest(stream: bytes | memoryview, tail: bytes | memoryview) -> bytes:
     return h.intdigest().to_bytes(_DIGEST, "little")
 
 
-def _pack_zipnn(data: bytes | memoryview, codec: str) -> bytes | None:
+def _pack_zipnn(data: bytes | bytearray | memoryview, codec: str, consume: bool) -> list[bytes] | None:
     """The ZipNN body of a chunk (module docstring), or None when it has no whole element."""
     width = _WIDTH[_ZIPNN_DTYPE[codec]]
     n = len(data) - len(data) % width
     if n == 0:
         return None
-    stream = _zipnn(codec).compress(bytearray(data[:n]))  # a copy: ZipNN rewrites its input
     tail = bytes(data[n:])
-    return _digest(stream, tail) + stream + tail
+    mine = data if consume and isinstance(data, bytearray) and n == len(data) else bytearray(data[:n])
+    stream = _zipnn(codec).compress(mine)  # ZipNN rewrites the buffer it is given
+    return [_digest(stream, tail), stream, tail]
 
 
-def _unpack_zipnn(body: bytes, size: int, codec: str) -> bytes | bytearray:
+def _unpack_zipnn(body: memoryview, size: int, codec: str) -> bytes | bytearray:
     tail = size % _WIDTH[_ZIPNN_DTYPE[codec]]
     end = len(body) - tail
     stream = memoryview(body)[_DIGEST:end]
-    if end < _DIGEST + _ZN_HEADER or _digest(stream, memoryview(body)[end:]) != body[:_DIGEST]:
+    if end < _DIGEST + _ZN_HEADER or _digest(stream, body[end:]) != bytes(body[:_DIGEST]):
         raise DataLossError("ZipNN stream does not match its digest")
     announced = (int.from_bytes(stream[16:24], "little"), int.from_bytes(stream[24:32], "little"))
     if bytes(stream[:2]) != b"ZN" or announced != (size - tail, len(stream)):
@@ -153,7 +154,7 @@ def _unpack_zipnn(body: bytes, size: int, codec: str) -> bytes | bytearray:
     return out + body[end:] if tail else out
 
 
-def _planes(data: bytes | memoryview, width: int) -> list[bytes]:
+def _planes(data: bytes | bytearray | memoryview, width: int) -> list[bytes]:
     """Rotate each element left by one bit, then split into ``width`` byte planes (+ the tail)."""
     n = len(data) - len(data) % width
     x = np.frombuffer(data, _UINT[width], n // width)
@@ -163,7 +164,7 @@ def _planes(data: bytes | memoryview, width: int) -> list[bytes]:
     return [grouped[i].tobytes() for i in range(width)] + [bytes(data[n:])]
 
 
-def _unplanes(planes: list[bytes], width: int) -> bytes:
+def _unplanes(planes: list[Any], width: int) -> bytes:
     count = len(planes[0])
     grouped = np.empty((count, width), np.uint8)
     for i in range(width):
@@ -174,7 +175,7 @@ def _unplanes(planes: list[bytes], width: int) -> bytes:
     return x.tobytes() + planes[width]
 
 
-def _pack_planes(data: bytes | memoryview, width: int) -> bytes:
+def _pack_planes(data: bytes | bytearray | memoryview, width: int) -> bytes:
     comp = _zstd(PLANE_LEVEL)[0]
     out = []
     for plane in _planes(data, width):
@@ -184,7 +185,7 @@ def _pack_planes(data: bytes | memoryview, width: int) -> bytes:
     return b"".join(out)
 
 
-def _unpack_planes(body: bytes, size: int, width: int) -> bytes:
+def _unpack_planes(body: memoryview, size: int, width: int) -> bytes:
     dec, pos, planes = _zstd(PLANE_LEVEL)[1], 0, []
     sizes = [size // width] * width + [size % width]
     for want in sizes:
@@ -200,18 +201,23 @@ def _unpack_planes(body: bytes, size: int, width: int) -> bytes:
     return _unplanes(planes, width)
 
 
-def encode(codec: str, data: bytes | memoryview) -> bytes:
-    """The stored form of one chunk (tag byte first; never longer than ``len(data) + 1``)."""
-    packed: bytes | None = None
+def encode(codec: str, data: bytes | bytearray | memoryview, *, consume: bool = False) -> bytes:
+    """The stored form of one chunk (tag byte first; never longer than ``len(data) + 1``).
+
+    Args:
+        consume: ``data`` is a bytearray the caller is done with: a codec may overwrite it
+            instead of copying it first.
+    """
+    parts: list[bytes] | None = None
     if codec in _ZIPNN_DTYPE:
-        packed = _pack_zipnn(data, codec)
+        parts = _pack_zipnn(data, codec, consume)
     elif codec.startswith("bg"):
-        packed = _pack_planes(data, int(codec[2]))
+        parts = [_pack_planes(data, int(codec[2]))]
     elif codec != "raw":
-        packed = _zstd()[0].compress(data)
-    if packed is None or len(packed) >= len(data):
+        parts = [_zstd()[0].compress(data)]
+    if parts is None or sum(map(len, parts)) >= len(data):
         return _RAW + bytes(data)
-    return _PACKED + packed
+    return b"".join([_PACKED, *parts])
 
 
 def decode(codec: str, stored: bytes, size: int) -> bytes | bytearray:
@@ -222,10 +228,10 @@ def decode(codec: str, stored: bytes, size: int) -> bytes | bytearray:
     """
     if codec not in CODECS:
         raise DataLossError(f"chunk stored with unknown codec {codec!r}")
-    tag, body = stored[:1], stored[1:]
+    tag, body = stored[:1], memoryview(stored)[1:]
     try:
         if tag == _RAW:
-            out: bytes | bytearray = body
+            out: bytes | bytearray = bytes(body)
         elif tag == _PACKED and codec != "raw":
             if codec in _ZIPNN_DTYPE:
                 out = _unpack_zipnn(body, size, codec)

@@ -137,14 +137,15 @@ class ContentStore:
         if be.exists(key):
             return (digest, size, self.stored.get(key, 0))
         fd = self._open(held, shard)
+        data = bytearray(size)  # ours: the codec may compress it in place (no copy)
         try:
-            data = os.pread(fd, size, offset)
+            got = os.preadv(fd, [data], offset)
         finally:
             os.close(fd)
-        if len(data) != size or xxhash.xxh3_128_hexdigest(data) != digest:
+        if got != size or xxhash.xxh3_128_hexdigest(data) != digest:
             raise DataLossError(f"{_what(held, shard)}: the local copy changed while uploading "
                                 f"(chunk at {offset}); not published")
-        stored = encode(codec, data)
+        stored = encode(codec, data, consume=True)
         be.put_bytes(key, stored)
         self.stored[key] = len(stored)
         self.sent += len(stored)
