@@ -157,3 +157,22 @@ def test_chunks_named_by_a_live_lease_are_not_collected(tmp_path: Path) -> None:
         assert rig.memory.list("job/content/") == ["job/content/cd/leased-1.raw"]
 
     asyncio.run(body())
+
+
+def test_the_chunks_of_all_shards_of_a_rank_go_up_at_once(tmp_path: Path) -> None:
+    shards = {f"s{i}": _floats(CHUNK // 4, 20 + i).tobytes() for i in range(4)}  # one chunk each
+
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            rig.faulty.hang("exists")
+            _save(rig, 1, shards)
+            held = await asyncio.to_thread(lambda: sum(rig.faulty.wait_held("exists", 5) for _ in shards))
+            rig.faulty.release("exists")
+            assert held == len(shards)  # every shard's chunk was in flight together
+            await _drain(rig, 1)
+            await rig.tier.stop(1.0)
+            await _restores(rig.memory, tmp_path, "r", 1, shards)
+
+    asyncio.run(body())

@@ -7,8 +7,9 @@ Upload of one rank (:meth:`ContentStore.put_rank`), in this order:
    published) and every chunk's xxh3-128 is taken: the chunk keys are now known.
 2. Lease: ``<job>/leases/<ms>-<token>.json`` listing those keys is stored.
 3. Collections: while a collection marker ``<job>/gc/...`` exists, wait (see :mod:`.gc`).
-4. Chunks: each chunk whose key exists is skipped (deduplicated); the others are read again,
-   checked against their hash (so every byte sent was verified), encoded and stored.
+4. Chunks (of all shards at once, ``KNOBS.upload_threads`` at a time): each chunk whose key
+   exists is skipped (deduplicated); the others are read again, checked against their hash (so
+   every byte sent was verified), encoded and stored.
 5. The caller publishes the manifest (commit marker), then :meth:`release` deletes the lease.
 
 Why it is safe against a concurrent collection: a collection stores its marker, then reads the
@@ -94,15 +95,18 @@ class ContentStore:
         body = json.dumps({"created": time.time(), "keys": keys}).encode()
         await self.calls.write(functools.partial(self.calls.be.put_bytes, lease, body), cancelled)
         await self._wait_for_collections(job, cancelled)
-        shards = []
-        for s in man.shards:
-            offsets = _offsets(plan[s.name])
-            chunks = await asyncio.gather(*(
-                self.calls.write(functools.partial(self._put_chunk, held, s.name, off, d, n, codecs[s.name]),
-                                 cancelled)
-                for (d, n), off in zip(plan[s.name], offsets)))
-            shards.append(dataclasses.replace(s, file="", codec=codecs[s.name], chunks=tuple(chunks)))
-        return dataclasses.replace(man, shards=tuple(shards)), lease, leased
+        # every chunk of every shard at once (KNOBS.upload_threads at a time): a rank of many
+        # one-chunk shards would otherwise go up one shard after the other
+        work = [(s.name, off, d, n) for s in man.shards for (d, n), off in zip(plan[s.name], _offsets(plan[s.name]))]
+        stored = await asyncio.gather(*(
+            self.calls.write(functools.partial(self._put_chunk, held, name, off, d, n, codecs[name]), cancelled)
+            for name, off, d, n in work))
+        chunks: dict[str, list[Chunk]] = {s.name: [] for s in man.shards}
+        for (name, *_), chunk in zip(work, stored):
+            chunks[name].append(chunk)
+        shards = tuple(dataclasses.replace(s, file="", codec=codecs[s.name], chunks=tuple(chunks[s.name]))
+                       for s in man.shards)
+        return dataclasses.replace(man, shards=shards), lease, leased
 
     def _hash_shard(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
         """(xxh3-128 hex, size) of every chunk of a local shard, verifying the shard's checksum."""
