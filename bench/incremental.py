@@ -7,10 +7,11 @@ one run:
    compress/decompress throughput of our codec (``tierckptd.persistent.compress`` as ``auto``
    picks it per dtype, per 8 MiB chunk, framing and copies included) vs ZipNN vs plain zstd
    level 3 vs our previous codec (bg-zstd), all on the same 8 MiB chunks of the model as bf16
-   and fp32 and of the AdamW moments (fp32); repetitions interleave the codecs (the machine is
-   shared), best of --reps. Every codec's output is checked to decode to the input. ZipNN
-   rewrites the buffer it compresses, so every coder is handed a fresh copy of each chunk
-   (outside the timing; ours is told it may consume it, as the tier's drain does).
+   and fp32 and of the AdamW moments (fp32); the codecs take turns on every chunk, --reps times
+   (the machine is shared), and each chunk counts with its best time. Every codec's output is
+   checked to decode to the input. ZipNN rewrites the buffer it compresses, so every coder is
+   handed a fresh copy of each chunk (outside the timing; ours is told it may consume it, as the
+   tier's drain does).
 2. frozen-base fine-tune: the base (every parameter but the head and the last LayerNorm, ~89%
    of the saved bytes) is frozen, a new AdamW trains the rest; model + AdamW state are saved at
    three steps --ft-steps apart, one shard per tensor as tierckpt.torch lays them out (small
@@ -18,10 +19,11 @@ one run:
    content layout, auto codec): stored bytes uploaded by each later step / step 1's. Then step
    1's manifest is deleted, chunks collected, and steps 2 and 3 restored byte-exact.
 3. full pretraining step: the trained model + AdamW state (everything changed) drained to a real
-   moto_server with today's default layout (per-shard, raw) and with the content layout + auto
-   codec, alternating, best of --drains each: wall time from the local commit until the manifest
-   is stored. Once over loopback (requests cost, bytes are free), once through
-   bench/_throttle.py at --rate MiB/s each way (a node's share of object-store bandwidth).
+   moto_server with today's default layout (per-shard, raw), with the content layout and no
+   codec, and with the content layout + auto codec, alternating, --drains times each (best and
+   median): wall time from the local commit until the manifest is stored. Once over loopback
+   (requests cost, bytes are free), once through bench/_throttle.py at --rate MiB/s each way
+   (a node's share of object-store bandwidth).
 
 Command: PYTHONPATH=client:daemon:examples .venv/bin/python bench/incremental.py
 """
@@ -33,6 +35,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,23 +96,26 @@ def _coders(dtype: str) -> dict[str, Coder]:
 
 
 def _best(reps: int, parts: list[bytes], coders: dict[str, Coder]) -> dict[str, tuple[int, float, float]]:
-    """{codec: (stored bytes, best compress s, best decompress s)}, repetitions interleaved."""
-    stored, best = {}, {label: [float("inf"), float("inf")] for label in coders}
-    for label, (enc, dec) in coders.items():
-        stored[label] = [enc(bytearray(p)) for p in parts]
+    """{codec: (stored bytes, compress s, decompress s)}: the sum over chunks of each chunk's best
+    time of ``reps``, the coders taking turns on every chunk (load spikes hit them alike)."""
+    stored = {label: [enc(bytearray(p)) for p in parts] for label, (enc, _) in coders.items()}
+    for label, (_, dec) in coders.items():
         assert all(bytes(dec(e, len(p))) == p for e, p in zip(stored[label], parts)), f"{label} is not lossless"
-    for _ in range(reps):
-        for label, (enc, dec) in coders.items():
-            src = [bytearray(p) for p in parts]  # every coder gets a fresh copy (ZipNN rewrites its input)
-            t = time.perf_counter()
-            for p in src:
-                enc(p)
-            t1 = time.perf_counter()
-            for e, p in zip(stored[label], parts):
-                dec(e, len(p))
-            t2 = time.perf_counter()
-            best[label] = [min(best[label][0], t1 - t), min(best[label][1], t2 - t1)]
-    return {label: (sum(map(len, stored[label])), *best[label]) for label in coders}  # type: ignore[misc]
+    total = {label: [0.0, 0.0] for label in coders}
+    for i, part in enumerate(parts):
+        best = {label: [float("inf"), float("inf")] for label in coders}
+        for _ in range(reps):
+            for label, (enc, dec) in coders.items():
+                mine = bytearray(part)  # a fresh copy each time (ZipNN rewrites its input)
+                t0 = time.perf_counter()
+                enc(mine)
+                t1 = time.perf_counter()
+                dec(stored[label][i], len(part))
+                t2 = time.perf_counter()
+                best[label] = [min(best[label][0], t1 - t0), min(best[label][1], t2 - t1)]
+        for label in coders:
+            total[label] = [total[label][0] + best[label][0], total[label][1] + best[label][1]]
+    return {label: (sum(map(len, stored[label])), *total[label]) for label in coders}  # type: ignore[misc]
 
 
 def codec_table(tensors: dict[str, tuple[bytes, str]], reps: int) -> None:
@@ -118,7 +124,7 @@ def codec_table(tensors: dict[str, tuple[bytes, str]], reps: int) -> None:
     os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
     step = KNOBS.chunk_bytes
-    print(f"## codecs (pinned to CPU {cpu}, {step >> 20} MiB chunks, best of {reps})\n")
+    print(f"## codecs (pinned to CPU {cpu}, {step >> 20} MiB chunks, each chunk's best of {reps}, codecs in turn)\n")
     print("| tensors | MB | codec | ratio | compress MB/s | decompress MB/s |\n|---|---|---|---|---|---|")
     summary = []
     try:
@@ -242,14 +248,18 @@ def _throttled(endpoint: str, rate_mib: float) -> Iterator[str]:
         proxy.wait(10)
 
 
-def _drains(bucket: str, shards: Shards, root: Path, drains: int, tag: str) -> dict[str, float]:
-    best = {"per-shard": float("inf"), "content": float("inf")}
+ARMS = {"per-shard, raw (today's default)": ("per-shard", "none"), "content, no codec": ("content", "none"),
+        "content + auto codec": ("content", "auto")}
+
+
+def _drains(bucket: str, shards: Shards, root: Path, drains: int, tag: str) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     with KNOBS.overridden(per_shard_layout=0):
         for i in range(drains):
-            for layout, was in list(best.items()):
-                url = f"s3://{bucket}/{tag}-{layout}-{i}"
-                best[layout] = min(was, asyncio.run(_drain_once(url, layout, shards, root / f"{tag}{layout}{i}")))
-    return best
+            for j, (arm, (layout, codec)) in enumerate(ARMS.items()):
+                url, where = f"s3://{bucket}/{tag}-{j}-{i}", root / f"{tag}{j}-{i}"
+                times[arm].append(asyncio.run(_drain_once(url, layout, shards, where, codec)))
+    return times
 
 
 def full_step(shards: Shards, root: Path, drains: int, rate_mib: float) -> None:
@@ -270,19 +280,22 @@ def full_step(shards: Shards, root: Path, drains: int, rate_mib: float) -> None:
     finally:
         server.stop()
     raw = sum(len(b) for b, _ in shards.values())
-    print(f"\n## full pretraining step to moto_server ({len(shards)} shards, {raw / 1e6:.1f} MB, best of {drains})\n")
-    print("| link | per-shard, raw (today's default) s | content + auto codec s | content / raw |\n|---|---|---|---|")
-    for link, best in results.items():
-        raw_s, content_s = best["per-shard"], best["content"]
-        print(f"| {link} | {raw_s:.3f} | {content_s:.3f} | {content_s / raw_s:.2f}x |")
+    print(f"\n## full pretraining step to moto_server ({len(shards)} shards, {raw / 1e6:.1f} MB, "
+          f"{drains} drains per arm, arms alternating)\n")
+    print("| link | arm | best s | median s | best / raw's | median / raw's |\n|---|---|---|---|---|---|")
+    for link, times in results.items():
+        base = next(iter(times.values()))
+        for arm, t in times.items():
+            print(f"| {link} | {arm} | {min(t):.3f} | {statistics.median(t):.3f} | {min(t) / min(base):.2f}x "
+                  f"| {statistics.median(t) / statistics.median(base):.2f}x |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60, help="pretraining steps")
     p.add_argument("--ft-steps", type=int, default=5, help="fine-tune steps between saves")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--drains", type=int, default=5)
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--drains", type=int, default=9)
     p.add_argument("--rate", type=float, default=100.0, help="MiB/s of the throttled drain (0: none)")
     args = p.parse_args()
     model, opt, _, data, targs = _model(args.steps)
