@@ -9,7 +9,11 @@ Upload of one rank (:meth:`ContentStore.put_rank`), in this order:
 3. Collections: while a collection marker ``<job>/gc/...`` exists, wait (see :mod:`.gc`).
 4. Chunks (of all shards at once, ``KNOBS.upload_threads`` at a time): each chunk whose key
    exists is skipped (deduplicated); the others are read again, checked against their hash (so
-   every byte sent was verified), encoded and stored.
+   every byte sent was verified), encoded and stored. Whether a chunk exists is asked (one
+   request each) for the chunks the last drain of the same rank by this process also had, and
+   for every chunk when this process has drained no such rank yet (after a restart); a chunk
+   that drain did not have is new content and is stored without asking (at worst an identical
+   object is written again), so a step where everything changed costs no extra request per chunk.
 5. The caller publishes the manifest (commit marker), then :meth:`release` deletes the lease.
 
 Why it is safe against a concurrent collection: a collection stores its marker, then reads the
@@ -72,6 +76,7 @@ class ContentStore:
         self.setting = setting
         self.metrics = metrics
         self.stored: Bounded = Bounded(1 << 20)  # chunk key -> stored size, of chunks seen by this process
+        self.previous: Bounded = Bounded(256)  # (job, rank) -> chunk keys of its last drain by this process
         self.sent = 0  # stored bytes uploaded by this process (benchmarks)
 
     # ----------------------------------------------------------------------------- upload
@@ -98,9 +103,13 @@ class ContentStore:
         # every chunk of every shard at once (KNOBS.upload_threads at a time): a rank of many
         # one-chunk shards would otherwise go up one shard after the other
         work = [(s.name, off, d, n) for s in man.shards for (d, n), off in zip(plan[s.name], _offsets(plan[s.name]))]
+        previous = self.previous.get((job, man.rank))
         stored = await asyncio.gather(*(
-            self.calls.write(functools.partial(self._put_chunk, held, name, off, d, n, codecs[name]), cancelled)
+            self.calls.write(functools.partial(self._put_chunk, held, name, off, d, n, codecs[name],
+                                               previous is None or content_key(job, d, n, codecs[name]) in previous),
+                             cancelled)
             for name, off, d, n in work))
+        self.previous[(job, man.rank)] = frozenset(keys)
         chunks: dict[str, list[Chunk]] = {s.name: [] for s in man.shards}
         for (name, *_), chunk in zip(work, stored):
             chunks[name].append(chunk)
@@ -133,12 +142,13 @@ class ContentStore:
         except NotFoundError as err:  # evicted or re-saved meanwhile: the rank left the local tier
             raise FileNotFoundError(str(err)) from err
 
-    def _put_chunk(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str) -> Chunk:
-        """Store one chunk unless its key exists; returns its manifest record."""
+    def _put_chunk(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str,
+                   ask: bool) -> Chunk:
+        """Store one chunk unless ``ask`` and its key exists; returns its manifest record."""
         from .compress import encode
 
         be, key = self.calls.be, content_key(held.job, digest, size, codec)
-        if be.exists(key):
+        if ask and be.exists(key):
             return (digest, size, self.stored.get(key, 0))
         fd = self._open(held, shard)
         data = bytearray(size)  # ours: the codec may compress it in place (no copy)
