@@ -18,10 +18,11 @@ one run:
    tensors packed, a pickled skeleton), through the in-process tier (tests/persistent/rig.py,
    content layout, auto codec): stored bytes uploaded by each later step / step 1's. Then step
    1's manifest is deleted, chunks collected, and steps 2 and 3 restored byte-exact.
-3. full pretraining step: the trained model + AdamW state (everything changed) drained to a real
+3. full pretraining steps: the trained model + AdamW state, then the same one training step
+   later (everything changed), drained as steps 1 and 2 of a rank through one tier to a real
    moto_server with today's default layout (per-shard, raw), with the content layout and no
    codec, and with the content layout + auto codec, alternating, --drains times each (best and
-   median): wall time from the local commit until the manifest is stored. Once over loopback
+   median): wall time of each step from the local commit until its manifest is stored. Once over loopback
    (requests cost, bytes are free), once through bench/_throttle.py at --rate MiB/s each way
    (a node's share of object-store bandwidth).
 
@@ -65,7 +66,8 @@ Coder = tuple[Callable[[bytearray], Any], Callable[[Any, int], Any]]  # encode (
 
 
 def _model(steps: int) -> tuple[Any, Any, Any, Any, argparse.Namespace]:
-    args = train.parse_args(["--steps", str(steps), "--d-model", "256", "--layers", "4", "--vocab", "512"])
+    # the schedule has room for one more step (the full-step drain's second state)
+    args = train.parse_args(["--steps", str(steps + 1), "--d-model", "256", "--layers", "4", "--vocab", "512"])
     model, opt, sched, data = train.build(args)
     for _ in range(steps):
         train.train_step(model, opt, sched, data, args.vocab)
@@ -218,16 +220,19 @@ async def finetune(states: dict[int, Shards], root: Path) -> None:
 
 # ----------------------------------------------------------------------------- 3. full step
 
-async def _drain_once(url: str, layout: str, shards: Shards, root: Path, codec: str = "auto") -> float:
+async def _drain_steps(url: str, layout: str, states: list[Shards], root: Path, codec: str) -> list[float]:
+    """Drain ``states`` as steps 1, 2, ... of one rank through one tier: each drain's wall time."""
     rig = _rig(root, "n0")
     config = dataclasses.replace(rig.config, persistent=url, persistent_layout=layout, codec=codec)
     rig.tier = PersistentTier(config, rig.store, backend=open_backend(url))
     rig.tier.bind(rig.host)
     await rig.tier.start()
-    t = time.perf_counter()
-    rig.save("job", 1, 0, {n: b for n, (b, _) in shards.items()}, dtypes={n: d for n, (_, d) in shards.items()})
-    await asyncio.wait_for(rig.tier.wait("job", 1, 0, None), 600)
-    took = time.perf_counter() - t
+    took = []
+    for step, shards in enumerate(states, 1):
+        t = time.perf_counter()
+        rig.save("job", step, 0, {n: b for n, (b, _) in shards.items()}, dtypes={n: d for n, (_, d) in shards.items()})
+        await asyncio.wait_for(rig.tier.wait("job", step, 0, None), 600)
+        took.append(time.perf_counter() - t)
     await rig.tier.stop(1.0)
     return took
 
@@ -252,17 +257,17 @@ ARMS = {"per-shard, raw (today's default)": ("per-shard", "none"), "content, no 
         "content + auto codec": ("content", "auto")}
 
 
-def _drains(bucket: str, shards: Shards, root: Path, drains: int, tag: str) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+def _drains(bucket: str, states: list[Shards], root: Path, drains: int, tag: str) -> dict[str, list[list[float]]]:
+    times: dict[str, list[list[float]]] = {arm: [] for arm in ARMS}
     with KNOBS.overridden(per_shard_layout=0):
         for i in range(drains):
             for j, (arm, (layout, codec)) in enumerate(ARMS.items()):
                 url, where = f"s3://{bucket}/{tag}-{j}-{i}", root / f"{tag}{j}-{i}"
-                times[arm].append(asyncio.run(_drain_once(url, layout, shards, where, codec)))
+                times[arm].append(asyncio.run(_drain_steps(url, layout, states, where, codec)))
     return times
 
 
-def full_step(shards: Shards, root: Path, drains: int, rate_mib: float) -> None:
+def full_step(states: list[Shards], root: Path, drains: int, rate_mib: float) -> None:
     from servers import MotoServer
 
     (root / "moto").mkdir(parents=True)
@@ -272,22 +277,25 @@ def full_step(shards: Shards, root: Path, drains: int, rate_mib: float) -> None:
     try:
         os.environ.update(server.env)
         bucket = server.create_bucket()
-        results["loopback"] = _drains(bucket, shards, root, drains, "direct")
+        results["loopback"] = _drains(bucket, states, root, drains, "direct")
         if rate_mib:
             with _throttled(server.endpoint_url, rate_mib) as url:
                 os.environ["AWS_ENDPOINT_URL"] = url
-                results[f"{rate_mib:g} MiB/s"] = _drains(bucket, shards, root, drains, "slow")
+                results[f"{rate_mib:g} MiB/s"] = _drains(bucket, states, root, drains, "slow")
     finally:
         server.stop()
-    raw = sum(len(b) for b, _ in shards.values())
-    print(f"\n## full pretraining step to moto_server ({len(shards)} shards, {raw / 1e6:.1f} MB, "
-          f"{drains} drains per arm, arms alternating)\n")
-    print("| link | arm | best s | median s | best / raw's | median / raw's |\n|---|---|---|---|---|---|")
+    raw = sum(len(b) for b, _ in states[-1].values())
+    print(f"\n## full pretraining steps to moto_server ({len(states[-1])} shards, {raw / 1e6:.1f} MB a step, "
+          f"{drains} runs per arm, arms alternating)\n")
+    print("Step 1: a tier's first drain of the rank; step 2: the next step, everything changed.\n")
+    print("| link | arm | step 1 median s | step 2 best s | step 2 median s | step 2 best / raw's "
+          "| step 2 median / raw's |\n|---|---|---|---|---|---|---|")
     for link, times in results.items():
-        base = next(iter(times.values()))
-        for arm, t in times.items():
-            print(f"| {link} | {arm} | {min(t):.3f} | {statistics.median(t):.3f} | {min(t) / min(base):.2f}x "
-                  f"| {statistics.median(t) / statistics.median(base):.2f}x |")
+        base = [t[-1] for t in next(iter(times.values()))]
+        for arm, runs in times.items():
+            first, last = statistics.median(t[0] for t in runs), [t[-1] for t in runs]
+            print(f"| {link} | {arm} | {first:.3f} | {min(last):.3f} | {statistics.median(last):.3f} "
+                  f"| {min(last) / min(base):.2f}x | {statistics.median(last) / statistics.median(base):.2f}x |")
 
 
 def main() -> None:
@@ -298,9 +306,11 @@ def main() -> None:
     p.add_argument("--drains", type=int, default=9)
     p.add_argument("--rate", type=float, default=100.0, help="MiB/s of the throttled drain (0: none)")
     args = p.parse_args()
-    model, opt, _, data, targs = _model(args.steps)
+    model, opt, sched, data, targs = _model(args.steps)
     codec_table(_tensors(model, opt), args.reps)
-    full = _shards({"model": model, "optim": opt})
+    full = [_shards({"model": model, "optim": opt})]
+    train.train_step(model, opt, sched, data, targs.vocab)  # one more step: every byte changes
+    full.append(_shards({"model": model, "optim": opt}))
     with tempfile.TemporaryDirectory(prefix="tck-incremental-") as tmp:
         asyncio.run(finetune(_finetune_states(model, data, targs, args.ft_steps), Path(tmp) / "ft"))
         full_step(full, Path(tmp), args.drains, args.rate)
