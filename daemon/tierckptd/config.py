@@ -102,9 +102,10 @@ class DaemonConfig:
     unchanged data is not uploaded again, and is compressed by ``codec``) or "per-shard" (one
     object per shard and save, the layout of earlier versions). Both are always read."""
     codec: str = "auto"
-    """How the persistent tier's content layout compresses chunks: "auto" (by dtype: float16/bfloat16/float32 byte
-    planes + zstd, zstd for the rest), "none", "zstd" (every shard) or "bg-zstd" (byte planes by
-    element size where the dtype has one); a chunk that does not shrink is stored raw."""
+    """How the persistent tier's content layout compresses chunks: "auto" (by dtype: ZipNN for
+    float16/bfloat16/float32, its byte groups Huffman-coded; zstd for the rest), "none", "zstd"
+    (every shard) or "bg-zstd" (the older byte planes + zstd, by element size where the dtype has
+    one); a chunk that does not shrink is stored raw. Chunks are read whatever the setting."""
     s3_endpoint: str = ""
     """S3 endpoint URL for MinIO, Ceph RGW or another S3-compatible store, e.g.
     "https://minio.example:9000" (empty: AWS_ENDPOINT_URL or AWS's own)."""

@@ -16,6 +16,7 @@ from tierckptd.config import DaemonConfig
 from tierckptd.fakes import FaultyBackend, MemoryBackend
 from tierckptd.manifest import Manifest
 from tierckptd.persistent import PersistentTier
+from tierckptd.staging import dtype_itemsize
 from tierckptd.store import LocalStore
 
 URL = "memory://test/"
@@ -72,10 +73,15 @@ class Rig:
         self.tier.bind(self.host)
 
     def save(self, job: str, step: int, rank: int, shards: dict[str, bytes], *, world: int = 1,
-             persist: bool = False, node: str | None = None, generation: str | None = None) -> Manifest:
+             persist: bool = False, node: str | None = None, generation: str | None = None,
+             dtypes: dict[str, str] | None = None) -> Manifest:
         """Commit a rank into the local store and tell the tier, as the node does. ``node``
-        other than this node makes it a replica (ingested) of that owner's rank."""
-        st = self.store.begin(job, step, rank, world, [(n, len(b), "", ()) for n, b in shards.items()])
+        other than this node makes it a replica (ingested) of that owner's rank; ``dtypes``
+        names a shard's dtype (default none)."""
+        dt = dtypes or {}
+        shape = {n: (len(b) // dtype_itemsize(dt[n]),) for n, b in shards.items() if dt.get(n)}
+        st = self.store.begin(job, step, rank, world, [(n, len(b), dt.get(n, ""), shape.get(n, ()))
+                                                       for n, b in shards.items()])
         for name, data in shards.items():
             st.files[name].path.write_bytes(data)
         replica = node is not None and node != self.node_id

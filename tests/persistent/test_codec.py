@@ -1,15 +1,27 @@
-"""The transform seam: a codec other than the identity is recorded per shard and read back."""
+"""The transform seam (a codec other than the identity is recorded per shard and read back) and the
+chunk codecs of the content layout (round trips, stored raw when not smaller, corrupt input,
+names written by older daemons)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import contextlib
+import json
+import random
+import sys
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
+import pytest
+import xxhash
+from tierckpt.errors import DataLossError
+from tierckptd.knobs import KNOBS
 from tierckptd.manifest import Manifest
-from tierckptd.persistent import ShardCodec, manifest_key, register_codec
+from tierckptd.persistent import ShardCodec, compress, manifest_key, register_codec
+from tierckptd.persistent.layout import content_key
 
 from .rig import Rig
 
@@ -61,3 +73,178 @@ def test_a_codec_transforms_the_stored_bytes_and_checksums_cover_the_plain_ones(
 def test_the_identity_leaves_manifests_as_they_were() -> None:
     man = Manifest("job", 1, 0, 1, "n0", "g", ())
     assert b"codec" not in Manifest.from_json(man.to_json()).to_json()
+
+
+# ------------------------------------------------------------------ chunk codecs (compress.py)
+
+_GOLDEN = json.loads((Path(__file__).parent / "data" / "golden_chunks.json").read_text())
+_WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1, "": 1}
+
+
+def _weights(n: int, seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(n) * 0.02).astype(np.float32)
+
+
+def _tensor(dtype: str, count: int, seed: int = 1) -> bytes:
+    x = _weights(count, seed)
+    return {"float32": x.tobytes(), "float16": x.astype(np.float16).tobytes(),
+            "bfloat16": (x.view(np.uint32) >> 16).astype(np.uint16).tobytes(),
+            "int64": np.arange(count, dtype=np.int64).tobytes(), "int32": (x * 1e4).astype(np.int32).tobytes(),
+            "uint8": (x * 1e3).astype(np.uint8).tobytes(), "": b"abc" * count}[dtype]
+
+
+def _golden_plain(kind: str) -> bytes:
+    """The plain bytes of data/golden_chunks.json (integer arithmetic: the same on every machine)."""
+    x = (((np.arange(1024, dtype=np.int64) * 2654435761) % 2001 - 1000).astype(np.float32) * np.float32(1e-5))
+    return (x.tobytes() if kind == "f32" else (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()) + b"\x05"
+
+
+@pytest.mark.parametrize("dtype", list(_WIDTH))
+def test_every_setting_round_trips_every_width_with_odd_tails_and_empty(dtype: str) -> None:
+    whole = _tensor(dtype, 70_001)
+    width = _WIDTH[dtype]
+    sizes = [0, 1, width - 1, width, 3 * width + 1, 70_001 * width - 1, len(whole)]
+    for setting in compress.SETTINGS:
+        codec = compress.choose(setting, dtype)
+        assert codec in compress.CODECS
+        for size in sizes:
+            data = whole[:size]
+            stored = compress.encode(codec, data)
+            assert len(stored) <= size + 1 and stored[:1] in (b"\x00", b"\x01")
+            assert compress.decode(codec, stored, size) == data, (setting, codec, size)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_auto_stores_floats_with_zipnn_and_shrinks_them(dtype: str) -> None:
+    codec = compress.choose("auto", dtype)
+    assert codec == compress.ZIPNN[dtype] and compress.choose("bg-zstd", dtype).startswith("bg")
+    data = _tensor(dtype, 100_000) + b"\x01"
+    stored = compress.encode(codec, data)
+    assert stored[:1] == b"\x01" and len(stored) < 0.9 * len(data)
+    assert compress.choose("auto", "int64") == "zstd" and compress.choose("none", dtype) == "raw"
+
+
+def test_zipnn_is_given_a_copy_and_noise_is_stored_raw() -> None:
+    data = _tensor("float32", 10_000)
+    view = memoryview(bytearray(data))
+    compress.encode("zipnn-f32", view)
+    assert view == data  # ZipNN rewrites the buffer it compresses: never the caller's
+    mine = bytearray(data)
+    stored = compress.encode("zipnn-f32", mine, consume=True)  # the caller is done with it: no copy
+    assert compress.decode("zipnn-f32", stored, len(data)) == data
+    noise = np.random.default_rng(2).bytes(40_000)
+    for codec in ("zipnn-f32", "zipnn-bf16", "zstd", "bg4-zstd"):
+        assert compress.encode(codec, noise) == b"\x00" + noise
+
+
+def test_chunks_stored_under_every_name_still_decode() -> None:
+    assert set(_GOLDEN) == {"zstd", "bg4-zstd", "bg2-zstd", "zipnn-f32", "zipnn-bf16"}
+    for codec, g in _GOLDEN.items():
+        plain = _golden_plain(g["plain"])
+        assert compress.decode(codec, bytes.fromhex(g["stored"]), len(plain)) == plain, codec
+    assert compress.decode("raw", b"\x00abc", 3) == b"abc"
+
+
+def _corruptions(stored: bytes) -> list[bytes]:
+    return [stored[:-1], stored[: len(stored) // 2], stored + b"\x00", b"\x01", b"", b"\x02" + stored[1:],
+            b"\x01" + bytes(len(stored) - 1), b"\x00" + stored[1:]]
+
+
+@pytest.mark.parametrize("codec", ["zstd", "bg2-zstd", "bg4-zstd", "zipnn-f32", "zipnn-bf16", "zipnn-f16"])
+def test_corrupt_chunks_raise_data_loss(codec: str) -> None:
+    dtype = {"zipnn-f32": "float32", "bg4-zstd": "float32", "zstd": "float32"}.get(codec, "bfloat16")
+    data = _tensor(dtype if codec != "zipnn-f16" else "float16", 50_000) + b"\x03"
+    stored = compress.encode(codec, data)
+    assert stored[:1] == b"\x01"
+    for bad in _corruptions(stored):
+        with pytest.raises(DataLossError):
+            compress.decode(codec, bad, len(data))
+    with pytest.raises(DataLossError):
+        compress.decode(codec, stored, len(data) + 1)  # bounded: never more than the size it is read as
+    with pytest.raises(DataLossError):
+        compress.decode("lzma", stored, len(data))
+
+
+@pytest.mark.parametrize("codec", ["zipnn-f32", "zipnn-bf16"])
+def test_zipnn_chunks_with_any_byte_flipped_raise_data_loss(codec: str) -> None:
+    data = _tensor("float32" if codec == "zipnn-f32" else "bfloat16", 30_000) + b"\x03"
+    stored = compress.encode(codec, data)
+    rng = random.Random(5)
+    for pos in [1, 8, 9, 10, 30, len(stored) - 2, len(stored) - 1, *rng.sample(range(1, len(stored)), 50)]:
+        bad = bytearray(stored)
+        bad[pos] ^= 1 << rng.randrange(8)
+        with pytest.raises(DataLossError):
+            compress.decode(codec, bytes(bad), len(data))
+
+
+def test_a_zipnn_stream_announcing_another_size_is_refused_before_decoding() -> None:
+    data = _tensor("float32", 30_000)
+    stored = compress.encode("zipnn-f32", data)
+    stream = bytearray(stored[9:])
+    stream[16:24] = (1 << 40).to_bytes(8, "little")  # a huge size, with a digest that matches
+    forged = b"\x01" + xxhash.xxh3_64_intdigest(bytes(stream)).to_bytes(8, "little") + bytes(stream)
+    with pytest.raises(DataLossError, match="announce"):
+        compress.decode("zipnn-f32", forged, len(data))
+
+
+def test_codecs_are_safe_from_concurrent_threads() -> None:
+    jobs = [(compress.choose("auto", dt), _tensor(dt, 2_000 + 997 * i, seed=i) + b"\x01" * (i % 3))
+            for i, dt in enumerate(["float32", "bfloat16", "float16", "int64"] * 8)]
+
+    def round_trip(job: tuple[str, bytes]) -> bool:
+        codec, data = job
+        return all(compress.decode(codec, compress.encode(codec, data), len(data)) == data for _ in range(5))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: a shared coder's state would be torn
+    try:
+        with cf.ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(round_trip, jobs))
+    finally:
+        sys.setswitchinterval(interval)
+
+
+@pytest.mark.content_layout
+def test_a_drain_records_codec_and_stored_sizes_and_restores_byte_exact(tmp_path: Path) -> None:
+    shards = {"w": _tensor("float32", 5_000), "b": _tensor("bfloat16", 3_000), "n": _tensor("int64", 999)}
+    dtypes = {"w": "<f4", "b": "torch:bfloat16", "n": "<i8"}  # as clients record them (numpy, torch)
+
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=4096):
+            writer = Rig(tmp_path, node_id="a")
+            await writer.tier.start()
+            writer.save("job", 1, 0, shards, dtypes=dtypes)
+            await asyncio.wait_for(writer.tier.wait("job", 1, 0, None), 10)
+            man = Manifest.from_json(writer.memory.get_bytes(manifest_key("job", 1, 0, 1)))
+            assert {s.name: s.codec for s in man.shards} == {"w": "zipnn-f32", "b": "zipnn-bf16", "n": "zstd"}
+            for s in man.shards:
+                assert [(n, len(writer.memory.get_bytes(content_key("job", d, n, s.codec))))
+                        for d, n, _ in s.chunks] == [(n, stored) for _, n, stored in s.chunks]
+                assert sum(n for _, n, _ in s.chunks) == s.size
+            await writer.tier.stop(1.0)
+            reader = Rig(tmp_path, node_id="b", memory=writer.memory)
+            await reader.tier.start()
+            local = await reader.tier.fetch("job", 1, 0)
+            for name, data in shards.items():
+                assert reader.store.shard_path(local, name).read_bytes() == data
+            await reader.tier.stop(1.0)
+
+    asyncio.run(body())
+
+
+def test_manifest_dtype_strings_pick_the_codec_of_their_dtype() -> None:
+    assert [compress.choose("auto", d) for d in ("<f4", "torch:float32", "torch:bfloat16", "<f2", "torch:float16")] \
+        == ["zipnn-f32", "zipnn-f32", "zipnn-bf16", "zipnn-f16", "zipnn-f16"]
+    assert [compress.choose("auto", d) for d in (">f4", "<i8", "torch:int64", "|u1", "")] == ["zstd"] * 5
+    assert compress.choose("bg-zstd", "<i4") == "bg4-zstd"
+    assert compress.choose("bg-zstd", "torch:bfloat16") == "bg2-zstd"
+
+
+@pytest.mark.parametrize("size", [4, 512, 4096 + 4])
+def test_a_consumed_chunk_that_does_not_shrink_is_stored_as_its_plain_bytes(size: int) -> None:
+    # Random bytes as float32 do not shrink under ZipNN, which overwrites the buffer it is given:
+    # the raw fallback must still hold the plain bytes.
+    plain = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    stored = compress.encode("zipnn-f32", bytearray(plain), consume=True)
+    assert stored[:1] == b"\x00"
+    assert bytes(compress.decode("zipnn-f32", stored, size)) == plain

@@ -175,3 +175,52 @@ def test_a_marker_its_collection_could_not_remove_does_not_hold_up_this_nodes_dr
         await _restores(rig.memory, tmp_path, "r", 3, {"w": _floats(1000, 3).tobytes()})
 
     asyncio.run(body())
+
+
+def test_the_chunks_of_all_shards_of_a_rank_go_up_at_once(tmp_path: Path) -> None:
+    shards = {f"s{i}": _floats(CHUNK // 4, 20 + i).tobytes() for i in range(4)}  # one chunk each
+
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            rig.faulty.hang("exists")
+            _save(rig, 1, shards)
+            held = await asyncio.to_thread(lambda: sum(rig.faulty.wait_held("exists", 5) for _ in shards))
+            rig.faulty.release("exists")
+            assert held == len(shards)  # every shard's chunk was in flight together
+            await _drain(rig, 1)
+            await rig.tier.stop(1.0)
+            await _restores(rig.memory, tmp_path, "r", 1, shards)
+
+    asyncio.run(body())
+
+
+def test_a_drain_asks_only_about_chunks_the_last_drain_of_its_rank_had(tmp_path: Path) -> None:
+    frozen = _floats(3 * CHUNK // 4, 30).tobytes()  # 3 chunks, the same at every step
+    steps = {s: {"frozen": frozen, "w": _floats(CHUNK // 4, 30 + s).tobytes()} for s in (1, 2)}
+
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            asked, sent = [], []
+            for s, shards in steps.items():
+                before = (rig.faulty.calls["exists"], rig.tier.content.sent)
+                _save(rig, s, shards)
+                await _drain(rig, s)
+                asked.append(rig.faulty.calls["exists"] - before[0])
+                sent.append(rig.tier.content.sent - before[1])
+            assert asked == [4, 3]  # the first drain asks about every chunk; then only the unchanged ones
+            assert 0 < sent[1] < CHUNK  # the changed chunk went up unasked, the frozen ones not again
+            await rig.tier.stop(1.0)
+
+            again = Rig(tmp_path, node_id="n1", memory=rig.memory)  # a restarted daemon: asks again
+            await again.tier.start()
+            again.save("job", 3, 0, steps[2])
+            await asyncio.wait_for(again.tier.wait("job", 3, 0, None), 10)
+            assert again.faulty.calls["exists"] == 4 and again.tier.content.sent == 0
+            await again.tier.stop(1.0)
+            await _restores(rig.memory, tmp_path, "r", 3, steps[2])
+
+    asyncio.run(body())

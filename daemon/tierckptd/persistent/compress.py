@@ -5,22 +5,37 @@ A shard is stored as chunks; every chunk of a shard goes through the codec its m
 
 - ``raw``: the bytes as they are;
 - ``zstd``: zstandard, level ``LEVEL``;
-- ``bg2-zstd`` / ``bg4-zstd``: byte grouping, then zstd per byte plane. Each element (2 bytes:
+- ``zipnn-bf16`` / ``zipnn-f16`` / ``zipnn-f32`` (what ``auto`` picks for floats): ZipNN
+  (https://github.com/zipnn/zipnn; byte grouping with the exponent in a byte of its own, each
+  byte group Huffman-coded per 256 KiB, in C). The stored body is an xxh3-64 (8 bytes, little
+  endian) of what follows it: the ZipNN stream, then the tail shorter than an element as it is.
+  The digest is checked, and the stream's header must announce the expected plain size and
+  its own length, before the stream reaches ZipNN's decoder: corrupt bytes never reach C code
+  that trusts its input, and the output is bounded by the chunk's size. ZipNN rewrites the
+  buffer it compresses, so it is given a private copy (or the caller's buffer, when the caller
+  says it is done with it). Chosen against the alternatives measured in bench/README.md
+  ("Incremental and compressed persistent checkpoints"): blosc2 shuffle/bitshuffle/bytedelta +
+  zstd/lz4, pcodec, byte planes + zstd or deflate lose ratio (zstd's match finder codes the
+  exponent plane 10-13% above its entropy) or decode at a fraction of ZipNN's speed;
+- ``bg2-zstd`` / ``bg4-zstd`` (written before the ZipNN codecs, still read; also the
+  ``bg-zstd`` setting): byte grouping, then zstd per byte plane. Each element (2 bytes:
   float16, bfloat16; 4 bytes: float32) is rotated left by one bit, so that its top byte holds the
   exponent alone (float32, bfloat16) and the sign joins the low mantissa bits; the chunk is then
-  split into byte planes (byte 0 of every element, then byte 1, ...). The exponent plane has a few
-  bits of entropy per byte and compresses well; every plane is compressed with zstd (level
-  ``PLANE_LEVEL``: fast, and the ratio on these planes matches higher levels) and stored raw when
-  that does not shrink it (mantissa planes are mostly noise). A tail shorter than an element is
-  stored as it is.
+  split into byte planes (byte 0 of every element, then byte 1, ...). Every plane is compressed
+  with zstd (level ``PLANE_LEVEL``) and stored raw when that does not shrink it. A tail shorter
+  than an element is stored as it is.
 
 Every stored chunk starts with one tag byte: ``0`` the rest is the plain bytes (the codec did not
 shrink the chunk, or it is ``raw``), ``1`` the rest is the codec's output. So "stored raw when
 it does not shrink" needs no second name and the object name (which includes the codec, so an
 existence check needs no encoding) still tells how to read it. Checksums and content hashes
 always cover the plain bytes. :func:`choose` picks the codec for a shard from the ``codec``
-setting and the shard's dtype. Everything here is blocking and releases the GIL in zstd and
-numpy; the tier calls it from worker threads.
+setting and the shard's dtype (a manifest's dtype string: ``"torch:bfloat16"``, ``"<f4"``).
+Everything here is blocking; the tier calls it from worker threads. zstd and numpy release the
+GIL; ZipNN holds it for the whole call (~2 ms per MiB compressing on one core here, less
+decoding), so float chunks are coded one at a time per daemon. Each thread has its own coder
+objects (a ZipNN object shared between threads crashes the process). ZipNN imports torch: the
+first float chunk a daemon encodes or decodes pays that import once (~2 s).
 """
 
 from __future__ import annotations
@@ -30,9 +45,10 @@ import threading
 from typing import Any
 
 import numpy as np
+import xxhash
 from tierckpt.errors import DataLossError
 
-__all__ = ["CODECS", "SETTINGS", "choose", "encode", "decode", "LEVEL"]
+__all__ = ["CODECS", "SETTINGS", "ZIPNN", "choose", "encode", "decode", "LEVEL"]
 
 LEVEL = 3
 """zstd level of the ``zstd`` codec (zstd's default)."""
@@ -40,25 +56,40 @@ LEVEL = 3
 PLANE_LEVEL = 1
 """zstd level of each byte plane of the ``bg*`` codecs."""
 
-CODECS = ("raw", "zstd", "bg2-zstd", "bg4-zstd")
+ZIPNN = {"bfloat16": "zipnn-bf16", "float16": "zipnn-f16", "float32": "zipnn-f32"}
+"""The ZipNN codec of each float dtype."""
+
+CODECS = ("raw", "zstd", "bg2-zstd", "bg4-zstd", *ZIPNN.values())
 """Every chunk codec a manifest may name."""
 
 SETTINGS = ("auto", "none", "zstd", "bg-zstd")
-"""Values of the ``codec`` setting: ``auto`` (by dtype), ``none`` (raw), ``zstd`` (plain zstd for
-every shard), ``bg-zstd`` (byte grouping by element size where the dtype has one, else zstd)."""
+"""Values of the ``codec`` setting: ``auto`` (by dtype: ZipNN for float16/bfloat16/float32, zstd for
+the rest), ``none`` (raw), ``zstd`` (plain zstd for every shard), ``bg-zstd`` (the older byte
+planes + zstd by element size where the dtype has one, else zstd)."""
 
 _WIDTH = {"float16": 2, "bfloat16": 2, "float32": 4, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4}
-_FLOATS = {"float16", "bfloat16", "float32"}
 _RAW, _PACKED = b"\x00", b"\x01"
 _local = threading.local()
+_NUMPY = {"<f4": "float32", "<f2": "float16", "<i2": "int16", "<u2": "uint16", "<i4": "int32", "<u4": "uint32"}
+
+
+def dtype_name(dtype: str) -> str:
+    """The torch-style name of a manifest's dtype string (``"torch:bfloat16"`` -> ``"bfloat16"``,
+    numpy's little-endian ``"<f4"`` -> ``"float32"``); anything else as it is (big-endian
+    ``">f4"`` is no float32 here: its bytes are in the other order)."""
+    return dtype[6:] if dtype.startswith("torch:") else _NUMPY.get(dtype, dtype)
 
 
 def choose(setting: str, dtype: str) -> str:
-    """The codec of a shard of ``dtype`` under the ``codec`` setting (see :data:`SETTINGS`)."""
+    """The codec of a shard of ``dtype`` (a manifest's dtype string, or a torch-style name)
+    under the ``codec`` setting (see :data:`SETTINGS`)."""
+    dtype = dtype_name(dtype)
     if setting == "none":
         return "raw"
+    if setting == "auto" and dtype in ZIPNN:
+        return ZIPNN[dtype]
     width = _WIDTH.get(dtype, 0)
-    if setting == "zstd" or width == 0 or (setting == "auto" and dtype not in _FLOATS):
+    if setting != "bg-zstd" or width == 0:
         return "zstd"
     return f"bg{width}-zstd"
 
@@ -75,9 +106,55 @@ def _zstd(level: int = LEVEL) -> tuple[Any, Any]:
 
 
 _UINT = {2: np.uint16, 4: np.uint32}
+_ZIPNN_DTYPE = {codec: dtype for dtype, codec in ZIPNN.items()}
+_DIGEST = 8  # xxh3-64 of the ZipNN stream and the tail, ahead of them
+_ZN_HEADER = 32  # a ZipNN stream's header: b"ZN", ..., plain size at [16:24], own size at [24:32] (little endian)
 
 
-def _planes(data: bytes | memoryview, width: int) -> list[bytes]:
+def _zipnn(codec: str) -> Any:
+    """This thread's ZipNN coder of a codec (the object keeps per-call state: not shared)."""
+    coders = getattr(_local, "zipnn", None)
+    if coders is None:
+        coders = _local.zipnn = {}
+    if codec not in coders:
+        import zipnn  # the [daemon] extra; imports torch, so only on first use
+
+        coders[codec] = zipnn.ZipNN(bytearray_dtype=_ZIPNN_DTYPE[codec], threads=1, input_format="byte")
+    return coders[codec]
+
+
+def _digest(stream: bytes | memoryview, tail: bytes | memoryview) -> bytes:
+    h = xxhash.xxh3_64(stream)
+    h.update(tail)
+    return h.intdigest().to_bytes(_DIGEST, "little")
+
+
+def _pack_zipnn(data: bytes | bytearray | memoryview, codec: str, consume: bool) -> list[bytes] | None:
+    """The ZipNN body of a chunk (module docstring), or None when it has no whole element."""
+    width = _WIDTH[_ZIPNN_DTYPE[codec]]
+    n = len(data) - len(data) % width
+    if n == 0:
+        return None
+    tail = bytes(data[n:])
+    mine = data if consume and isinstance(data, bytearray) and n == len(data) else bytearray(data[:n])
+    stream = _zipnn(codec).compress(mine)  # ZipNN rewrites the buffer it is given
+    return [_digest(stream, tail), stream, tail]
+
+
+def _unpack_zipnn(body: memoryview, size: int, codec: str) -> bytes | bytearray:
+    tail = size % _WIDTH[_ZIPNN_DTYPE[codec]]
+    end = len(body) - tail
+    stream = memoryview(body)[_DIGEST:end]
+    if end < _DIGEST + _ZN_HEADER or _digest(stream, body[end:]) != bytes(body[:_DIGEST]):
+        raise DataLossError("ZipNN stream does not match its digest")
+    announced = (int.from_bytes(stream[16:24], "little"), int.from_bytes(stream[24:32], "little"))
+    if bytes(stream[:2]) != b"ZN" or announced != (size - tail, len(stream)):
+        raise DataLossError(f"ZipNN stream header does not announce {size - tail} bytes in {len(stream)}")
+    out = _zipnn(codec).decompress(stream)
+    return out + body[end:] if tail else out
+
+
+def _planes(data: bytes | bytearray | memoryview, width: int) -> list[bytes]:
     """Rotate each element left by one bit, then split into ``width`` byte planes (+ the tail)."""
     n = len(data) - len(data) % width
     x = np.frombuffer(data, _UINT[width], n // width)
@@ -87,7 +164,7 @@ def _planes(data: bytes | memoryview, width: int) -> list[bytes]:
     return [grouped[i].tobytes() for i in range(width)] + [bytes(data[n:])]
 
 
-def _unplanes(planes: list[bytes], width: int) -> bytes:
+def _unplanes(planes: list[Any], width: int) -> bytes:
     count = len(planes[0])
     grouped = np.empty((count, width), np.uint8)
     for i in range(width):
@@ -98,7 +175,7 @@ def _unplanes(planes: list[bytes], width: int) -> bytes:
     return x.tobytes() + planes[width]
 
 
-def _pack_planes(data: bytes | memoryview, width: int) -> bytes:
+def _pack_planes(data: bytes | bytearray | memoryview, width: int) -> bytes:
     comp = _zstd(PLANE_LEVEL)[0]
     out = []
     for plane in _planes(data, width):
@@ -108,14 +185,14 @@ def _pack_planes(data: bytes | memoryview, width: int) -> bytes:
     return b"".join(out)
 
 
-def _unpack_planes(body: bytes, size: int, width: int) -> bytes:
+def _unpack_planes(body: memoryview, size: int, width: int) -> bytes:
     dec, pos, planes = _zstd(PLANE_LEVEL)[1], 0, []
     sizes = [size // width] * width + [size % width]
     for want in sizes:
         mode, (length,) = body[pos:pos + 1], struct.unpack_from("<I", body, pos + 1)
         part = body[pos + 5:pos + 5 + length]
         pos += 5 + length
-        plane = part if mode == _RAW else dec.decompress(part, max_output_size=want)
+        plane = part if mode == _RAW else dec.decompress(part, max_output_size=want, allow_extra_data=False)
         if len(plane) != want or mode not in (_RAW, _PACKED):
             raise DataLossError(f"byte plane of {len(plane)} bytes, expected {want}")
         planes.append(plane)
@@ -124,20 +201,28 @@ def _unpack_planes(body: bytes, size: int, width: int) -> bytes:
     return _unplanes(planes, width)
 
 
-def encode(codec: str, data: bytes | memoryview) -> bytes:
-    """The stored form of one chunk (tag byte first; never longer than ``len(data) + 1``)."""
-    if codec == "raw":
+def encode(codec: str, data: bytes | bytearray | memoryview, *, consume: bool = False) -> bytes:
+    """The stored form of one chunk (tag byte first; never longer than ``len(data) + 1``).
+
+    Args:
+        consume: ``data`` is a bytearray the caller is done with: a codec may overwrite it
+            instead of copying it first.
+    """
+    parts: list[bytes] | None = None
+    if codec in _ZIPNN_DTYPE:
+        parts = _pack_zipnn(data, codec, consume)
+    elif codec.startswith("bg"):
+        parts = [_pack_planes(data, int(codec[2]))]
+    elif codec != "raw":
+        parts = [_zstd()[0].compress(data)]
+    if parts is None or sum(map(len, parts)) >= len(data):
+        if consume and codec in _ZIPNN_DTYPE and parts is not None:  # ZipNN overwrote ``data``:
+            return _RAW + bytes(_unpack_zipnn(memoryview(b"".join(parts)), len(data), codec))  # its output has it
         return _RAW + bytes(data)
-    if codec.startswith("bg"):
-        packed = _pack_planes(data, int(codec[2]))
-    else:
-        packed = _zstd()[0].compress(data)
-    if len(packed) >= len(data):
-        return _RAW + bytes(data)
-    return _PACKED + packed
+    return b"".join([_PACKED, *parts])
 
 
-def decode(codec: str, stored: bytes, size: int) -> bytes:
+def decode(codec: str, stored: bytes, size: int) -> bytes | bytearray:
     """The plain bytes of one chunk of ``size`` bytes.
 
     Raises:
@@ -145,20 +230,22 @@ def decode(codec: str, stored: bytes, size: int) -> bytes:
     """
     if codec not in CODECS:
         raise DataLossError(f"chunk stored with unknown codec {codec!r}")
-    tag, body = stored[:1], stored[1:]
+    tag, body = stored[:1], memoryview(stored)[1:]
     try:
         if tag == _RAW:
-            out = body
+            out: bytes | bytearray = bytes(body)
         elif tag == _PACKED and codec != "raw":
-            if codec.startswith("bg"):
+            if codec in _ZIPNN_DTYPE:
+                out = _unpack_zipnn(body, size, codec)
+            elif codec.startswith("bg"):
                 out = _unpack_planes(body, size, int(codec[2]))
             else:
-                out = _zstd()[1].decompress(body, max_output_size=size)
+                out = _zstd()[1].decompress(body, max_output_size=size, allow_extra_data=False)
         else:
             raise DataLossError(f"chunk of codec {codec!r} has an unknown tag {tag!r}")
     except DataLossError:
         raise
-    except Exception as err:  # zstandard.ZstdError and friends: the stored bytes are corrupt
+    except Exception as err:  # zstandard.ZstdError, ZipNN's ValueError and friends: corrupt bytes
         raise DataLossError(f"chunk of codec {codec!r} cannot be decoded: {err}") from err
     if len(out) != size:
         raise DataLossError(f"chunk of codec {codec!r} decodes to {len(out)} bytes, not {size}")

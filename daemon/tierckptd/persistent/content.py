@@ -7,18 +7,24 @@ Upload of one rank (:meth:`ContentStore.put_rank`), in this order:
    published) and every chunk's xxh3-128 is taken: the chunk keys are now known.
 2. Lease: ``<job>/leases/<ms>-<token>.json`` listing those keys is stored.
 3. Collections: while a collection marker ``<job>/gc/...`` exists, wait (see :mod:`.gc`).
-4. Chunks: each chunk whose key exists is skipped (deduplicated) unless a restore of this
-   process found it damaged (it is then stored again, which repairs every step naming it); the
-   others are read again, checked against their hash (so every byte sent was verified), encoded
-   and stored.
+4. Chunks (of all shards at once, ``KNOBS.upload_threads`` at a time): each chunk whose key
+   exists is skipped (deduplicated) unless a restore of this process found it damaged (it is then
+   stored again, which repairs every step naming it); the others are read again, checked against
+   their hash (so every byte sent was verified), encoded and stored. Whether a chunk exists is
+   asked (one request each) for the chunks the last drain of the same rank by this process also
+   had, and for every chunk when this process has drained no such rank yet (after a restart); a
+   chunk that drain did not have is new content and is stored without asking (at worst an
+   identical object is written again), so a step where everything changed costs no extra request
+   per chunk.
 5. The caller publishes the manifest (commit marker), then :meth:`release` deletes the lease (a
    failed attempt deletes it too; one left by a killed process expires after ``KNOBS.lease_ttl``).
 
-Download (:meth:`ContentStore.get_shard`): every chunk is checked before it is written: its stored
-size against the manifest's record (when the drain knew it; a chunk's encoding is deterministic
-for a codec name), then its decoded bytes against the hash in its name, so a damaged, truncated
-or swapped chunk is a :class:`DataLossError` naming it (the restore's commit then verifies each
-shard's checksum again).
+Download (:meth:`ContentStore.get_shard`): every chunk is checked before it is written: it must
+decode under its codec (each codec rejects a truncated, extended or garbled body) to bytes that
+hash to its name, so a damaged, truncated or swapped chunk is a :class:`DataLossError` naming
+it (the restore's commit then verifies each shard's checksum again). The stored size a manifest
+records is informational: a chunk stored again (repaired, or by another version of a codec
+library) may differ in its encoding, never in its decoded bytes.
 
 Why it is safe against a concurrent collection: a collection stores its marker, then reads the
 leases and manifests, deletes, and removes its marker. If the drain saw no marker (3), any
@@ -99,6 +105,7 @@ class ContentStore:
         self.stored: Bounded = Bounded(1 << 20)  # chunk key -> stored size, of chunks seen by this process
         self.damaged: Bounded = Bounded(65536)  # chunk key -> True: a restore found it damaged (stored again)
         self.markers_seen: Bounded = Bounded(4096)  # collection marker -> when this process first saw it
+        self.previous: Bounded = Bounded(256)  # (job, rank) -> chunk keys of its last drain by this process
         self.sent = 0  # stored bytes uploaded by this process (benchmarks)
 
     # ----------------------------------------------------------------------------- upload
@@ -124,19 +131,31 @@ class ContentStore:
         try:
             await self._wait_for_collections(job, cancelled)
             await self._note_damaged(job, cancelled)
-            shards = [await self._put_shard(held, s, plan[s.name], codecs[s.name], cancelled) for s in man.shards]
+            shards = await self._put_chunks(held, man, plan, codecs, cancelled)
         except BaseException:
             await asyncio.shield(self.release(lease))  # this attempt is over; the next one leases again
             raise
-        return dataclasses.replace(man, shards=tuple(shards)), lease, leased
+        return dataclasses.replace(man, shards=shards), lease, leased
 
-    async def _put_shard(self, held: Manifest, s: ShardEntry, plan: list[tuple[str, int]], codec: str,
-                         cancelled: Any) -> ShardEntry:
-        """Step 4 for one shard: its chunks stored (or found), its manifest entry."""
-        chunks = await asyncio.gather(*(
-            self.calls.write(functools.partial(self._put_chunk, held, s.name, off, d, n, codec), cancelled)
-            for (d, n), off in zip(plan, _offsets(plan))))
-        return dataclasses.replace(s, file="", codec=codec, chunks=tuple(chunks))
+    async def _put_chunks(self, held: Manifest, man: Manifest, plan: dict[str, list[tuple[str, int]]],
+                          codecs: dict[str, str], cancelled: Any) -> tuple[ShardEntry, ...]:
+        """Every chunk of every shard at once (``KNOBS.upload_threads`` at a time: a rank of many
+        one-chunk shards would otherwise go up one shard after the other); the manifest entries."""
+        job = held.job
+        work = [(s.name, off, d, n) for s in man.shards for (d, n), off in zip(plan[s.name], _offsets(plan[s.name]))]
+        previous = self.previous.get((job, man.rank))
+        keys = [content_key(job, d, n, codecs[name]) for name, _, d, n in work]
+        stored = await asyncio.gather(*(
+            self.calls.write(functools.partial(self._put_chunk, held, name, off, d, n, codecs[name],
+                                               previous is None or key in previous),
+                             cancelled)
+            for (name, off, d, n), key in zip(work, keys)))
+        self.previous[(job, man.rank)] = frozenset(keys)
+        chunks: dict[str, list[Chunk]] = {s.name: [] for s in man.shards}
+        for (name, *_), chunk in zip(work, stored):
+            chunks[name].append(chunk)
+        return tuple(dataclasses.replace(s, file="", codec=codecs[s.name], chunks=tuple(chunks[s.name]))
+                     for s in man.shards)
 
     def _hash_shard(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
         """(xxh3-128 hex, size) of every chunk of a local shard, verifying the shard's checksum."""
@@ -163,22 +182,25 @@ class ContentStore:
         except NotFoundError as err:  # evicted or re-saved meanwhile: the rank left the local tier
             raise FileNotFoundError(str(err)) from err
 
-    def _put_chunk(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str) -> Chunk:
-        """Store one chunk unless its key exists (and was not found damaged); returns its manifest record."""
+    def _put_chunk(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str,
+                   ask: bool) -> Chunk:
+        """Store one chunk unless ``ask`` and its key exists (and was not found damaged); returns its
+        manifest record."""
         from .compress import encode
 
         be, key = self.calls.be, content_key(held.job, digest, size, codec)
-        if key not in self.damaged and be.exists(key):
+        if ask and key not in self.damaged and be.exists(key):
             return (digest, size, self.stored.get(key, 0))
         fd = self._open(held, shard)
+        data = bytearray(size)  # ours: the codec may compress it in place (no copy)
         try:
-            data = os.pread(fd, size, offset)
+            got = os.preadv(fd, [data], offset)
         finally:
             os.close(fd)
-        if len(data) != size or xxhash.xxh3_128_hexdigest(data) != digest:
+        if got != size or xxhash.xxh3_128_hexdigest(data) != digest:
             raise DataLossError(f"{_what(held, shard)}: the local copy changed while uploading "
                                 f"(chunk at {offset}); not published")
-        stored = encode(codec, data)
+        stored = encode(codec, data, consume=True)
         be.put_bytes(key, stored)  # a damaged chunk is replaced: its name fixes its plain bytes
         self.stored[key] = len(stored)
         if self.damaged.pop(key, None):
@@ -245,8 +267,8 @@ class ContentStore:
         """Download, check and decode one chunk into ``path`` at ``offset``.
 
         Raises:
-            DataLossError: the chunk is damaged: its stored size differs from the manifest's (when
-                known), it does not decode, or its bytes do not hash to its name. It is remembered,
+            DataLossError: the chunk is damaged: it does not decode, or its bytes do not hash
+                to its name. It is remembered,
                 and the next drain of this process holding those bytes stores it again.
             NotFoundError: the chunk is missing.
         """
@@ -286,16 +308,22 @@ async def settled(*aws: Any) -> list[Any]:
     return results
 
 
-def _checked(key: str, codec: str, stored: bytes, chunk: Chunk) -> bytes:
+def _checked(key: str, codec: str, stored: bytes, chunk: Chunk) -> bytes | bytearray:
     """The plain bytes of a downloaded chunk, checked against its manifest record and its name."""
     from .compress import decode
 
     digest, size, stored_size = chunk
-    if stored_size and len(stored) != stored_size:
-        raise DataLossError(f"chunk {key} has {len(stored)} bytes, its manifest says {stored_size}")
-    data = decode(codec, stored, size)
-    if xxhash.xxh3_128_hexdigest(data) != digest:
-        raise DataLossError(f"chunk {key}: checksum mismatch (its bytes do not hash to its name)")
+    try:
+        data = decode(codec, stored, size)
+        if xxhash.xxh3_128_hexdigest(data) != digest:
+            raise DataLossError(f"chunk {key}: checksum mismatch (its bytes do not hash to its name)")
+    except DataLossError as err:
+        if stored_size and len(stored) != stored_size:
+            raise DataLossError(f"{err} (it has {len(stored)} bytes, its manifest says {stored_size})") from None
+        raise
+    if stored_size and len(stored) != stored_size:  # stored again in another encoding: same bytes
+        log.debug("chunk %s has %d stored bytes, its manifest says %d; its bytes check out", key, len(stored),
+                  stored_size)
     return data
 
 

@@ -44,7 +44,7 @@ from tierckpt.errors import DataLossError
 
 from ..manifest import Manifest, ShardEntry
 
-CONTENT_CODECS = ("raw", "zstd", "bg2-zstd", "bg4-zstd")
+CONTENT_CODECS = ("raw", "zstd", "bg2-zstd", "bg4-zstd", "zipnn-bf16", "zipnn-f16", "zipnn-f32")
 """The chunk codecs (:data:`.compress.CODECS`; named here so the layout needs no numpy)."""
 
 __all__ = [
