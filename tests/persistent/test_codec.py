@@ -204,7 +204,6 @@ def test_codecs_are_safe_from_concurrent_threads() -> None:
         sys.setswitchinterval(interval)
 
 
-@pytest.mark.content_layout
 def test_a_drain_records_codec_and_stored_sizes_and_restores_byte_exact(tmp_path: Path) -> None:
     shards = {"w": _tensor("float32", 5_000), "b": _tensor("bfloat16", 3_000), "n": _tensor("int64", 999)}
     dtypes = {"w": "<f4", "b": "torch:bfloat16", "n": "<i8"}  # as clients record them (numpy, torch)
