@@ -184,14 +184,16 @@ def test_the_chunks_of_all_shards_of_a_rank_go_up_at_once(tmp_path: Path) -> Non
         with KNOBS.overridden(chunk_bytes=CHUNK):
             rig = Rig(tmp_path)
             await rig.tier.start()
-            rig.faulty.hang("exists")
             _save(rig, 1, shards)
+            await _drain(rig, 1)
+            rig.faulty.hang("exists")  # step 2 is unchanged: each chunk is asked about
+            _save(rig, 2, shards)
             held = await asyncio.to_thread(lambda: sum(rig.faulty.wait_held("exists", 5) for _ in shards))
             rig.faulty.release("exists")
             assert held == len(shards)  # every shard's chunk was in flight together
-            await _drain(rig, 1)
+            await _drain(rig, 2)
             await rig.tier.stop(1.0)
-            await _restores(rig.memory, tmp_path, "r", 1, shards)
+            await _restores(rig.memory, tmp_path, "r", 2, shards)
 
     asyncio.run(body())
 
@@ -211,16 +213,19 @@ def test_a_drain_asks_only_about_chunks_the_last_drain_of_its_rank_had(tmp_path:
                 await _drain(rig, s)
                 asked.append(rig.faulty.calls["exists"] - before[0])
                 sent.append(rig.tier.content.sent - before[1])
-            assert asked == [4, 3]  # the first drain asks about every chunk; then only the unchanged ones
+            assert asked == [0, 3]  # nothing stored before: no question; then only about the unchanged ones
             assert 0 < sent[1] < CHUNK  # the changed chunk went up unasked, the frozen ones not again
             await rig.tier.stop(1.0)
 
-            again = Rig(tmp_path, node_id="n1", memory=rig.memory)  # a restarted daemon: asks again
+            # A restarted daemon compares with the rank's newest stored manifest (step 2): it asks
+            # about the chunks named there and sends only the changed one.
+            again = Rig(tmp_path, node_id="n1", memory=rig.memory)
             await again.tier.start()
-            again.save("job", 3, 0, steps[2])
+            step3 = {"frozen": frozen, "w": _floats(CHUNK // 4, 33).tobytes()}
+            again.save("job", 3, 0, step3)
             await asyncio.wait_for(again.tier.wait("job", 3, 0, None), 10)
-            assert again.faulty.calls["exists"] == 4 and again.tier.content.sent == 0
+            assert again.faulty.calls["exists"] == 3 and 0 < again.tier.content.sent < CHUNK
             await again.tier.stop(1.0)
-            await _restores(rig.memory, tmp_path, "r", 3, steps[2])
+            await _restores(rig.memory, tmp_path, "r", 3, step3)
 
     asyncio.run(body())

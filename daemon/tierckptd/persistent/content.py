@@ -63,7 +63,10 @@ from .layout import (
     damaged_key,
     damaged_prefix,
     gc_prefix,
+    job_manifests_prefix,
     lease_prefix,
+    object_keys,
+    parse_manifest_key,
     stamped_key,
 )
 from .ledger import Bounded
@@ -144,6 +147,8 @@ class ContentStore:
         job = held.job
         work = [(s.name, off, d, n) for s in man.shards for (d, n), off in zip(plan[s.name], _offsets(plan[s.name]))]
         previous = self.previous.get((job, man.rank))
+        if previous is None:  # this process has not drained the rank yet (a restart, a new node)
+            previous = await self._stored_previous(job, man.step, man.rank)
         keys = [content_key(job, d, n, codecs[name]) for name, _, d, n in work]
         stored = await asyncio.gather(*(
             self.calls.write(functools.partial(self._put_chunk, held, name, off, d, n, codecs[name],
@@ -156,6 +161,22 @@ class ContentStore:
             chunks[name].append(chunk)
         return tuple(dataclasses.replace(s, file="", codec=codecs[s.name], chunks=tuple(chunks[s.name]))
                      for s in man.shards)
+
+    async def _stored_previous(self, job: str, step: int, rank: int) -> frozenset[str] | None:
+        """The chunk keys of the newest stored manifest of ``rank`` before ``step`` (the chunks a
+        drain of this rank asks about; the rest is new content), an empty set when there is none,
+        None (ask about every chunk) when the store cannot tell."""
+        be = self.calls.be
+        try:
+            keys = await self.calls.read(functools.partial(be.list, job_manifests_prefix(job)))
+            older = [(p[0], k) for k in keys if (p := parse_manifest_key(job, k)) and p[1] == rank and p[0] < step]
+            if not older:
+                return frozenset()
+            body = await self.calls.read(functools.partial(be.get_bytes, max(older)[1]))
+            return frozenset(object_keys(Manifest.from_json(body)))
+        except Exception as err:  # an optimisation: asking about every chunk is always right
+            log.debug("%s rank %d: no stored manifest to compare with (%s); asking about every chunk", job, rank, err)
+            return None
 
     def _hash_shard(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
         """(xxh3-128 hex, size) of every chunk of a local shard, verifying the shard's checksum."""
