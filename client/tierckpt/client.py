@@ -437,6 +437,8 @@ class Client(CatalogMixin, DataManagementMixin):
         except BaseException as e:  # thread boundary: the future carries the error
             self._abort(save_id)
             fut.set_exception(e if isinstance(e, TierckptError) else TierckptError(f"commit failed: {e!r}"))
+        finally:
+            self._maps.trim()  # in this background thread, not in a later save's blocking path
 
     def _abort(self, save_id: str) -> None:
         try:
