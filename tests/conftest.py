@@ -7,6 +7,17 @@ from .harness import Daemon, scratch_dir
 pytest_plugins = ["tests.servers"]
 
 
+@pytest.fixture(autouse=True)
+def _no_warm_pool_in_process():
+    """In-process stores do not warm pool files in the background (their tests check the bytes
+    and pool contents exactly); tests/local/test_warm.py turns it on where it is the subject.
+    Daemon processes keep the default."""
+    from tierckptd.knobs import KNOBS
+
+    with KNOBS.overridden(warm_pool=0):
+        yield
+
+
 @pytest.fixture
 def scratch():
     d = scratch_dir()

@@ -79,6 +79,10 @@ class Catalog:
             self.links.hold(ino, h, entry.size)
         self.links.hold(ino, holder, entry.size)
 
+    def is_shared(self, man: Manifest, entry: ShardEntry) -> bool:
+        """Whether the file of ``entry`` is a link shared with another step (an unchanged shard)."""
+        return self.links.holds(_holder(man, entry))
+
     def freeable(self, man: Manifest, charge: int) -> int:
         """Bytes that removing ``man`` alone would free (files other names share stay)."""
         return charge - sum(retention.charge_file(s.size) for s in man.shards if self.links.others(_holder(man, s)))

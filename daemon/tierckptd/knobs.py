@@ -136,10 +136,12 @@ class Knobs:
     """Seconds a drain waits after its last shard upload, before the manifest."""
 
     # -- local tier
-    warm_pool: int = 0
+    warm_pool: int = 1
     """Pre-allocated pool files sized from the jobs' last saves (see :mod:`tierckptd.warm`): 1 where
-    the local dir is tmpfs, 2 on any filesystem, 0 off. Off by default until measured on a quiet
-    machine: under load its background allocation competed with back-to-back saves."""
+    the local dir is tmpfs, 2 on any filesystem, 0 off. The thread runs at nice 19 and waits while
+    a trainer's save is open; a save that takes a warm file writes it like a fresh one (pwrite:
+    its pages are allocated but not yet faulted in). Measured on a quiet machine: the second save
+    of a job 0.12-0.16 s instead of 0.24-0.32 s for 1 GiB, back-to-back saves unchanged."""
     warm_ahead: int = 1
     """Staging files of inbound replicas and restores allocated ahead of the writer: 1 where the
     local dir is tmpfs, 2 on any filesystem, 0 off."""

@@ -139,17 +139,19 @@ class RecyclePool:
         except OSError:
             return False
 
-    def take(self, size: int) -> str | None:
-        """Name (in ``recycle/``) of a pooled file of exactly ``size`` bytes, now the caller's; or None."""
+    def take(self, size: int) -> tuple[str, bool] | None:
+        """Name (in ``recycle/``) of a pooled file of exactly ``size`` bytes, now the caller's, and
+        whether it is a warm file (allocated ahead, never written: see :mod:`.warm`); or None."""
         pool = self._by_size.get(size)
         if not pool or size <= 0:
             return None
         name = pool.pop()
         self.bytes -= self._charge(size)
         self.data_bytes -= size
-        if self._forget_warm(name):
+        warm = self._forget_warm(name)
+        if warm:
             self.warm_taken += 1
-        return name
+        return name, warm
 
     def untake(self, name: str, size: int) -> None:
         """Give back a file :meth:`take` handed out and the caller did not use (it is still in the pool dir)."""

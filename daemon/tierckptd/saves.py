@@ -132,9 +132,9 @@ class OpenSaves:
         # the rest (making room first could drop the very files the save would reuse).
         reused: dict[str, str] = {}
         for f in staging.files.values():
-            name = None if f.shared else self._recycle.take(f.size)
-            if name is not None:
-                reused[f.name] = name
+            taken = None if f.shared else self._recycle.take(f.size)
+            if taken is not None:
+                reused[f.name], f.warm = taken
         try:
             self._make_room(charge(staging), staging.evictable)
         except BaseException:

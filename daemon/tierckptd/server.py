@@ -116,8 +116,8 @@ class TierckptServicer(pb_grpc.TierckptServicer):
                 begun.append(st.save_id)
         return pb.BeginSaveResponse(
             save_id=st.save_id,
-            shards=[pb.StagedShard(name=f.name, path="" if stream or f.shared else str(f.path), recycled=f.recycled,
-                                   shared=f.shared)
+            shards=[pb.StagedShard(name=f.name, path="" if stream or f.shared else str(f.path),
+                                   recycled=f.recycled and not f.warm, shared=f.shared)
                     for f in st.files.values()],
             fs_token=self.node.fs_token,
             local_dir=self.node.local_dir,

@@ -45,6 +45,7 @@ class StagedFile:
     dtype: str = ""
     shape: tuple[int, ...] = ()
     recycled: bool = False
+    warm: bool = False  # recycled from a warm pool file: allocated, never written (not faulted in)
     written: int = 0  # bytes received through write_chunk (stream transfers)
     shared: bool = False  # a link to a committed file with the same bytes (nothing is written)
     ino: tuple[int, int] | None = None  # shared: (st_dev, st_ino) of the linked file

@@ -52,8 +52,9 @@ __all__ = ["WarmPages", "Warmer", "accept_hint", "fallocate_keep_size", "hinted_
 
 def next_pool_size(catalog: Any, have: dict[int, int], free: int) -> int | None:
     """The pool's sizing rule: the largest shard size that the next save of a job held here needs
-    (its newest step's ranks on this node, shards of at least ``KNOBS.warm_min_bytes``) beyond the
-    ``have`` pool files of that size, if one more file of it fits in ``free`` bytes."""
+    (its newest step's ranks on this node, shards of at least ``KNOBS.warm_min_bytes``; not those
+    whose file that step shares with another, unchanged shards the next save will likely link
+    too) beyond the ``have`` pool files of that size, if one more file of it fits in ``free``."""
     want: dict[int, int] = {}
     for job in catalog.jobs():
         steps = catalog.steps(job)
@@ -61,7 +62,7 @@ def next_pool_size(catalog: Any, have: dict[int, int], free: int) -> int | None:
             continue
         for man in steps[max(steps)].values():
             for s in man.shards:
-                if s.size >= max(1, KNOBS.warm_min_bytes):
+                if s.size >= max(1, KNOBS.warm_min_bytes) and not catalog.is_shared(man, s):
                     want[s.size] = want.get(s.size, 0) + 1
     return next((size for size in sorted(want, reverse=True)
                  if want[size] > have.get(size, 0) and charge_file(size) <= free), None)

@@ -26,8 +26,9 @@ def _warm_files(d, size: int) -> list[Path]:
 
 def _slow_commits(delay: float) -> tuple[str, ...]:
     # The owner holds each commit (files in place, manifest not yet) for ``delay`` seconds: the
-    # window in which the hint must already have been served. Hints are on for any filesystem.
-    return ("--knobs", f"debug_commit_delay={delay},warm_hint=2,warm_chunk={MIB}")
+    # window in which the hint must already have been served. Hints are on for any filesystem;
+    # the pool top-up from committed steps is off, so every warm file seen comes from a hint.
+    return ("--knobs", f"debug_commit_delay={delay},warm_hint=2,warm_pool=0,warm_chunk={MIB}")
 
 
 def test_a_first_copy_takes_pages_warmed_from_the_owners_hint(daemon_factory) -> None:

@@ -19,6 +19,9 @@ from ..harness import free_port
 
 MIB = 1 << 20
 
+NO_WARM_POOL = ("--knobs", "warm_pool=0")
+"""For the tests that check the bytes charged exactly: no warm pool files (see tierckptd.warm)."""
+
 
 def _rand(seed: int, n: int = MIB) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 255, size=n, dtype=np.uint8)
@@ -46,7 +49,7 @@ def _check(c, job: str, step: int, expect: dict[str, np.ndarray]) -> None:
 @pytest.mark.parametrize("transfer", ["shared", "stream"])
 def test_unchanged_shard_shares_the_base_file(daemon_factory, transfer):
     mport = free_port()
-    d = daemon_factory(args=("--keep-local", "5", "--metrics-port", str(mport)))
+    d = daemon_factory(args=("--keep-local", "5", "--metrics-port", str(mport), *NO_WARM_POOL))
     frozen, w1, w2 = _rand(1), _rand(2, 300_000), _rand(3, 300_000)
     with tierckpt.Client(d.address if transfer == "shared" else d.tcp_address, transfer=transfer) as c:
         r1 = c.save("job", 1, 0, 1, {"frozen": frozen, "w": w1}, unchanged=["frozen"]).result(30)
@@ -123,7 +126,7 @@ def test_a_linked_file_is_never_recycled(daemon_factory):
 
 def test_capacity_counts_a_shared_file_once_and_credits_it_with_its_last_name(daemon_factory):
     # 3 MiB + a little: three 1 MiB files and the manifests' minimum charges fit, four do not.
-    d = daemon_factory(args=("--local-capacity", str(3 * MIB + 64 * 1024), "--keep-local", "3"))
+    d = daemon_factory(args=("--local-capacity", str(3 * MIB + 64 * 1024), "--keep-local", "3", *NO_WARM_POOL))
     frozen = _rand(1)
     with d.client() as c:
         for step in (1, 2, 3):  # one inode for the three steps
@@ -138,7 +141,7 @@ def test_capacity_counts_a_shared_file_once_and_credits_it_with_its_last_name(da
 
 
 def test_restart_recovers_linked_steps(daemon_factory):
-    d = daemon_factory(args=("--keep-local", "3"))
+    d = daemon_factory(args=("--keep-local", "3", *NO_WARM_POOL))
     frozen, w = _rand(1), _rand(2, 8192)
     with d.client() as c:
         c.save("job", 1, 0, 1, {"frozen": frozen, "w": w}).result(30)

@@ -65,6 +65,8 @@ def test_the_second_save_of_a_job_takes_warm_files(scratch, warm_on):
         assert _wait(lambda: store.usage().warm == 6 * MIB)  # tiny files are not warmed
         st = store.begin("j", 2, 0, 1, [("a", 4 * MIB, "", ()), ("b", 2 * MIB, "", ()), ("tiny", 1, "", ())])
         assert st.files["a"].recycled and st.files["b"].recycled and not st.files["tiny"].recycled
+        # Never written: the client is told it is not faulted in (it writes it like a fresh file).
+        assert st.files["a"].warm and st.files["b"].warm
         assert os.stat(st.files["a"].path).st_blocks * 512 >= 4 * MIB  # allocated before it was taken
         assert store.usage().warm == 0 and store.warm_counters()["warm_taken"] == 2
         store.abort(st.save_id)
@@ -187,5 +189,26 @@ def test_pool_warming_waits_while_a_trainer_save_is_open(scratch, warm_on) -> No
         store.abort(open_save.save_id)
         assert _wait(lambda: store.usage().warm == 4 * MIB and store.warm_counters()["warmed_bytes"] == 4 * MIB)
         store.abort(inbound.save_id)
+    finally:
+        store.close()
+
+
+def test_the_pool_does_not_warm_files_for_shards_the_last_save_shared(scratch, warm_on):
+    store = _open(scratch, 64 * MIB, keep_local=3)
+    try:
+        with KNOBS.overridden(warm_pool=0):  # nothing warmed after step 1
+            _save(store, "j", 1, {"frozen": b"f" * (4 * MIB), "w": b"1" * (2 * MIB)})
+        base = store.get("j", 1, 0)
+        assert base is not None
+        st = store.begin("j", 2, 0, 1, [("frozen", 4 * MIB, "", ()), ("w", 2 * MIB, "", ())],
+                         unchanged=["frozen"], base_step=1)
+        assert st.files["frozen"].shared and not st.files["w"].shared
+        with open(st.files["w"].path, "r+b") as fh:
+            fh.write(b"2" * (2 * MIB))
+        store.commit(st.save_id, {"frozen": base.shard("frozen").checksum, "w": _checksum.digest(b"2" * (2 * MIB))})
+        assert _wait(lambda: store.usage().warm == 2 * MIB)
+        _settle(store)
+        # A file for the changed shard; none for the shared one (the next save will link it again).
+        assert store.usage().warm == 2 * MIB
     finally:
         store.close()
