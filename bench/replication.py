@@ -6,13 +6,19 @@ times ``fut.wait("peer")`` from the local commit until n1 has verified and commi
 from round 3 on, the daemons reuse the pages of evicted steps (the steady state of periodic
 checkpointing, and what the target is checked on). Right after each round the same file is moved
 over one raw socket (see ``_rawsock.py``), so both see the same machine load; the target is
-checked on the median of the per-round ratios.
+checked on the median of the per-round ratios. The raw copy waits ``--settle`` seconds first:
+a commit makes the daemons top their warm pools up once they are idle, and a raw copy racing that
+work would be slowed by it (flattering the ratio).
 
 Round 1 is the issue-17 case: the receiver's pages are fresh. The owner's WarmReplica hint (sent when
 the save begins, see tierckptd.peer.hints) lets the receiver allocate them while the trainer is still
 copying; ``--knobs warm_hint=0`` turns that off for an A/B pair.
 
-Usage: .venv/bin/python bench/replication.py [--gib 1] [--rounds 4] [--knobs warm_hint=0]
+Round 1 happens once per pair of daemons, so ``--runs N`` repeats everything with fresh daemons
+and checks round 1 on the median of the N runs (one round-1 figure on a shared 2-core machine
+swings 0.7-1.2x between runs).
+
+Usage: .venv/bin/python bench/replication.py [--gib 1] [--rounds 4] [--runs 5] [--knobs warm_hint=0] [--settle 1]
 """
 
 from __future__ import annotations
@@ -31,14 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _rawsock import raw_copy_seconds
 
 TARGET = 0.7
+"""Steady state (median of rounds 3.. of every run) against the raw socket."""
+TARGET_ROUND1 = 0.8
+"""Round 1 (fresh pages on the replica; median over the runs) against the raw socket (issue 17)."""
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--knobs", default="", help="tuning knobs for both daemons (A/B runs), e.g. warm_hint=0")
-    args = ap.parse_args()
+def one_run(args: argparse.Namespace, run: int) -> tuple[list[float], list[float]]:
+    """Fresh daemons, ``args.rounds`` rounds: (replication seconds, raw-socket seconds) per round."""
     nbytes = int(args.gib * (1 << 30))
     root = scratch_dir("tck-bench-")
     ports = {n: free_port() for n in ("n0", "n1")}
@@ -49,9 +54,10 @@ def main() -> int:
     try:
         for d in ds.values():
             d.start()
-        block = np.random.default_rng(0).integers(0, 256, 16 << 20, dtype=np.uint8)
+        block = np.random.default_rng(run).integers(0, 256, 16 << 20, dtype=np.uint8)
         data = np.resize(block, nbytes)
-        secs, raw = [], []
+        secs: list[float] = []
+        raw: list[float] = []
         with ds["n0"].client() as c:
             while not all(p.up for p in c.status().peers):
                 time.sleep(0.05)
@@ -63,22 +69,46 @@ def main() -> int:
                 assert fut.wait("peer", timeout=600) == ["n1"]
                 secs.append(time.perf_counter() - t0)
                 src = next((ds["n0"].local_dir / "jobs" / "bench" / f"{step:020d}").rglob("w.*"))
+                time.sleep(args.settle)
                 raw.append(raw_copy_seconds(src, rounds=1)[0])
-                print(f"round {step}: replicated {nbytes / 2**30:.2f} GiB in {secs[-1]:.3f}s "
+                print(f"run {run} round {step}: replicated {nbytes / 2**30:.2f} GiB in {secs[-1]:.3f}s "
                       f"({nbytes / secs[-1] / 1e9:.2f} GB/s); raw socket {raw[-1]:.3f}s "
                       f"({nbytes / raw[-1] / 1e9:.2f} GB/s); ratio {raw[-1] / secs[-1]:.2f}x", flush=True)
-        warm = list(range(2, len(secs))) or list(range(len(secs)))
-        ratio = statistics.median(raw[i] / secs[i] for i in warm)
-        print(f"\nmedian of rounds {warm[0] + 1}..{warm[-1] + 1}: replication "
-              f"{nbytes / statistics.median(secs[i] for i in warm) / 1e9:.2f} GB/s, raw socket "
-              f"{nbytes / statistics.median(raw[i] for i in warm) / 1e9:.2f} GB/s")
-        print(f"ratio replication/raw = {ratio:.2f}x (target >= {TARGET}x): {'PASS' if ratio >= TARGET else 'FAIL'}; "
-              f"round 1 (fresh pages on the replica): {raw[0] / secs[0]:.2f}x")
-        return 0 if ratio >= TARGET else 1
+        return secs, raw
     finally:
         for d in ds.values():
             d.kill()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--runs", type=int, default=1, help="repeat with fresh daemons (round 1 happens once per run)")
+    ap.add_argument("--knobs", default="", help="tuning knobs for both daemons (A/B runs), e.g. warm_hint=0")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds between a round and its raw copy")
+    args = ap.parse_args()
+    nbytes = int(args.gib * (1 << 30))
+    steady: list[float] = []
+    steady_secs: list[float] = []
+    steady_raw: list[float] = []
+    first: list[float] = []
+    for run in range(1, args.runs + 1):
+        secs, raw = one_run(args, run)
+        first.append(raw[0] / secs[0])
+        warm = list(range(2, len(secs))) or list(range(len(secs)))
+        steady += [raw[i] / secs[i] for i in warm]
+        steady_secs += [secs[i] for i in warm]
+        steady_raw += [raw[i] for i in warm]
+    ratio, ratio1 = statistics.median(steady), statistics.median(first)
+    print(f"\nsteady state (rounds 3.., {len(steady)} rounds): replication "
+          f"{nbytes / statistics.median(steady_secs) / 1e9:.2f} GB/s, raw socket "
+          f"{nbytes / statistics.median(steady_raw) / 1e9:.2f} GB/s")
+    print(f"ratio replication/raw = {ratio:.2f}x (target >= {TARGET}x): {'PASS' if ratio >= TARGET else 'FAIL'}")
+    print(f"round 1 (fresh pages on the replica), {len(first)} runs: {' '.join(f'{r:.2f}x' for r in first)}; "
+          f"median {ratio1:.2f}x (target >= {TARGET_ROUND1}x): {'PASS' if ratio1 >= TARGET_ROUND1 else 'FAIL'}")
+    return 0 if ratio >= TARGET and ratio1 >= TARGET_ROUND1 else 1
 
 
 if __name__ == "__main__":

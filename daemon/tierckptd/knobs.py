@@ -139,9 +139,10 @@ class Knobs:
     warm_pool: int = 1
     """Pre-allocated pool files sized from the jobs' last saves (see :mod:`tierckptd.warm`): 1 where
     the local dir is tmpfs, 2 on any filesystem, 0 off. The thread runs at nice 19 and waits while
-    a trainer's save is open; a save that takes a warm file writes it like a fresh one (pwrite:
-    its pages are allocated but not yet faulted in). Measured on a quiet machine: the second save
-    of a job 0.12-0.16 s instead of 0.24-0.32 s for 1 GiB, back-to-back saves unchanged."""
+    the node is busy (a save open or committing, a peer transfer reading from here); a save that
+    takes a warm file writes it like a fresh one (pwrite: its pages are allocated but not yet
+    faulted in). Measured on a quiet machine: the second save of a job 0.12-0.16 s instead of
+    0.24-0.32 s for 1 GiB, back-to-back saves unchanged."""
     warm_ahead: int = 1
     """Staging files of inbound replicas and restores allocated ahead of the writer: 1 where the
     local dir is tmpfs, 2 on any filesystem, 0 off."""
@@ -151,8 +152,9 @@ class Knobs:
     filesystem, 0 off (the owner still sends hints; this node ignores them)."""
     warm_hint_timeout: float = 2.0
     """Seconds an owner waits for a WarmReplica answer (a hint: failures are only logged)."""
-    warm_idle_poll: float = 0.005
-    """Seconds the pool-warming thread sleeps between checks while a local save is open."""
+    warm_idle_poll: float = 0.5
+    """Seconds between the pool-warming thread's checks while the node is busy (a safety net: the
+    end of a save or transfer wakes it)."""
     warm_min_bytes: int = 1 << 20
     """Smaller files are never warmed (a few pages: creating the file costs more than it saves)."""
     warm_chunk: int = 8 << 20

@@ -250,9 +250,14 @@ class OpenSaves:
                 self._recycle.drop(self._recycle.bytes)
             return len(expired)
 
-    def trainer_saving(self) -> bool:
-        """Whether a local trainer's save is open (safe without the lock: a snapshot)."""
-        return any(not st.inbound for st in list(self._open.values()))
+    def busy(self) -> bool:
+        """Whether a save is open or committing here: a trainer's, an inbound copy's or a
+        restore's (safe without the lock: a snapshot)."""
+        return bool(self._open) or self.committing_bytes > 0
+
+    def open_jobs_locked(self) -> set[str]:
+        """The jobs with a save open here (a trainer's or an inbound copy's)."""
+        return {st.job for st in self._open.values()}
 
     def count(self) -> int:
         with self._lock:

@@ -37,12 +37,13 @@ happens outside it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,8 +136,9 @@ class LocalStore:
                                 counters=self.counters, catalog=self._catalog)
         self._lock_fd: int | None = None
         self._on_evict = on_evict
+        self._sending = 0  # peer transfers reading from this store (see :meth:`sending`)
         self._warm = WarmPages(self._lock, self._catalog, self._recycle, lambda: self.capacity - self._used_locked(),
-                               self._saves.trainer_saving)
+                               self._busy, self._saves.open_jobs_locked)
         self._committer = Committer(self._lock, self._saves, self._layout, self._catalog, self._recycle,
                                     self._retain_locked)
 
@@ -279,6 +281,7 @@ class LocalStore:
     def abort(self, save_id: str) -> None:
         """Drop an open save and its staging files. Idempotent."""
         self._saves.abort(save_id)
+        self._warm.warmer.poke()
 
     def is_open(self, save_id: str) -> bool:
         """Whether ``save_id`` is an open save (begun, not yet committed, aborted or reclaimed)."""
@@ -286,11 +289,31 @@ class LocalStore:
 
     def abort_staging(self, st: Staging) -> None:
         """:meth:`abort` by the staging area :meth:`begin` returned."""
-        self._saves.abort(st.save_id)
+        self.abort(st.save_id)
 
     def reclaim_expired(self, timeout: float) -> int:
         """Abort saves open longer than ``timeout`` seconds (a client that died mid-save)."""
-        return self._saves.reclaim_expired(timeout)
+        n = self._saves.reclaim_expired(timeout)
+        if n:
+            self._warm.warmer.poke()
+        return n
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """Mark a peer transfer reading from this store (a replica pushed, a rank served to a
+        restoring peer): pool warming waits until none is left, like it does for open saves."""
+        with self._lock:
+            self._sending += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._sending -= 1
+            self._warm.warmer.poke()
+
+    def _busy(self) -> bool:
+        """Whether a save is open or committing here, or a peer transfer reads from here (a snapshot)."""
+        return self._sending > 0 or self._saves.busy()
 
     def open_saves(self) -> int:
         return self._saves.count()

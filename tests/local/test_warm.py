@@ -177,18 +177,44 @@ def test_hints_are_ignored_when_off(scratch) -> None:
             store.close()
 
 
-def test_pool_warming_waits_while_a_trainer_save_is_open(scratch, warm_on) -> None:
+def test_pool_warming_waits_while_the_node_is_busy(scratch, warm_on) -> None:
+    """Open saves (a trainer's, an inbound copy's) and peer transfers reading from the store hold
+    the pool thread back; the end of the last one lets it go at once (not at the next poll)."""
+    with KNOBS.overridden(warm_idle_poll=30.0):  # only a wake-up can let it go within the test
+        store = _open(scratch, 64 * MIB)
+        try:
+            trainer = store.begin("other", 1, 0, 1, [("x", 2 * MIB, "", ())])  # a trainer still copying
+            inbound = store.begin("peer-job", 1, 0, 1, [("y", 2 * MIB, "", ())], prefault=True)
+            _save(store, "j", 1, {"a": b"1" * (4 * MIB)})  # the commit asks for a warm 4 MiB file
+            with store.sending():  # a replica being pushed from here
+                store.abort(trainer.save_id)
+                time.sleep(0.2)
+                store.abort(inbound.save_id)
+                time.sleep(0.3)
+                assert store.warm_counters()["warmed_bytes"] == 0  # created, but not one page allocated yet
+            assert _wait(lambda: store.warm_counters()["warmed_bytes"] == 4 * MIB, timeout=5.0)
+            assert store.usage().warm == 4 * MIB
+        finally:
+            store.close()
+
+
+def test_no_pool_file_for_a_job_whose_save_is_open(scratch, warm_on) -> None:
+    """A save in progress took its files; its commit evicts a step whose files return to the pool
+    (keep_local 1), so nothing is warmed for the job until that commit asks again."""
     store = _open(scratch, 64 * MIB)
     try:
-        open_save = store.begin("other", 1, 0, 1, [("x", 2 * MIB, "", ())])  # a trainer still copying
-        _save(store, "j", 1, {"a": b"1" * (4 * MIB)})  # the commit asks for a warm 4 MiB file
-        time.sleep(0.3)
-        assert store.warm_counters()["warmed_bytes"] == 0  # created, but not one page allocated yet
-        # An inbound copy is not a trainer: it does not hold warming back.
-        inbound = store.begin("peer-job", 1, 0, 1, [("y", 2 * MIB, "", ())], prefault=True)
-        store.abort(open_save.save_id)
-        assert _wait(lambda: store.usage().warm == 4 * MIB and store.warm_counters()["warmed_bytes"] == 4 * MIB)
-        store.abort(inbound.save_id)
+        with KNOBS.overridden(warm_pool=0):
+            _save(store, "j", 1, {"a": b"1" * (4 * MIB)})
+        st = store.begin("j", 2, 0, 1, [("a", 4 * MIB, "", ())])
+        _save(store, "other", 1, {"b": b"2" * (2 * MIB)})  # a commit elsewhere kicks the pool thread
+        _settle(store)
+        assert store.usage().warm == 2 * MIB  # for "other" only
+        with open(st.files["a"].path, "r+b") as fh:
+            fh.write(b"3" * (4 * MIB))
+        store.commit(st.save_id, {"a": _checksum.digest(b"3" * (4 * MIB))})
+        _settle(store)
+        # Step 1's file came back to the pool (recycled, not warm): nothing more to warm for "j".
+        assert store.usage().warm == 2 * MIB and store.warm_counters()["warmed_bytes"] == 2 * MIB
     finally:
         store.close()
 
