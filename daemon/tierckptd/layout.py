@@ -83,8 +83,8 @@ class StoreLayout:
                     os.close(fd)
 
     def _prefault_moved(self, dfd: int, f: StagedFile, prefault: Callable[[int, int], None]) -> None:
-        """Hand a pooled file just moved in to ``prefault`` (it skips allocated ranges: a fully
-        allocated file costs one seek)."""
+        """Hand a pooled file just moved in to ``prefault`` (it starts past the pages the file has:
+        a fully allocated file costs one fstat)."""
         try:
             fd = self.fs.open_regular(dfd, f.name, os.O_RDWR, f"staging file of shard {f.name!r}", size=f.size,
                                       single_link=True)

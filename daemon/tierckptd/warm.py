@@ -126,11 +126,22 @@ def fallocate_keep_size(fd: int, offset: int, length: int) -> None:
 
 
 def _next_hole(fd: int, off: int, end: int) -> int:
-    """The first unallocated offset at or after ``off`` (``end`` if none, or where unsupported: ``off``)."""
+    """The first offset at or after ``off`` that holds no data (``end`` if none, or where
+    unsupported: ``off``). On tmpfs, pages allocated by fallocate but never written count as holes."""
     try:
         return min(end, os.lseek(fd, off, os.SEEK_HOLE))
     except OSError as e:
         return end if e.errno == errno.ENXIO else off
+
+
+def _allocated_prefix(fd: int, off: int, end: int) -> int:
+    """Where allocation ahead of a writer starts: past the pages the file already has (a warm
+    pool file is allocated front to back from 0, a writer writes front to back), whole MiBs.
+    SEEK_HOLE cannot tell: on tmpfs a fallocated page that was never written is a hole, so a
+    fully warmed file would be walked again, chunk by chunk, each fallocate taking the inode lock
+    that the writer's pwrite needs."""
+    allocated = os.fstat(fd).st_blocks * 512
+    return min(end, max(off, allocated >> 20 << 20))
 
 
 NextFile = Callable[[], "tuple[int, str, int] | None"]
@@ -270,6 +281,8 @@ class Warmer:
         whether an error stopped it (the filesystem is full or cannot allocate)."""
         allocated = 0
         try:
+            if pooled is None:
+                off = _allocated_prefix(fd, off, end)
             while off < end and not self._stopped:
                 if pooled is not None and not self._wait_idle(pooled):
                     break

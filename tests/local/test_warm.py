@@ -12,6 +12,7 @@ from tierckpt.common import checksum as _checksum
 from tierckptd.knobs import KNOBS
 from tierckptd.retention import charge_rank
 from tierckptd.store import LocalStore
+from tierckptd.warm import fallocate_keep_size
 
 MIB = 1 << 20
 
@@ -162,6 +163,34 @@ def test_a_hinted_copy_is_warmed_within_free_capacity_once(scratch) -> None:
             _save(store, "k", 1, {"w": b"1" * (2 * MIB)})
             assert store.expect("k", 0, [2 * MIB]) == 0
             assert store.expect("k", 1, [2 * MIB]) == 2 * MIB
+        finally:
+            store.close()
+
+
+def test_a_warm_file_taken_by_an_inbound_copy_is_only_finished_where_it_lacks_pages(scratch) -> None:
+    """A fully warmed pool file costs its copy nothing more; a half-warmed one is finished from where
+    the pool thread stopped, not walked again (on tmpfs SEEK_HOLE calls a fallocated, never written
+    page a hole: walking it took the inode lock the receiver's writes need, once per chunk)."""
+    with KNOBS.overridden(warm_hint=2, warm_ahead=2, warm_chunk=MIB):
+        store = _open(scratch, 64 * MIB)
+        try:
+            assert store.expect("j", 0, [16 * MIB]) == 16 * MIB
+            assert _wait(lambda: store.warm_counters()["warmed_bytes"] == 16 * MIB)
+            st = store.begin("j", 1, 0, 1, [("w", 16 * MIB, "", ())], prefault=True)
+            assert st.files["w"].recycled
+            _settle(store)
+            assert store.warm_counters()["prefaulted_bytes"] == 0
+            store.abort(st.save_id)
+            # Half warmed (the pool thread stopped after 6 MiB): the other 10 MiB are allocated.
+            fd = os.open(scratch / "half", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, 16 * MIB)
+                fallocate_keep_size(fd, 0, 6 * MIB)
+                store._warm.warmer.prefault(os.dup(fd), 16 * MIB)
+                assert _wait(lambda: store.warm_counters()["prefaulted_bytes"] == 10 * MIB)
+                assert os.fstat(fd).st_blocks * 512 == 16 * MIB
+            finally:
+                os.close(fd)
         finally:
             store.close()
 
