@@ -37,13 +37,12 @@ happens outside it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,9 +135,9 @@ class LocalStore:
                                 counters=self.counters, catalog=self._catalog)
         self._lock_fd: int | None = None
         self._on_evict = on_evict
-        self._sending = 0  # peer transfers reading from this store (see :meth:`sending`)
-        self._warm = WarmPages(self._lock, self._catalog, self._recycle, lambda: self.capacity - self._used_locked(),
-                               self._busy, self._saves.open_jobs_locked)
+        # Warm pages (see tierckptd.warm): counters(), expect() for peer hints, sending() for transfers.
+        self.warm = WarmPages(self._lock, self._catalog, self._recycle, lambda: self.capacity - self._used_locked(),
+                              self._saves.busy, self._saves.open_jobs_locked)
         self._committer = Committer(self._lock, self._saves, self._layout, self._catalog, self._recycle,
                                     self._retain_locked)
 
@@ -153,9 +152,9 @@ class LocalStore:
                 ``jobs`` directory is a symlink.
         """
         self._lock_fd = prepare_local_dir(self._fs)  # held (and the lock with it) until the process exits
-        self._warm.tmpfs = fs_is_tmpfs(self.root)
+        self.warm.tmpfs = fs_is_tmpfs(self.root)
         if self._fsync_mode == "auto":
-            self.fsync = not self._warm.tmpfs
+            self.fsync = not self.warm.tmpfs
         if not self._capacity_arg:
             st = os.statvfs(self._fs.fd)
             self.capacity = int(st.f_blocks * st.f_frsize * 0.9)
@@ -167,7 +166,7 @@ class LocalStore:
 
     def close(self) -> None:
         """Stop warming; release the local_dir lock (a process exit releases it too)."""
-        self._warm.warmer.stop()
+        self.warm.warmer.stop()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -225,7 +224,7 @@ class LocalStore:
         """
         share = share_fn(self._catalog, unchanged, base_step, checksums, base_generation)
         st = self._saves.begin(job, step, rank, world_size, specs, stream=stream,
-                               prefault=self._warm.prefaulter(prefault), evictable=evictable, share=share,
+                               prefault=self.warm.prefaulter(prefault), evictable=evictable, share=share,
                                inbound=prefault)
         if KNOBS.debug_begin_delay:  # test hook: the staging area exists, its caller has no answer yet
             time.sleep(KNOBS.debug_begin_delay)
@@ -275,13 +274,13 @@ class LocalStore:
                                                 node=node or self.node_id, generation=generation, created=created,
                                                 pin=pin, fsync=self.fsync)
         self._notify(evictions)
-        self._warm.committed()
+        self.warm.committed()
         return man, evictions
 
     def abort(self, save_id: str) -> None:
         """Drop an open save and its staging files. Idempotent."""
         self._saves.abort(save_id)
-        self._warm.warmer.poke()
+        self.warm.warmer.poke()
 
     def is_open(self, save_id: str) -> bool:
         """Whether ``save_id`` is an open save (begun, not yet committed, aborted or reclaimed)."""
@@ -295,25 +294,8 @@ class LocalStore:
         """Abort saves open longer than ``timeout`` seconds (a client that died mid-save)."""
         n = self._saves.reclaim_expired(timeout)
         if n:
-            self._warm.warmer.poke()
+            self.warm.warmer.poke()
         return n
-
-    @contextlib.contextmanager
-    def sending(self) -> Iterator[None]:
-        """Mark a peer transfer reading from this store (a replica pushed, a rank served to a
-        restoring peer): pool warming waits until none is left, like it does for open saves."""
-        with self._lock:
-            self._sending += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._sending -= 1
-            self._warm.warmer.poke()
-
-    def _busy(self) -> bool:
-        """Whether a save is open or committing here, or a peer transfer reads from here (a snapshot)."""
-        return self._sending > 0 or self._saves.busy()
 
     def open_saves(self) -> int:
         return self._saves.count()
@@ -356,19 +338,6 @@ class LocalStore:
             committed = self._catalog.data_bytes + self._catalog.links.data_bytes
             return Usage(self.capacity, committed, staging, self._recycle.data_bytes,
                          charged=self._used_locked(), warm=self._recycle.warm_bytes)
-
-    # ----------------------------------------------------------------------------- warm pages
-
-    def warm_counters(self) -> dict[str, int]:
-        """Warm files taken by saves; bytes allocated in pool files and ahead of writers."""
-        return self._warm.counters()
-
-    def expect(self, job: str, rank: int, sizes: list[int]) -> int:
-        """A peer's first copy of its (job, rank) with these shard sizes is coming (a WarmReplica
-        hint, see :mod:`tierckptd.peer.hints`): warm pool files for it in free capacity, in the
-        background. Ignored when hints are off here, or when this node holds a step of that rank
-        (the copy will recycle its files). Returns the bytes accepted."""
-        return self._warm.expect(job, rank, sizes)
 
     def _used_locked(self) -> int:
         return (self._catalog.committed_bytes + self._catalog.links.charged + self._saves.charged_locked()

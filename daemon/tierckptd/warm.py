@@ -17,10 +17,8 @@ with ``fallocate(FALLOC_FL_KEEP_SIZE)``, which allocates a file's pages without 
   A warm file taken by a save before it is fully allocated is left as it is: its writer
   allocates the rest (finishing it ahead of a local trainer's writes was measured to slow the
   save down: both contend for the file's lock and the CPU).
-  Waiting for the node to be idle matters beyond the CPU time: the daemon is one Python process,
-  and a nice-19 thread that is descheduled while it holds the GIL stalls every other thread of
-  it. Measured before this rule (a 1 GiB top-up after a commit running during that step's
-  replication): replication round 1 took 0.55-2.3 s instead of 0.36-0.45 s.
+  Measured before this rule (the 1 GiB top-up that a commit asks for ran during that step's
+  replication, in the same process): replication round 1 took 0.55-2.3 s instead of 0.36-0.45 s.
 - *Hinted pool files* (the same background thread): the sizes of a peer's coming first copy of
   one of its ranks, sent by the owner when its trainer begins the save (:mod:`tierckptd.peer.hints`),
   become pool files the copy then takes like recycled ones; same rules (free capacity only,
@@ -38,12 +36,13 @@ bytes or size, so it is invisible to a writer or reader of the same file.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import errno
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .knobs import KNOBS
@@ -312,12 +311,13 @@ class WarmPages:
     Args:
         lock: the store's lock (guards ``catalog``, ``recycle`` and the hints).
         free_locked: the store's free capacity in bytes (called with ``lock`` held).
-        busy: whether the node is busy (see :class:`Warmer`).
+        saves_busy: whether a save is open or committing here; with the peer transfers marked by
+            :meth:`sending`, what makes the node busy (see :class:`Warmer`).
         saving_locked: the jobs with a save open (called with ``lock`` held; see :func:`next_pool_size`).
     """
 
     def __init__(self, lock: threading.RLock, catalog: Catalog, recycle: RecyclePool,
-                 free_locked: Callable[[], int], busy: Callable[[], bool],
+                 free_locked: Callable[[], int], saves_busy: Callable[[], bool],
                  saving_locked: Callable[[], Collection[str]] = frozenset) -> None:
         self._lock = lock
         self._catalog = catalog
@@ -325,8 +325,26 @@ class WarmPages:
         self._free_locked = free_locked
         self._saving_locked = saving_locked
         self.tmpfs = False  # the local dir is on tmpfs (set when the store opens)
-        self.warmer = Warmer(self._next_warm, recycle.is_warm, busy)
+        self._saves_busy = saves_busy
+        self._sending = 0  # peer transfers reading from the store (see :meth:`sending`)
+        self.warmer = Warmer(self._next_warm, recycle.is_warm, self._busy)
         self._hints: dict[int, int] = {}  # hinted pool files still to warm: size -> files wanted
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """A peer transfer reads from the store while the block runs: the pool thread waits."""
+        with self._lock:
+            self._sending += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._sending -= 1
+            self.warmer.poke()
+
+    def _busy(self) -> bool:
+        """A save open or committing, or a peer transfer reading (a snapshot, without the lock)."""
+        return self._sending > 0 or self._saves_busy()
 
     def warming(self, mode: int) -> bool:
         return bool(mode) and (mode >= 2 or self.tmpfs) and not self.warmer.disabled
@@ -348,7 +366,10 @@ class WarmPages:
         return {"warm_taken": taken, "warmed_bytes": self.warmer.warmed, "prefaulted_bytes": self.warmer.prefaulted}
 
     def expect(self, job: str, rank: int, sizes: list[int]) -> int:
-        """See :meth:`.store.LocalStore.expect`. Returns the bytes accepted."""
+        """A peer's first copy of its (job, rank) with these shard sizes is coming (a WarmReplica
+        hint, see :mod:`tierckptd.peer.hints`): warm pool files for it in free capacity, in the
+        background. Ignored when hints are off here, or when this node holds a step of that rank
+        (the copy will recycle its files). Returns the bytes accepted."""
         with self._lock:
             if not self.warming(KNOBS.warm_hint):
                 return 0

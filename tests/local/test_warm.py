@@ -39,7 +39,7 @@ def _settle(store: LocalStore) -> None:
     """Wait until the warming threads have nothing left to do (nothing changes for a while)."""
     last, quiet = None, 0
     for _ in range(200):
-        now = (store.usage(), store.warm_counters())
+        now = (store.usage(), store.warm.counters())
         quiet = quiet + 1 if now == last else 0
         if quiet >= 10:
             return
@@ -69,7 +69,7 @@ def test_the_second_save_of_a_job_takes_warm_files(scratch, warm_on):
         # Never written: the client is told it is not faulted in (it writes it like a fresh file).
         assert st.files["a"].warm and st.files["b"].warm
         assert os.stat(st.files["a"].path).st_blocks * 512 >= 4 * MIB  # allocated before it was taken
-        assert store.usage().warm == 0 and store.warm_counters()["warm_taken"] == 2
+        assert store.usage().warm == 0 and store.warm.counters()["warm_taken"] == 2
         store.abort(st.save_id)
     finally:
         store.close()
@@ -83,7 +83,7 @@ def test_warm_files_never_exceed_free_capacity(scratch, warm_on):
         _settle(store)
         u = store.usage()
         assert u.warm == 0 and u.charged <= u.capacity
-        assert store.warm_counters()["warmed_bytes"] == 0
+        assert store.warm.counters()["warmed_bytes"] == 0
     finally:
         store.close()
 
@@ -126,7 +126,7 @@ def test_disabled_by_the_knobs(scratch):
             st = store.begin("j", 2, 0, 1, [("a", 4 * MIB, "", ())], prefault=True)
             _settle(store)
             assert store.usage().warm == 0 and not st.files["a"].recycled
-            assert store.warm_counters() == {"warm_taken": 0, "warmed_bytes": 0, "prefaulted_bytes": 0}
+            assert store.warm.counters() == {"warm_taken": 0, "warmed_bytes": 0, "prefaulted_bytes": 0}
             assert os.stat(st.files["a"].path).st_blocks == 0  # nothing allocated ahead
         finally:
             store.close()
@@ -141,7 +141,7 @@ def test_an_inbound_copy_is_allocated_ahead_of_its_writer(scratch, warm_on):
         assert os.stat(path).st_size == 8 * MIB  # allocation never changes the size or the bytes
         with open(path, "rb") as fh:
             assert fh.read(4096) == bytes(4096)
-        assert store.warm_counters()["prefaulted_bytes"] == 8 * MIB
+        assert store.warm.counters()["prefaulted_bytes"] == 8 * MIB
         store.abort(st.save_id)
     finally:
         store.close()
@@ -152,17 +152,17 @@ def test_a_hinted_copy_is_warmed_within_free_capacity_once(scratch) -> None:
         store = _open(scratch, 20 * MIB)
         try:
             # Largest first, within free capacity; tiny shards are not warmed.
-            assert store.expect("j", 0, [8 * MIB, 16 * MIB, 1]) == 16 * MIB
+            assert store.warm.expect("j", 0, [8 * MIB, 16 * MIB, 1]) == 16 * MIB
             assert _wait(lambda: store.usage().warm == 16 * MIB)
             _settle(store)
             assert store.usage().warm == 16 * MIB  # served once: no second file for the same hint
             st = store.begin("j", 1, 0, 1, [("w", 16 * MIB, "", ())], prefault=True)
-            assert st.files["w"].recycled and store.warm_counters()["warm_taken"] == 1
+            assert st.files["w"].recycled and store.warm.counters()["warm_taken"] == 1
             store.abort(st.save_id)
             # A rank this node holds a step of recycles that step's files: no hint needed.
             _save(store, "k", 1, {"w": b"1" * (2 * MIB)})
-            assert store.expect("k", 0, [2 * MIB]) == 0
-            assert store.expect("k", 1, [2 * MIB]) == 2 * MIB
+            assert store.warm.expect("k", 0, [2 * MIB]) == 0
+            assert store.warm.expect("k", 1, [2 * MIB]) == 2 * MIB
         finally:
             store.close()
 
@@ -174,20 +174,20 @@ def test_a_warm_file_taken_by_an_inbound_copy_is_only_finished_where_it_lacks_pa
     with KNOBS.overridden(warm_hint=2, warm_ahead=2, warm_chunk=MIB):
         store = _open(scratch, 64 * MIB)
         try:
-            assert store.expect("j", 0, [16 * MIB]) == 16 * MIB
-            assert _wait(lambda: store.warm_counters()["warmed_bytes"] == 16 * MIB)
+            assert store.warm.expect("j", 0, [16 * MIB]) == 16 * MIB
+            assert _wait(lambda: store.warm.counters()["warmed_bytes"] == 16 * MIB)
             st = store.begin("j", 1, 0, 1, [("w", 16 * MIB, "", ())], prefault=True)
             assert st.files["w"].recycled
             _settle(store)
-            assert store.warm_counters()["prefaulted_bytes"] == 0
+            assert store.warm.counters()["prefaulted_bytes"] == 0
             store.abort(st.save_id)
             # Half warmed (the pool thread stopped after 6 MiB): the other 10 MiB are allocated.
             fd = os.open(scratch / "half", os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 os.ftruncate(fd, 16 * MIB)
                 fallocate_keep_size(fd, 0, 6 * MIB)
-                store._warm.warmer.prefault(os.dup(fd), 16 * MIB)
-                assert _wait(lambda: store.warm_counters()["prefaulted_bytes"] == 10 * MIB)
+                store.warm.warmer.prefault(os.dup(fd), 16 * MIB)
+                assert _wait(lambda: store.warm.counters()["prefaulted_bytes"] == 10 * MIB)
                 assert os.fstat(fd).st_blocks * 512 == 16 * MIB
             finally:
                 os.close(fd)
@@ -199,7 +199,7 @@ def test_hints_are_ignored_when_off(scratch) -> None:
     with KNOBS.overridden(warm_hint=0):
         store = _open(scratch, 64 * MIB)
         try:
-            assert store.expect("j", 0, [8 * MIB]) == 0
+            assert store.warm.expect("j", 0, [8 * MIB]) == 0
             _settle(store)
             assert store.usage().warm == 0
         finally:
@@ -215,13 +215,13 @@ def test_pool_warming_waits_while_the_node_is_busy(scratch, warm_on) -> None:
             trainer = store.begin("other", 1, 0, 1, [("x", 2 * MIB, "", ())])  # a trainer still copying
             inbound = store.begin("peer-job", 1, 0, 1, [("y", 2 * MIB, "", ())], prefault=True)
             _save(store, "j", 1, {"a": b"1" * (4 * MIB)})  # the commit asks for a warm 4 MiB file
-            with store.sending():  # a replica being pushed from here
+            with store.warm.sending():  # a replica being pushed from here
                 store.abort(trainer.save_id)
                 time.sleep(0.2)
                 store.abort(inbound.save_id)
                 time.sleep(0.3)
-                assert store.warm_counters()["warmed_bytes"] == 0  # created, but not one page allocated yet
-            assert _wait(lambda: store.warm_counters()["warmed_bytes"] == 4 * MIB, timeout=5.0)
+                assert store.warm.counters()["warmed_bytes"] == 0  # created, but not one page allocated yet
+            assert _wait(lambda: store.warm.counters()["warmed_bytes"] == 4 * MIB, timeout=5.0)
             assert store.usage().warm == 4 * MIB
         finally:
             store.close()
@@ -243,7 +243,7 @@ def test_no_pool_file_for_a_job_whose_save_is_open(scratch, warm_on) -> None:
         store.commit(st.save_id, {"a": _checksum.digest(b"3" * (4 * MIB))})
         _settle(store)
         # Step 1's file came back to the pool (recycled, not warm): nothing more to warm for "j".
-        assert store.usage().warm == 2 * MIB and store.warm_counters()["warmed_bytes"] == 2 * MIB
+        assert store.usage().warm == 2 * MIB and store.warm.counters()["warmed_bytes"] == 2 * MIB
     finally:
         store.close()
 

@@ -330,7 +330,7 @@ class Receiver:
         bulk.check_piece(*piece, entry.size)
         ranges = list(bulk.runs(*piece, entry.size))
         fh = os.fdopen(self.store.open_shard(rd.man, shard), "rb")  # NotFoundError: evicted since
-        with fh, self.store.sending():
+        with fh, self.store.warm.sending():
             bulk.send_msg(sock, {"ok": True, "length": sum(n for _, n in ranges)})
             for start, length in ranges:
                 bulk.send_range(sock, fh, start, length, buf)

@@ -76,7 +76,7 @@ class Pusher:
             send = [s for s in man.shards if s.name not in linked]
             files = {s.name: (functools.partial(self.store.open_shard, man, s.name), s.size) for s in send}
             pieces = plan_pieces([(s.name, s.size) for s in send])
-            with self.store.sending():  # pool warming waits (see tierckptd.warm)
+            with self.store.warm.sending():  # pool warming waits (see tierckptd.warm)
                 await self.transfer.run(p.node_id, p.host, prep.bulk_port, prep.ticket, "put", pieces, files, {},
                                         p.tls_name)
             await self.cluster.call(p, "CommitReplica", ppb.CommitReplicaRequest(ticket=prep.ticket),

@@ -117,5 +117,5 @@ class PeerServicer(ppb_grpc.PeerServicer):
             raise InvalidArgumentError(f"sizes: at most {MAX_SHARDS_PER_RANK} shards per rank")
         self.guard.check_claim(self.guard.identity(context), request.sender, "sender")
         self.guard.check_hint(request.sender)
-        accepted = await run_blocking(self.tier.store.expect, request.job, request.rank, list(request.sizes))
+        accepted = await run_blocking(self.tier.store.warm.expect, request.job, request.rank, list(request.sizes))
         return ppb.WarmReplicaResponse(bytes=accepted)
