@@ -102,7 +102,8 @@ def main() -> int:
         steady_secs += [secs[i] for i in warm]
         steady_raw += [raw[i] for i in warm]
     ratio, ratio1 = statistics.median(steady), statistics.median(first)
-    print(f"\nsteady state (rounds 3.., {len(steady)} rounds): replication "
+    label = "rounds 3.." if args.rounds > 2 else "all rounds: too few for a steady state"
+    print(f"\nsteady state ({label}, {len(steady)} rounds): replication "
           f"{nbytes / statistics.median(steady_secs) / 1e9:.2f} GB/s, raw socket "
           f"{nbytes / statistics.median(steady_raw) / 1e9:.2f} GB/s")
     print(f"ratio replication/raw = {ratio:.2f}x (target >= {TARGET}x): {'PASS' if ratio >= TARGET else 'FAIL'}")
