@@ -130,6 +130,8 @@ class Knobs:
     """Seconds opening a staging area waits after creating it, before it is handed back."""
     debug_commit_delay: float = 0.0
     """Seconds a local commit waits after its data files are in place, before the manifest."""
+    debug_drop_delay: float = 0.0
+    """Seconds a DropReplicas call waits before it removes the replicas (and answers)."""
     debug_drain_delay: float = 0.0
     """Seconds a newly queued rank waits before its first upload attempt."""
     debug_manifest_delay: float = 0.0

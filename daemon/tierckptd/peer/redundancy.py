@@ -13,12 +13,14 @@ the owner is up, so garbage collection and re-replication never undo each other.
 
 Garbage: a replica is surplus once the placement holds its copies without this node, and
 retired once its owner is up, no longer holds it and ``keep_local`` newer steps are complete.
-Replicas also follow the owner's retention: the owner's evictions send ``DropReplicas``.
+Replicas also follow the owner's retention: the owner's evictions send ``DropReplicas``, and a
+push of the same job to that peer waits for the answer (the copy then recycles the dropped files).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -26,7 +28,7 @@ from tierckpt.errors import DeadlineExceededError, TierckptError, UnavailableErr
 from tierckpt.v1 import peer_pb2 as ppb
 
 from ..cluster import ring
-from ..cluster.membership import Membership
+from ..cluster.membership import Membership, PeerInfo
 from ..knobs import KNOBS
 from ..manifest import Manifest
 from ..offload import run_blocking
@@ -51,6 +53,7 @@ class Redundancy:
         self._sem = asyncio.Semaphore(KNOBS.max_parallel_ranks)
         self.tasks: dict[Key, asyncio.Task] = {}  # lost owners' ranks being pushed
         self._backoff: dict[Key, tuple[int, float]] = {}  # key -> (fails, not before)
+        self._drops: dict[tuple[str, str], set[asyncio.Task]] = {}  # (peer, job) -> DropReplicas in flight
 
     def copies_wanted(self, man: Manifest) -> int:
         """Copies of a replica's rank wanted besides the owner's (see :func:`ring.copies_wanted`)."""
@@ -152,18 +155,45 @@ class Redundancy:
             return f"retired: owner {man.node} evicted it"
         return ""
 
-    async def drop_everywhere(self, ev: Eviction) -> None:
-        """Replicas follow the owner's retention: ask the live peers to drop our copies of the step."""
+    def drop_everywhere(self, ev: Eviction) -> None:
+        """Replicas follow the owner's retention: ask every live peer to drop our copies of the step.
+
+        One call per peer, in the background. A push of the same job to that peer waits for it
+        first (:meth:`drops_sent`), so the peer's copy of the next step takes the evicted step's
+        files from its recycle pool (pages already in use) instead of new memory."""
         req = ppb.DropReplicasRequest(owner=self.node_id, job=ev.job, step=ev.step, ranks=list(ev.ranks),
                                       reason=ev.reason)
-        peers = [p for p in self.cluster.peers.values() if p.up]
-        results = await asyncio.gather(*(self.cluster.call(p, "DropReplicas", req) for p in peers),
-                                       return_exceptions=True)
-        for p, res in zip(peers, results):
-            if isinstance(res, TierckptError):
-                log.info("could not drop replicas of %s step %d on %s (garbage-collected later): %s",
-                         ev.job, ev.step, p.node_id, res)
+        for p in self.cluster.peers.values():
+            if p.up:
+                key = (p.node_id, ev.job)
+                task = asyncio.create_task(self._drop_on(p, req))
+                self._drops.setdefault(key, set()).add(task)
+                task.add_done_callback(functools.partial(self._drop_done, key))
+
+    async def _drop_on(self, p: PeerInfo, req: ppb.DropReplicasRequest) -> None:
+        try:
+            await self.cluster.call(p, "DropReplicas", req)
+        except TierckptError as e:
+            log.info("could not drop replicas of %s step %d on %s (garbage-collected later): %s",
+                     req.job, req.step, p.node_id, e)
+
+    def _drop_done(self, key: tuple[str, str], task: asyncio.Task) -> None:
+        tasks = self._drops.get(key)
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._drops[key]
+
+    async def drops_sent(self, peer: str, job: str) -> None:
+        """Until the drops of ``job``'s evicted steps already asked of ``peer`` are answered
+        (bounded by ``KNOBS.rpc_timeout``; a drop that fails is garbage-collected later)."""
+        tasks = self._drops.get((peer, job))
+        if tasks:
+            await asyncio.wait(set(tasks), timeout=KNOBS.rpc_timeout)
 
     def cancel(self) -> None:
         for t in self.tasks.values():
             t.cancel()
+        for tasks in self._drops.values():
+            for t in tasks:
+                t.cancel()

@@ -17,7 +17,7 @@ import collections
 import functools
 import logging
 import time
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,9 +64,14 @@ class Pusher:
                  metrics: Any = None) -> None:
         self.node_id, self.store, self.cluster, self.transfer = node_id, store, cluster, transfer
         self._spawn, self.metrics = spawn, metrics
+        self.drops_sent: Callable[[str, str], Awaitable[None]] | None = None
+        """Set by the tier: waits until the drops of the job's evicted steps asked of a peer are
+        answered, so that a push never races the drop it follows (see :mod:`.redundancy`)."""
 
     async def push(self, man: Manifest, p: PeerInfo) -> None:
         t0 = time.perf_counter()
+        if self.drops_sent is not None:
+            await self.drops_sent(p.node_id, man.job)
         prep = await self.cluster.call(p, "PrepareReplica", ppb.PrepareReplicaRequest(
             sender=self.node_id, manifest_json=man.to_json().decode(), skips_linked=True))
         if prep.already_committed:

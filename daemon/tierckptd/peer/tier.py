@@ -88,6 +88,7 @@ class PeerTier(RemoteTier):
         self.pusher = Pusher(self.node_id, store, cluster, transfer, self._spawn, metrics)
         self.replicator = Replicator(self.node_id, store, cluster, self.pusher, config.replicas, metrics)
         self.redundancy = Redundancy(self.node_id, store, cluster, self.replicator, self.pusher)
+        self.pusher.drops_sent = self.redundancy.drops_sent
         self.hints = WarmHints(self.node_id, cluster, config.replicas, self._spawn)
         self.fetcher = Fetcher(self.node_id, store, cluster, transfer, self.receiver, metrics)
         self._changes = ChangeLog(self._snapshot)
@@ -192,7 +193,7 @@ class PeerTier(RemoteTier):
     def on_evict(self, eviction: Eviction) -> None:
         self.replicator.forget(eviction.job, eviction.step, eviction.ranks, eviction.reason)
         if eviction.reason == "retention":
-            self._spawn(self.redundancy.drop_everywhere(eviction))
+            self.redundancy.drop_everywhere(eviction)
 
     async def catalog(self, job: str) -> dict[int, dict[int, RankCopy]]:
         return (await self.catalog_with_gaps(job))[0]
@@ -273,6 +274,8 @@ class PeerTier(RemoteTier):
 
     async def drop_replicas(self, owner: str, job: str, step: int, ranks: Sequence[int], reason: str) -> int:
         """Remove the replicas of ``owner``'s ranks of a step (DropReplicas RPC); returns how many."""
+        if KNOBS.debug_drop_delay:
+            await asyncio.sleep(KNOBS.debug_drop_delay)
         removed = 0
         for rank in ranks:
             man = self.store.get(job, step, rank)
