@@ -152,6 +152,13 @@ class Knobs:
     """Pool files for a first inbound copy, allocated from the owner's WarmReplica hint while its
     trainer is still saving (see :mod:`tierckptd.warm`): 1 where the local dir is tmpfs, 2 on any
     filesystem, 0 off (the owner still sends hints; this node ignores them)."""
+    warm_touch: int = -1
+    """How warming allocates pages on tmpfs: 1 touches them (``MADV_POPULATE_WRITE``: each page is
+    zeroed, so the memory behind it is really there), 0 fallocates them (nothing is written until
+    the file's writer comes), -1 touches only where the kernel hands free memory back to a
+    hypervisor (virtio-balloon free page reporting): there a fallocated page is backed again by
+    the host on its first write (3-4 s per GiB measured in such a VM), so only touching warms it.
+    Elsewhere fallocate is the cheaper choice and equally warm."""
     warm_hint_timeout: float = 2.0
     """Seconds an owner waits for a WarmReplica answer (a hint: failures are only logged)."""
     warm_idle_poll: float = 0.5

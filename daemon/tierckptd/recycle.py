@@ -58,6 +58,7 @@ class RecyclePool:
         self._loans: dict[tuple, tuple[tuple[Path, ...], int]] = {}  # key -> (counted files, open loans)
         self._held: dict[Path, tuple[str, int]] = {}  # evicted while lent: pool name, size
         self._warm: dict[str, int] = {}  # untaken warm files: pool name -> size
+        self._touched: set[str] = set()  # the warm files whose every page was touched (written)
         self.bytes = 0  # charged bytes of the pooled files
         self.data_bytes = 0
         self.warm_bytes = 0  # data bytes of the untaken warm files (a part of data_bytes)
@@ -141,17 +142,19 @@ class RecyclePool:
 
     def take(self, size: int) -> tuple[str, bool] | None:
         """Name (in ``recycle/``) of a pooled file of exactly ``size`` bytes, now the caller's, and
-        whether it is a warm file (allocated ahead, never written: see :mod:`.warm`); or None."""
+        whether it is a warm file whose pages are allocated but were not all touched (its writer
+        should pwrite it, not write through a map: see :mod:`.warm`); or None."""
         pool = self._by_size.get(size)
         if not pool or size <= 0:
             return None
         name = pool.pop()
         self.bytes -= self._charge(size)
         self.data_bytes -= size
+        touched = name in self._touched
         warm = self._forget_warm(name)
         if warm:
             self.warm_taken += 1
-        return name, warm
+        return name, warm and not touched
 
     def untake(self, name: str, size: int) -> None:
         """Give back a file :meth:`take` handed out and the caller did not use (it is still in the pool dir)."""
@@ -174,6 +177,12 @@ class RecyclePool:
         self.warm_bytes += size
         return fd, name
 
+    def mark_touched(self, name: str) -> None:
+        """Every page of warm file ``name`` was written (see :func:`.warm.touch_pages`): when taken,
+        it is reported as faulted in, like a recycled file. Ignored once it was taken."""
+        if name in self._warm:
+            self._touched.add(name)
+
     def is_warm(self, name: str) -> bool:
         """Whether ``name`` is a warm file still in the pool (safe to ask without the lock)."""
         return name in self._warm
@@ -183,6 +192,7 @@ class RecyclePool:
         return {size: len(names) for size, names in self._by_size.items()}
 
     def _forget_warm(self, name: str) -> bool:
+        self._touched.discard(name)
         size = self._warm.pop(name, None)
         if size is None:
             return False

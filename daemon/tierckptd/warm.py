@@ -39,10 +39,13 @@ import collections
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .knobs import KNOBS
@@ -52,7 +55,8 @@ if TYPE_CHECKING:
     from .catalog import Catalog
     from .recycle import RecyclePool
 
-__all__ = ["WarmPages", "Warmer", "accept_hint", "fallocate_keep_size", "hinted_pool_size", "next_pool_size"]
+__all__ = ["WarmPages", "Warmer", "accept_hint", "fallocate_keep_size", "free_pages_go_to_hypervisor",
+           "hinted_pool_size", "next_pool_size", "touch_pages"]
 
 
 def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collection[str] = ()) -> int | None:
@@ -124,6 +128,47 @@ def fallocate_keep_size(fd: int, offset: int, length: int) -> None:
         raise OSError(e, os.strerror(e))
 
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11 lacks the name
+
+
+def touch_pages(fd: int, offset: int, length: int) -> None:
+    """Fault in the pages of ``[offset, offset + length)`` of a file open read-write, as a write
+    through a shared map would (``MADV_POPULATE_WRITE``), without changing its bytes or size: a
+    page not yet in the file is allocated and zeroed, a page already there (written, or being
+    written by another thread under its page lock) is only mapped. Unlike fallocate, the memory
+    behind the page is written, so it is really there when the file's writer comes.
+
+    Raises:
+        OSError: EINVAL (the kernel is older than 5.14), EFAULT (the filesystem is full: a write
+            there would have raised SIGBUS), ENOMEM, ...
+    """
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, offset + length - start, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
+                   offset=start) as m:
+        m.madvise(_MADV_POPULATE_WRITE)
+
+
+@functools.cache
+def free_pages_go_to_hypervisor(sysfs: str = "/sys/bus/virtio/drivers/virtio_balloon") -> bool:
+    """Whether this kernel reports free memory to a hypervisor (a virtio balloon with free page
+    reporting, VIRTIO_BALLOON_F_REPORTING, feature bit 5), which takes it back: a page allocated
+    again later is backed again by the host on its first write, which here costs 3-4 s per GiB
+    (bench/README.md, "Fresh pages in a VM"). Pages that fallocate allocates are not written, so
+    only touched pages are warm there."""
+    try:
+        devices = [d for d in Path(sysfs).iterdir() if d.name.startswith("virtio")]
+        return any((d / "features").read_text().strip()[5:6] == "1" for d in devices)
+    except OSError:
+        return False
+
+
+def touching(tmpfs: bool) -> bool:
+    """Whether warming touches pages (:func:`touch_pages`) rather than fallocating them, per
+    ``KNOBS.warm_touch``. Only on tmpfs: elsewhere touching would write zeros to the disk."""
+    mode = KNOBS.warm_touch
+    return tmpfs and (mode == 1 or (mode < 0 and free_pages_go_to_hypervisor()))
+
+
 def _next_hole(fd: int, off: int, end: int) -> int:
     """The first offset at or after ``off`` that holds no data (``end`` if none, or where
     unsupported: ``off``). On tmpfs, pages allocated by fallocate but never written count as holes."""
@@ -154,6 +199,8 @@ class Warmer:
         next_file: called by the background thread (it takes the store's lock): creates the next
             pool file to warm and returns it, or None when the pool has what the jobs need.
         still_pooled: whether a pool name is still an untaken warm file.
+        touch: whether to touch pages (:func:`touch_pages`) instead of fallocating them.
+        filled: called with a pool name once every page of that file was touched.
         busy: whether the node is busy (a save open or committing, a peer transfer reading):
             the pool thread then waits (between chunks) until :meth:`poke` or a commit's
             :meth:`kick` says it may be idle, so pool warming never competes with a save or a
@@ -161,10 +208,14 @@ class Warmer:
     """
 
     def __init__(self, next_file: NextFile, still_pooled: Callable[[str], bool],
-                 busy: Callable[[], bool] = lambda: False) -> None:
+                 busy: Callable[[], bool] = lambda: False, touch: Callable[[], bool] = lambda: False,
+                 filled: Callable[[str], None] = lambda name: None) -> None:
         self._next_file = next_file
         self._still_pooled = still_pooled
         self._busy = busy
+        self._touch = touch
+        self._filled = filled
+        self.touch_failed = False  # the kernel cannot populate a map: fallocate instead
         self._cv = threading.Condition()
         self._urgent: collections.deque[tuple[int, int, int]] = collections.deque()  # fd, offset, end
         self._kicked = False
@@ -257,10 +308,13 @@ class Warmer:
                     break
                 fd, name, size = got
                 try:
-                    _, allocated, failed = self._fill(fd, 0, size, name)
+                    touched = self._touching()
+                    reached, allocated, failed = self._fill(fd, 0, size, name)
                     self.warmed += allocated
                     if failed:
                         break
+                    if touched and reached >= size and not self.touch_failed:
+                        self._filled(name)
                 finally:
                     os.close(fd)
 
@@ -272,6 +326,22 @@ class Warmer:
             with self._cv:
                 self._cv.wait(KNOBS.warm_idle_poll)
         return self._still_pooled(pooled) and not self._stopped
+
+    def _touching(self) -> bool:
+        return not self.touch_failed and self._touch()
+
+    def _allocate(self, fd: int, off: int, n: int) -> None:
+        """Allocate one chunk: touched, or fallocated (also where touching turns out unsupported)."""
+        if self._touching():
+            try:
+                touch_pages(fd, off, n)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                log.info("warming fallocates pages: this kernel cannot populate a map (%s)", e.strerror)
+                self.touch_failed = True
+        fallocate_keep_size(fd, off, n)
 
     def _fill(self, fd: int, off: int, end: int, pooled: str | None) -> tuple[int, int, bool]:
         """Allocate ``[off, end)`` chunk by chunk; stop early when the file is unlinked, when
@@ -292,10 +362,12 @@ class Warmer:
                     if off >= end:
                         break
                 n = min(max(1 << 20, KNOBS.warm_chunk), end - off)
-                fallocate_keep_size(fd, off, n)
+                self._allocate(fd, off, n)
                 off += n
                 allocated += n
         except OSError as e:
+            if e.errno == errno.EFAULT:  # touching a full filesystem (a write there would SIGBUS)
+                return off, allocated, True
             if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 log.info("warming disabled: the local dir cannot fallocate (%s)", e.strerror)
                 self.disabled = True
@@ -327,7 +399,8 @@ class WarmPages:
         self.tmpfs = False  # the local dir is on tmpfs (set when the store opens)
         self._saves_busy = saves_busy
         self._sending = 0  # peer transfers reading from the store (see :meth:`sending`)
-        self.warmer = Warmer(self._next_warm, recycle.is_warm, self._busy)
+        self.warmer = Warmer(self._next_warm, recycle.is_warm, self._busy, lambda: touching(self.tmpfs),
+                             self._filled)
         self._hints: dict[int, int] = {}  # hinted pool files still to warm: size -> files wanted
 
     @contextlib.contextmanager
@@ -341,6 +414,12 @@ class WarmPages:
             with self._lock:
                 self._sending -= 1
             self.warmer.poke()
+
+    def _filled(self, name: str) -> None:
+        """Every page of pool file ``name`` was touched: a save that takes it is told it is
+        faulted in, like a recycled file (see :meth:`.recycle.RecyclePool.take`)."""
+        with self._lock:
+            self._recycle.mark_touched(name)
 
     def _busy(self) -> bool:
         """A save open or committing, or a peer transfer reading (a snapshot, without the lock)."""

@@ -12,7 +12,7 @@ from tierckpt.common import checksum as _checksum
 from tierckptd.knobs import KNOBS
 from tierckptd.retention import charge_rank
 from tierckptd.store import LocalStore
-from tierckptd.warm import fallocate_keep_size
+from tierckptd.warm import Warmer, fallocate_keep_size, free_pages_go_to_hypervisor, touch_pages
 
 MIB = 1 << 20
 
@@ -51,6 +51,14 @@ def _open(scratch, capacity: int, keep_local: int = 1) -> LocalStore:
     s = LocalStore(scratch / "data", "n0", capacity=capacity, keep_local=keep_local)
     s.open()
     return s
+
+
+@pytest.fixture(autouse=True)
+def fallocating():
+    """These tests check fallocate's warming (nothing written) unless they ask for touching:
+    the default (-1) depends on the machine (see test_touching_is_chosen_where_...)."""
+    with KNOBS.overridden(warm_touch=0):
+        yield
 
 
 @pytest.fixture
@@ -267,3 +275,90 @@ def test_the_pool_does_not_warm_files_for_shards_the_last_save_shared(scratch, w
         assert store.usage().warm == 2 * MIB
     finally:
         store.close()
+
+
+# -- touching pages (warm_touch=1, the default where a hypervisor takes free memory back)
+
+
+def test_a_touched_pool_file_is_handed_out_as_faulted_in(scratch, warm_on):
+    with KNOBS.overridden(warm_touch=1):
+        store = _open(scratch, 64 * MIB)
+        try:
+            _save(store, "j", 1, {"a": b"1" * (4 * MIB)})
+            assert _wait(lambda: store.usage().warm == 4 * MIB)
+            _settle(store)
+            st = store.begin("j", 2, 0, 1, [("a", 4 * MIB, "", ())])
+            # Every page was written (zeroed): the client may write it through a map, like a recycled file.
+            assert st.files["a"].recycled and not st.files["a"].warm
+            assert os.stat(st.files["a"].path).st_blocks * 512 == 4 * MIB
+            with open(st.files["a"].path, "rb") as fh:
+                assert fh.read() == bytes(4 * MIB)
+            assert store.warm.counters()["warm_taken"] == 1
+            store.abort(st.save_id)
+        finally:
+            store.close()
+
+
+def test_touching_never_changes_a_files_bytes_even_under_a_concurrent_writer(scratch):
+    size = 32 * MIB
+    data = os.urandom(size)
+    fd = os.open(scratch / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        os.pwrite(fd, data[: 4 * MIB], 0)  # written before: only mapped, not zeroed
+        fallocate_keep_size(fd, 4 * MIB, 4 * MIB)  # allocated, never written: zeroed, still zero
+        import threading
+
+        def write() -> None:
+            for off in range(8 * MIB, size, MIB):
+                os.pwrite(fd, data[off:off + MIB], off)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        for off in range(0, size, MIB):  # touched while the writer writes the same range
+            touch_pages(fd, off, MIB)
+        writer.join()
+        touch_pages(fd, 12345, 3 * MIB)  # any offset: the map starts at the page below
+        assert os.pread(fd, size, 0) == data[: 4 * MIB] + bytes(4 * MIB) + data[8 * MIB:]
+        assert os.fstat(fd).st_size == size and os.fstat(fd).st_blocks * 512 == size
+    finally:
+        os.close(fd)
+
+
+def test_touching_falls_back_to_fallocate_where_the_kernel_cannot(scratch, monkeypatch):
+    import errno
+
+    from tierckptd import warm
+
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(warm, "touch_pages", unsupported)
+    w = Warmer(lambda: None, lambda name: False, touch=lambda: True)
+    fd = os.open(scratch / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, 4 * MIB)
+        with KNOBS.overridden(warm_chunk=MIB):
+            w.prefault(os.dup(fd), 4 * MIB)
+            assert _wait(lambda: w.prefaulted == 4 * MIB)
+        assert w.touch_failed and os.fstat(fd).st_blocks * 512 == 4 * MIB
+    finally:
+        w.stop()
+        os.close(fd)
+
+
+def test_touching_is_chosen_where_the_kernel_reports_free_pages_to_a_hypervisor(tmp_path):
+    """virtio-balloon's feature bit 5 (VIRTIO_BALLOON_F_REPORTING), read from sysfs."""
+    def balloon(features: str | None):
+        d = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        if features is not None:
+            (d / "virtio0").mkdir()
+            (d / "virtio0" / "features").write_text(features + "\n")
+        return str(d)
+
+    probe = free_pages_go_to_hypervisor.__wrapped__
+    assert probe(balloon("0110010100" + "0" * 54))
+    assert not probe(balloon("0110000100" + "0" * 54))
+    assert not probe(balloon(None))  # a balloon driver without a device
+    assert not probe(str(tmp_path / "missing"))  # no balloon driver at all
