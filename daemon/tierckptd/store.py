@@ -137,7 +137,7 @@ class LocalStore:
         self._on_evict = on_evict
         # Warm pages (see tierckptd.warm): counters(), expect() for peer hints, sending() for transfers.
         self.warm = WarmPages(self._lock, self._catalog, self._recycle, lambda: self.capacity - self._used_locked(),
-                              self._saves.busy, self._saves.open_jobs_locked)
+                              self._saves.busy, self._saves.open_jobs_locked, self.policies.keep_local)
         self._committer = Committer(self._lock, self._saves, self._layout, self._catalog, self._recycle,
                                     self._retain_locked)
 

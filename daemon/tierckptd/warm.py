@@ -4,13 +4,14 @@ ahead of their writer.
 A write into a fresh tmpfs page first allocates it (the "first-touch" cost the recycle pool
 avoids in the steady state). Two cases are still cold: the first saves of a job (nothing was
 evicted yet) and the first replica or restore a node receives. The :class:`Warmer` covers them
-with ``fallocate(FALLOC_FL_KEEP_SIZE)``, which allocates a file's pages without writing them:
+by allocating a file's pages ahead of its writer without changing its bytes (how: below):
 
 - *Pool top-up* (a background thread at the lowest CPU priority, which also waits between
   chunks while the node is busy: a save open or committing here, a trainer's, an inbound copy's
   or a restore's, or a peer transfer reading from here): after every commit the store
-  works out the shard sizes the next save of each job held here will need (those of its newest
-  step's ranks on this node; not for a job with a save open, whose commit will hand the pool
+  works out the shard sizes the coming saves of each job held here will need (those of its newest
+  step's ranks on this node, once per save until the job holds keep_local + 1 steps and starts
+  recycling; not for a job with a save open, whose commit will hand the pool
   the files of the step it evicts) and adds pre-allocated files of the missing sizes to the recycle
   pool, but only into free capacity: warming never evicts anything, and warm files are pool files
   (charged like them, dropped first when a save needs room, released after the idle timeout).
@@ -27,6 +28,13 @@ with ``fallocate(FALLOC_FL_KEEP_SIZE)``, which allocates a file's pages without 
 - *Prefault* (an urgent thread at normal priority): the staging files of an inbound replica or a
   restore that the pool could not cover are allocated front to back while the bytes arrive (the
   bulk receive writes each piece at increasing offsets), so allocation overlaps the transfer.
+
+How a page is allocated (``KNOBS.warm_touch``): ``fallocate(FALLOC_FL_KEEP_SIZE)`` allocates it
+without writing it; :func:`touch_pages` (``MADV_POPULATE_WRITE``) also writes it (zeroes it).
+On bare metal both leave the writer only its copy. In a VM whose kernel reports free memory
+to the hypervisor (free page reporting), a page allocated again is backed by the host only on
+its first write, which costs 3-5 s per GiB under nested virtualisation (bench/pages.py): there
+only touched pages are warm, and touching is the default.
 
 Both work in chunks of ``KNOBS.warm_chunk`` bytes and stop as soon as their file is unlinked
 (dropped, aborted): at most one chunk is allocated in vain. Allocation never changes a file's
@@ -59,11 +67,16 @@ __all__ = ["WarmPages", "Warmer", "accept_hint", "fallocate_keep_size", "free_pa
            "hinted_pool_size", "next_pool_size", "touch_pages"]
 
 
-def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collection[str] = ()) -> int | None:
-    """The pool's sizing rule: the largest shard size that the next save of a job held here needs
-    (its newest step's ranks on this node, shards of at least ``KNOBS.warm_min_bytes``; not those
-    whose file that step shares with another, unchanged shards the next save will likely link
-    too) beyond the ``have`` pool files of that size, if one more file of it fits in ``free``.
+def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collection[str] = (),
+                   keep_local: Callable[[str], int] = lambda job: 1) -> int | None:
+    """The pool's sizing rule: the largest shard size that the coming saves of a job held here
+    need (its newest step's ranks on this node, shards of at least ``KNOBS.warm_min_bytes``; not
+    those whose file that step shares with another, unchanged shards the next save will likely
+    link too) beyond the ``have`` pool files of that size, if one more file of it fits in ``free``.
+
+    A job holding ``h`` steps here with ``keep_local`` k needs new files for its next k + 1 - h
+    saves (nothing is evicted, so nothing recycled, until it holds k + 1): that many files of
+    each size, at least one. The pool never holds more than the job's steady state will.
     Jobs in ``saving`` (a save is open) are skipped: that save took its files already, and its
     commit evicts a step whose files come back to the pool; the commit asks again."""
     want: dict[int, int] = {}
@@ -73,13 +86,13 @@ def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collec
         steps = catalog.steps(job)
         if not steps:
             continue
+        saves = max(1, keep_local(job) + 1 - len(steps))
         for man in steps[max(steps)].values():
             for s in man.shards:
                 if s.size >= max(1, KNOBS.warm_min_bytes) and not catalog.is_shared(man, s):
-                    want[s.size] = want.get(s.size, 0) + 1
+                    want[s.size] = want.get(s.size, 0) + saves
     return next((size for size in sorted(want, reverse=True)
                  if want[size] > have.get(size, 0) and charge_file(size) <= free), None)
-
 
 
 def accept_hint(sizes: list[int], free: int) -> dict[int, int]:
@@ -386,16 +399,19 @@ class WarmPages:
         saves_busy: whether a save is open or committing here; with the peer transfers marked by
             :meth:`sending`, what makes the node busy (see :class:`Warmer`).
         saving_locked: the jobs with a save open (called with ``lock`` held; see :func:`next_pool_size`).
+        keep_local: a job's ``keep_local`` (see :func:`next_pool_size`).
     """
 
     def __init__(self, lock: threading.RLock, catalog: Catalog, recycle: RecyclePool,
                  free_locked: Callable[[], int], saves_busy: Callable[[], bool],
-                 saving_locked: Callable[[], Collection[str]] = frozenset) -> None:
+                 saving_locked: Callable[[], Collection[str]] = frozenset,
+                 keep_local: Callable[[str], int] = lambda job: 1) -> None:
         self._lock = lock
         self._catalog = catalog
         self._recycle = recycle
         self._free_locked = free_locked
         self._saving_locked = saving_locked
+        self._keep_local = keep_local
         self.tmpfs = False  # the local dir is on tmpfs (set when the store opens)
         self._saves_busy = saves_busy
         self._sending = 0  # peer transfers reading from the store (see :meth:`sending`)
@@ -473,7 +489,7 @@ class WarmPages:
             if size is None:
                 self._hints.clear()
                 if self.warming(KNOBS.warm_pool):
-                    size = next_pool_size(self._catalog, have, free, self._saving_locked())
+                    size = next_pool_size(self._catalog, have, free, self._saving_locked(), self._keep_local)
             if size is None:
                 return None
             fd, name = self._recycle.add_warm(size)

@@ -100,10 +100,11 @@ def test_warm_files_are_dropped_first_and_nothing_committed_is_evicted(scratch, 
     store = _open(scratch, charge_rank([4 * MIB]) * 2 + charge_rank([6 * MIB]) - MIB, keep_local=2)
     try:
         _save(store, "j", 1, {"a": b"1" * (4 * MIB)})
-        assert _wait(lambda: store.usage().warm == 4 * MIB)
+        # keep_local 2: files for j's next two saves (nothing is recycled before its third commit).
+        assert _wait(lambda: store.usage().warm == 8 * MIB)
         evicted = []
         store._on_evict = evicted.append
-        # Another job needs 6 MiB: it fits only without the warm file, which goes; j/1 stays.
+        # Another job needs 6 MiB: it fits only without the warm files, which go; j/1 stays.
         st = store.begin("k", 1, 0, 1, [("w", 6 * MIB, "", ())])
         assert not evicted and store.get("j", 1, 0) is not None
         u = store.usage()
@@ -235,6 +236,27 @@ def test_pool_warming_waits_while_the_node_is_busy(scratch, warm_on) -> None:
             store.close()
 
 
+def test_the_pool_warms_for_every_save_before_the_job_starts_recycling(scratch, warm_on) -> None:
+    """keep_local k: saves 2..k+1 all need new files (nothing is evicted before the job holds
+    k + 1 steps), so after save 1 the pool holds files for k saves; after save k+1 the evicted
+    step's files come back and nothing more is warmed."""
+    store = _open(scratch, 64 * MIB, keep_local=3)
+    try:
+        _save(store, "j", 1, {"w": b"1" * (2 * MIB)})
+        assert _wait(lambda: store.usage().warm == 6 * MIB)
+        _settle(store)
+        assert store.usage().warm == 6 * MIB  # 3 saves' worth, no more
+        for step in (2, 3, 4):
+            _save(store, "j", step, {"w": bytes([step]) * (2 * MIB)})
+            _settle(store)
+        assert store.warm.counters()["warm_taken"] == 3  # saves 2-4 each took a warm file
+        assert store.complete_steps("j") == [2, 3, 4]
+        u = store.usage()
+        assert u.warm == 0 and u.recycle == 2 * MIB  # step 1's file, for save 5
+    finally:
+        store.close()
+
+
 def test_no_pool_file_for_a_job_whose_save_is_open(scratch, warm_on) -> None:
     """A save in progress took its files; its commit evicts a step whose files return to the pool
     (keep_local 1), so nothing is warmed for the job until that commit asks again."""
@@ -269,10 +291,12 @@ def test_the_pool_does_not_warm_files_for_shards_the_last_save_shared(scratch, w
         with open(st.files["w"].path, "r+b") as fh:
             fh.write(b"2" * (2 * MIB))
         store.commit(st.save_id, {"frozen": base.shard("frozen").checksum, "w": _checksum.digest(b"2" * (2 * MIB))})
-        assert _wait(lambda: store.usage().warm == 2 * MIB)
+        assert _wait(lambda: store.usage().warm == 4 * MIB)
         _settle(store)
-        # A file for the changed shard; none for the shared one (the next save will link it again).
-        assert store.usage().warm == 2 * MIB
+        # Files for the changed shard (keep_local 3, 2 steps held: the next two saves need new
+        # files); none for the shared one (the next save will link it again).
+        assert store.usage().warm == 4 * MIB
+        assert sorted(os.path.getsize(p) for p in (scratch / "data" / "recycle").iterdir()) == [2 * MIB] * 2
     finally:
         store.close()
 
