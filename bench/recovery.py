@@ -8,7 +8,7 @@ verification of the restored shard. The daemon's part (fetch, verify, commit) is
 log. Baselines, same run, same bytes: one raw socket into memory, and into a fresh tmpfs file
 (a restore must land in the local tier; fresh tmpfs pages cost about as much as the copy).
 
-Usage: .venv/bin/python bench/recovery.py [--gib 1] [--rounds 3]
+Usage: .venv/bin/python bench/recovery.py [--gib 1] [--rounds 3] [--knobs warm_touch=0]
 """
 
 from __future__ import annotations
@@ -34,13 +34,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--knobs", default="", help="tuning knobs for every daemon (A/B runs), e.g. warm_touch=0")
     args = ap.parse_args()
     nbytes = int(args.gib * (1 << 30))
     root = scratch_dir("tck-bench-")
     ids = ("n0", "n1", "n2")
     ports = {n: free_port() for n in ids}
     peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
-    flags = ("--peers", peers, "--replicas", "1", "--log-level", "INFO")
+    flags = ("--peers", peers, "--replicas", "1", "--log-level", "INFO",
+             *(("--knobs", args.knobs) if args.knobs else ()))
     ds = {n: Daemon(root, n, port=ports[n], args=flags) for n in ids}
     try:
         for d in ds.values():

@@ -159,6 +159,10 @@ class Knobs:
     hypervisor (virtio-balloon free page reporting): there a fallocated page is backed again by
     the host on its first write (3-4 s per GiB measured in such a VM), so only touching warms it.
     Elsewhere fallocate is the cheaper choice and equally warm."""
+    warm_reserve: float = 0.2
+    """Warming leaves this share of the local dir's filesystem free and, on tmpfs, of the
+    machine's memory available, whatever the store's capacity (other daemons or programs may
+    share them): warm pages are an optimisation and never the reason a machine runs out."""
     warm_hint_timeout: float = 2.0
     """Seconds an owner waits for a WarmReplica answer (a hint: failures are only logged)."""
     warm_idle_poll: float = 0.5

@@ -60,7 +60,7 @@ from .retention import Eviction, charge_file
 from .saves import OpenSaves
 from .staging import ShardSpec, StagedFile, Staging
 from .startup import prepare_local_dir, rebuild
-from .warm import WarmPages
+from .warm import WarmPages, machine_headroom
 
 __all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
 
@@ -137,7 +137,8 @@ class LocalStore:
         self._on_evict = on_evict
         # Warm pages (see tierckptd.warm): counters(), expect() for peer hints, sending() for transfers.
         self.warm = WarmPages(self._lock, self._catalog, self._recycle, lambda: self.capacity - self._used_locked(),
-                              self._saves.busy, self._saves.open_jobs_locked, self.policies.keep_local)
+                              self._saves.busy, self._saves.open_jobs_locked, self.policies.keep_local,
+                              lambda tmpfs: machine_headroom(self._fs.fd, tmpfs))
         self._committer = Committer(self._lock, self._saves, self._layout, self._catalog, self._recycle,
                                     self._retain_locked)
 

@@ -28,13 +28,17 @@ by allocating a file's pages ahead of its writer without changing its bytes (how
 - *Prefault* (an urgent thread at normal priority): the staging files of an inbound replica or a
   restore that the pool could not cover are allocated front to back while the bytes arrive (the
   bulk receive writes each piece at increasing offsets), so allocation overlaps the transfer.
+  Always with fallocate: touching pages just ahead of their writer was measured slower (a node
+  replacement's restore of 1 GiB, median 4.7 s against 3.1 s, in a VM where touching is the
+  pool's default: both threads then fault the same file's pages in).
 
 How a page is allocated (``KNOBS.warm_touch``): ``fallocate(FALLOC_FL_KEEP_SIZE)`` allocates it
 without writing it; :func:`touch_pages` (``MADV_POPULATE_WRITE``) also writes it (zeroes it).
 On bare metal both leave the writer only its copy. In a VM whose kernel reports free memory
 to the hypervisor (free page reporting), a page allocated again is backed by the host only on
 its first write, which costs 3-5 s per GiB under nested virtualisation (bench/pages.py): there
-only touched pages are warm, and touching is the default.
+only touched pages are warm, and touching is the default for pool files (prefault ahead of a
+writer always fallocates: see below).
 
 Both work in chunks of ``KNOBS.warm_chunk`` bytes and stop as soon as their file is unlinked
 (dropped, aborted): at most one chunk is allocated in vain. Allocation never changes a file's
@@ -64,7 +68,7 @@ if TYPE_CHECKING:
     from .recycle import RecyclePool
 
 __all__ = ["WarmPages", "Warmer", "accept_hint", "fallocate_keep_size", "free_pages_go_to_hypervisor",
-           "hinted_pool_size", "next_pool_size", "touch_pages"]
+           "hinted_pool_size", "machine_headroom", "next_pool_size", "touch_pages"]
 
 
 def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collection[str] = (),
@@ -173,6 +177,28 @@ def free_pages_go_to_hypervisor(sysfs: str = "/sys/bus/virtio/drivers/virtio_bal
         return any((d / "features").read_text().strip()[5:6] == "1" for d in devices)
     except OSError:
         return False
+
+
+def _mem_available() -> tuple[int, int] | None:
+    """(MemAvailable, MemTotal) in bytes from /proc/meminfo, or None where it cannot be read."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def machine_headroom(fd: int, tmpfs: bool) -> int:
+    """Bytes warming may still take from the machine, whatever the store's own capacity says
+    (several daemons, or other programs, may share the filesystem): the filesystem's free space
+    above ``KNOBS.warm_reserve`` of its size and, on tmpfs (its pages are memory), the memory
+    available above that share of all memory."""
+    st = os.fstatvfs(fd)
+    room = st.f_bavail * st.f_frsize - int(KNOBS.warm_reserve * st.f_blocks * st.f_frsize)
+    mem = _mem_available() if tmpfs else None
+    if mem is not None:
+        room = min(room, mem[0] - int(KNOBS.warm_reserve * mem[1]))
+    return max(0, room)
 
 
 def touching(tmpfs: bool) -> bool:
@@ -343,9 +369,9 @@ class Warmer:
     def _touching(self) -> bool:
         return not self.touch_failed and self._touch()
 
-    def _allocate(self, fd: int, off: int, n: int) -> None:
+    def _allocate(self, fd: int, off: int, n: int, touch: bool) -> None:
         """Allocate one chunk: touched, or fallocated (also where touching turns out unsupported)."""
-        if self._touching():
+        if touch and self._touching():
             try:
                 touch_pages(fd, off, n)
                 return
@@ -375,7 +401,7 @@ class Warmer:
                     if off >= end:
                         break
                 n = min(max(1 << 20, KNOBS.warm_chunk), end - off)
-                self._allocate(fd, off, n)
+                self._allocate(fd, off, n, pooled is not None)
                 off += n
                 allocated += n
         except OSError as e:
@@ -400,18 +426,22 @@ class WarmPages:
             :meth:`sending`, what makes the node busy (see :class:`Warmer`).
         saving_locked: the jobs with a save open (called with ``lock`` held; see :func:`next_pool_size`).
         keep_local: a job's ``keep_local`` (see :func:`next_pool_size`).
+        headroom: called with :attr:`tmpfs`: what the machine can still give (see
+            :func:`machine_headroom`); warming stays within it as well as within free capacity.
     """
 
     def __init__(self, lock: threading.RLock, catalog: Catalog, recycle: RecyclePool,
                  free_locked: Callable[[], int], saves_busy: Callable[[], bool],
                  saving_locked: Callable[[], Collection[str]] = frozenset,
-                 keep_local: Callable[[str], int] = lambda job: 1) -> None:
+                 keep_local: Callable[[str], int] = lambda job: 1,
+                 headroom: Callable[[bool], int] | None = None) -> None:
         self._lock = lock
         self._catalog = catalog
         self._recycle = recycle
         self._free_locked = free_locked
         self._saving_locked = saving_locked
         self._keep_local = keep_local
+        self._headroom = headroom
         self.tmpfs = False  # the local dir is on tmpfs (set when the store opens)
         self._saves_busy = saves_busy
         self._sending = 0  # peer transfers reading from the store (see :meth:`sending`)
@@ -430,6 +460,17 @@ class WarmPages:
             with self._lock:
                 self._sending -= 1
             self.warmer.poke()
+
+    def _room_locked(self) -> int:
+        """What warming may take: the store's free capacity, within the machine's headroom."""
+        free = self._free_locked()
+        if self._headroom is not None:
+            try:
+                free = min(free, self._headroom(self.tmpfs))
+            except OSError as e:
+                log.warning("warming paused: the local dir's free space is unknown (%s)", e)
+                return 0
+        return free
 
     def _filled(self, name: str) -> None:
         """Every page of pool file ``name`` was touched: a save that takes it is told it is
@@ -471,7 +512,7 @@ class WarmPages:
             if any(rank in ranks for ranks in self._catalog.steps(job).values()):
                 return 0
             pending = sum(charge_file(size) * n for size, n in self._hints.items())
-            want = accept_hint(sizes, self._free_locked() - pending)
+            want = accept_hint(sizes, self._room_locked() - pending)
             for size, n in want.items():
                 self._hints[size] = self._hints.get(size, 0) + n
         if want:
@@ -484,7 +525,7 @@ class WarmPages:
         ranks on this node) beyond what the pool holds; only if it fits in free capacity; created
         in the pool. None when there is none (pending hints are then dropped)."""
         with self._lock:
-            free, have = self._free_locked(), self._recycle.counts()
+            free, have = self._room_locked(), self._recycle.counts()
             size = hinted_pool_size(self._hints, have, free) if self._hints else None
             if size is None:
                 self._hints.clear()
