@@ -60,7 +60,7 @@ from .retention import Eviction, charge_file
 from .saves import OpenSaves
 from .staging import ShardSpec, StagedFile, Staging
 from .startup import prepare_local_dir, rebuild
-from .warm import WarmPages, machine_headroom
+from .warm import WarmPages, free_pages_go_to_hypervisor, machine_headroom, touching
 
 __all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
 
@@ -154,6 +154,9 @@ class LocalStore:
         """
         self._lock_fd = prepare_local_dir(self._fs)  # held (and the lock with it) until the process exits
         self.warm.tmpfs = fs_is_tmpfs(self.root)
+        if self.warm.tmpfs and touching(True):
+            log.info("warm pages are touched, not only allocated (warm_touch=%d; free memory goes back to a "
+                     "hypervisor here: %s)", KNOBS.warm_touch, free_pages_go_to_hypervisor())
         if self._fsync_mode == "auto":
             self.fsync = not self.warm.tmpfs
         if not self._capacity_arg:

@@ -38,7 +38,7 @@ On bare metal both leave the writer only its copy. In a VM whose kernel reports 
 to the hypervisor (free page reporting), a page allocated again is backed by the host only on
 its first write, which costs 3-5 s per GiB under nested virtualisation (bench/pages.py): there
 only touched pages are warm, and touching is the default for pool files (prefault ahead of a
-writer always fallocates: see below).
+writer always fallocates: see above).
 
 Both work in chunks of ``KNOBS.warm_chunk`` bytes and stop as soon as their file is unlinked
 (dropped, aborted): at most one chunk is allocated in vain. Allocation never changes a file's
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from .recycle import RecyclePool
 
 __all__ = ["WarmPages", "Warmer", "accept_hint", "fallocate_keep_size", "free_pages_go_to_hypervisor",
-           "hinted_pool_size", "machine_headroom", "next_pool_size", "touch_pages"]
+           "hinted_pool_size", "machine_headroom", "next_pool_size", "touch_pages", "touching"]
 
 
 def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collection[str] = (),
