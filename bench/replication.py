@@ -5,8 +5,10 @@ times ``fut.wait("peer")`` from the local commit until n1 has verified and commi
 (prepare, bulk transfer, checksum, manifest). Rounds 1-2 write fresh tmpfs pages on the replica;
 from round 3 on, the daemons reuse the pages of evicted steps (the steady state of periodic
 checkpointing, and what the target is checked on). Right after each round the same file is moved
-over one raw socket (see ``_rawsock.py``), so both see the same machine load; the target is
-checked on the median of the per-round ratios. The raw copy waits ``--settle`` seconds first:
+over one raw socket (see ``_rawsock.py``) ``--raw-copies`` times, and the median of those copies
+is the round's baseline (one raw copy on this VM takes either ~0.45 s or ~1.0 s per GiB, which
+made single-copy ratios swing 2x), so both see the same machine load; the target is checked on
+the median of the per-round ratios. The raw copy waits ``--settle`` seconds first:
 a commit makes the daemons top their warm pools up once they are idle, and a raw copy racing that
 work would be slowed by it (flattering the ratio).
 
@@ -19,6 +21,7 @@ and checks round 1 on the median of the N runs (one round-1 figure on a shared 2
 swings 0.7-1.2x between runs).
 
 Usage: .venv/bin/python bench/replication.py [--gib 1] [--rounds 4] [--runs 5] [--knobs warm_hint=0] [--settle 1]
+       [--raw-copies 3]
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def one_run(args: argparse.Namespace, run: int) -> tuple[list[float], list[float
                 secs.append(time.perf_counter() - t0)
                 src = next((ds["n0"].local_dir / "jobs" / "bench" / f"{step:020d}").rglob("w.*"))
                 time.sleep(args.settle)
-                raw.append(raw_copy_seconds(src, rounds=1)[0])
+                raw.append(statistics.median(raw_copy_seconds(src, rounds=args.raw_copies)))
                 print(f"run {run} round {step}: replicated {nbytes / 2**30:.2f} GiB in {secs[-1]:.3f}s "
                       f"({nbytes / secs[-1] / 1e9:.2f} GB/s); raw socket {raw[-1]:.3f}s "
                       f"({nbytes / raw[-1] / 1e9:.2f} GB/s); ratio {raw[-1] / secs[-1]:.2f}x", flush=True)
@@ -88,6 +91,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=1, help="repeat with fresh daemons (round 1 happens once per run)")
     ap.add_argument("--knobs", default="", help="tuning knobs for both daemons (A/B runs), e.g. warm_hint=0")
     ap.add_argument("--settle", type=float, default=1.0, help="seconds between a round and its raw copy")
+    ap.add_argument("--raw-copies", type=int, default=3,
+                    help="raw-socket copies after each round; the round's baseline is their median")
     args = ap.parse_args()
     nbytes = int(args.gib * (1 << 30))
     steady: list[float] = []
