@@ -157,7 +157,7 @@ class Knobs:
     zeroed, so the memory behind it is really there), 0 fallocates them (nothing is written until
     the file's writer comes), -1 touches only where the kernel hands free memory back to a
     hypervisor (virtio-balloon free page reporting): there a fallocated page is backed again by
-    the host on its first write (3-4 s per GiB measured in such a VM), so only touching warms it.
+    the host on its first write (3-4.5 s per GiB measured in such a VM), so only touching warms it.
     Elsewhere fallocate is the cheaper choice and equally warm."""
     warm_reserve: float = 0.2
     """Warming leaves this share of the local dir's filesystem free and, on tmpfs, of the

@@ -154,7 +154,7 @@ class LocalStore:
         """
         self._lock_fd = prepare_local_dir(self._fs)  # held (and the lock with it) until the process exits
         self.warm.tmpfs = fs_is_tmpfs(self.root)
-        if self.warm.tmpfs and touching(True):
+        if touching(self.warm.tmpfs):
             log.info("warm pages are touched, not only allocated (warm_touch=%d; free memory goes back to a "
                      "hypervisor here: %s)", KNOBS.warm_touch, free_pages_go_to_hypervisor())
         if self._fsync_mode == "auto":

@@ -36,7 +36,7 @@ How a page is allocated (``KNOBS.warm_touch``): ``fallocate(FALLOC_FL_KEEP_SIZE)
 without writing it; :func:`touch_pages` (``MADV_POPULATE_WRITE``) also writes it (zeroes it).
 On bare metal both leave the writer only its copy. In a VM whose kernel reports free memory
 to the hypervisor (free page reporting), a page allocated again is backed by the host only on
-its first write, which costs 3-5 s per GiB under nested virtualisation (bench/pages.py): there
+its first write, which costs 3-4.5 s per GiB under nested virtualisation (bench/pages.py): there
 only touched pages are warm, and touching is the default for pool files (prefault ahead of a
 writer always fallocates: see above).
 
@@ -169,7 +169,7 @@ def touch_pages(fd: int, offset: int, length: int) -> None:
 def free_pages_go_to_hypervisor(sysfs: str = "/sys/bus/virtio/drivers/virtio_balloon") -> bool:
     """Whether this kernel reports free memory to a hypervisor (a virtio balloon with free page
     reporting, VIRTIO_BALLOON_F_REPORTING, feature bit 5), which takes it back: a page allocated
-    again later is backed again by the host on its first write, which here costs 3-4 s per GiB
+    again later is backed again by the host on its first write, which here costs 3-4.5 s per GiB
     (bench/README.md, "Fresh pages in a VM"). Pages that fallocate allocates are not written, so
     only touched pages are warm there."""
     try:

@@ -5,6 +5,7 @@ the writer."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -356,8 +357,6 @@ def test_touching_never_changes_a_files_bytes_even_under_a_concurrent_writer(scr
         os.ftruncate(fd, size)
         os.pwrite(fd, data[: 4 * MIB], 0)  # written before: only mapped, not zeroed
         fallocate_keep_size(fd, 4 * MIB, 4 * MIB)  # allocated, never written: zeroed, still zero
-        import threading
-
         def write() -> None:
             for off in range(8 * MIB, size, MIB):
                 os.pwrite(fd, data[off:off + MIB], off)
