@@ -6,11 +6,11 @@ Each arm writes ``--gib`` GiB with ``pwrite`` (4 MiB pieces of random bytes) int
 - fresh: into a new file;
 - fallocated: into a new file whose pages ``fallocate(FALLOC_FL_KEEP_SIZE)`` allocated first
   (what warming did before ``warm_touch``);
-- touched: into a new file whose pages ``MADV_POPULATE_WRITE`` touched first (tierckptd.warm.touch_pages).
+- touched: into a new file whose pages ``MADV_POPULATE_WRITE`` touched first (tierckptd.local.warm.touch_pages).
 
 Before each new file the bench frees the previous one and waits ``--settle`` seconds. Where the
 kernel reports free memory to a hypervisor (virtio-balloon free page reporting, which
-tierckptd.warm.free_pages_go_to_hypervisor detects), that wait lets the freed pages go back to
+tierckptd.local.warm.free_pages_go_to_hypervisor detects), that wait lets the freed pages go back to
 the host, so a new file is backed again by the host on its first write: the case of a daemon's
 first saves and a peer's first copy. Elsewhere the arms differ only by the kernel's allocation.
 
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tierckptd.warm import fallocate_keep_size, free_pages_go_to_hypervisor, touch_pages
+from tierckptd.local.warm import fallocate_keep_size, free_pages_go_to_hypervisor, touch_pages
 
 PIECE = 4 << 20
 

@@ -1,7 +1,7 @@
 """Ending the daemon's loans of restored files once the client no longer maps them.
 
 A same-node restore maps the committed files; the daemon keeps them out of its recycle pool
-while a loan is open (see ``tierckptd.recycle``). Each restore's maps get a
+while a loan is open (see ``tierckptd.local.recycle``). Each restore's maps get a
 :func:`weakref.finalize`; when the last map of a restore is gone (the Checkpoint and every array
 or tensor made from it were collected, or :meth:`tierckpt.Checkpoint.close` unmapped them), the
 Release RPC is sent from this module's background thread. Finalizers only put a token on a

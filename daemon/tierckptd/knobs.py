@@ -139,7 +139,7 @@ class Knobs:
 
     # -- local tier
     warm_pool: int = 1
-    """Pre-allocated pool files sized from the jobs' last saves (see :mod:`tierckptd.warm`): 1 where
+    """Pre-allocated pool files sized from the jobs' last saves (see :mod:`tierckptd.local.warm`): 1 where
     the local dir is tmpfs, 2 on any filesystem, 0 off. The thread runs at nice 19 and waits while
     the node is busy (a save open or committing, a peer transfer reading from here); a save that
     takes a warm file writes it like a fresh one (pwrite: its pages are allocated but not yet
@@ -150,7 +150,7 @@ class Knobs:
     local dir is tmpfs, 2 on any filesystem, 0 off."""
     warm_hint: int = 1
     """Pool files for a first inbound copy, allocated from the owner's WarmReplica hint while its
-    trainer is still saving (see :mod:`tierckptd.warm`): 1 where the local dir is tmpfs, 2 on any
+    trainer is still saving (see :mod:`tierckptd.local.warm`): 1 where the local dir is tmpfs, 2 on any
     filesystem, 0 off (the owner still sends hints; this node ignores them)."""
     warm_touch: int = -1
     """How warming allocates pages on tmpfs: 1 touches them (``MADV_POPULATE_WRITE``: each page is

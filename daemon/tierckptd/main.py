@@ -147,10 +147,10 @@ def _start_metrics(config: DaemonConfig, metrics) -> int | None:
 
 async def _open_node(config: DaemonConfig, metrics):
     """Open the local store, build the cluster membership and tiers, start the node."""
+    from .local.policies import JobPolicies, JobPolicy
+    from .local.store import LocalStore
     from .node import Node
     from .offload import run_blocking
-    from .policies import JobPolicies, JobPolicy
-    from .store import LocalStore
 
     node: Node | None = None
 
@@ -234,7 +234,7 @@ class _GrpcSide:
         from .tierhealth import FIRST_PROBE_WAIT, probe_loop
 
         for tier in node.tiers:
-            if not hasattr(tier, "probe"):
+            if not tier.needs_probe:
                 continue
             first: asyncio.Future = asyncio.get_running_loop().create_future()
             self._probes.append(asyncio.create_task(probe_loop(self.tier_health, tier.name, tier.probe, first)))

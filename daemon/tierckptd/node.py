@@ -22,12 +22,13 @@ from tierckpt.errors import (
 )
 
 from .knobs import KNOBS
-from .manifest import Manifest
+from .local.manifest import Manifest
+from .local.store import Eviction, LocalStore, Staging
+from .local.tier import LocalTier
 from .offload import run_blocking, run_owning
 from .repair import LocalRepair
 from .restore import NodeRestore, RestoreResult
-from .store import Eviction, LocalStore, Staging
-from .tiers import RemoteTier
+from .tiers import RemoteTier, Tier
 from .views import CatalogViews
 
 __all__ = ["Node", "RestoreResult"]
@@ -46,6 +47,7 @@ class Node:
     def __init__(self, store: LocalStore, tiers: Sequence[RemoteTier] = (), *, node_id: str,
                  staging_timeout: float = 600.0, metrics=None) -> None:
         self.store = store
+        self.local = LocalTier(store)
         self.tiers = list(tiers)
         self.node_id = node_id
         self.staging_timeout = staging_timeout
@@ -77,7 +79,12 @@ class Node:
         return str(self.store.root)
 
     def tier(self, name: str) -> RemoteTier | None:
+        """The remote tier called ``name``, or None when it is not configured."""
         return next((t for t in self.tiers if t.name == name), None)
+
+    def every_tier(self) -> list[Tier]:
+        """The local tier, then the remote tiers in restore order (the operator verbs loop over it)."""
+        return [self.local, *self.tiers]
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -256,8 +263,8 @@ class Node:
         return await run_blocking(self.store.release, job, step, rank, generation)
 
     async def repair_local(self, man: Manifest) -> bool:
-        """Replace a corrupt local copy of ``man``'s save with a verified peer copy (the drain
-        calls it); see :meth:`.repair.LocalRepair.from_peer`."""
+        """:class:`~.tiers.TierHost`: replace a corrupt local copy of ``man``'s save with a
+        verified peer copy (the drain calls it); see :meth:`.repair.LocalRepair.from_peer`."""
         return await self.repair.from_peer(man)
 
     # ------------------------------------------------------------------------- housekeeping

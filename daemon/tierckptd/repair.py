@@ -8,16 +8,15 @@ from the peer tier's fetch, which verifies every byte on receipt.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
-from tierckpt.errors import DataLossError, NotFoundError, TierckptError
+from tierckpt.errors import TierckptError
 
-from .localfs import digest_fd
-from .manifest import Manifest
+from .local.manifest import Manifest
+from .local.rehash import corrupt_shards
+from .local.store import LocalStore
 from .offload import run_blocking
-from .store import LocalStore
 from .tiers import RemoteTier
 
 __all__ = ["LocalRepair"]
@@ -44,7 +43,7 @@ class LocalRepair:
             The local manifest to serve, or None when the copy was dropped (``errors`` says why).
         """
         job, step, rank = man.key
-        bad = await run_blocking(self.corrupt_shards, man)
+        bad = await run_blocking(corrupt_shards, self.store, man)
         if not bad:
             log.warning("a client reported the local copy of %s step %d rank %d corrupt, but it verifies; "
                         "keeping it (damaged in the client's memory or in transit?)", job, step, rank)
@@ -56,24 +55,6 @@ class LocalRepair:
         removed = await run_blocking(self.store.remove_rank, job, step, rank, "checksum failure",
                                      generation=man.generation)
         return None if removed else self.store.get(job, step, rank)
-
-    def corrupt_shards(self, man: Manifest) -> list[str]:
-        """Names of the shards of a local copy that fail their checksum (blocking)."""
-        bad = []
-        for s in man.shards:
-            try:
-                fd = self.store.open_shard(man, s.name)
-            except NotFoundError:
-                continue  # re-saved or evicted meanwhile: not this copy's fault
-            except DataLossError:
-                bad.append(s.name)
-                continue
-            try:
-                if digest_fd(fd, s.size) != s.checksum:
-                    bad.append(s.name)
-            finally:
-                os.close(fd)
-        return bad
 
     async def from_peer(self, man: Manifest) -> bool:
         """Replace the local copy of ``man``'s save with a verified copy from a peer.

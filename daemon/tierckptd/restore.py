@@ -19,10 +19,10 @@ from tierckpt.common.names import check_job, check_step
 from tierckpt.errors import DataLossError, InvalidArgumentError, NotFoundError, UnavailableError
 
 from .knobs import KNOBS
-from .manifest import Manifest
+from .local.manifest import Manifest
+from .local.store import LocalStore
 from .offload import run_blocking
 from .repair import LocalRepair
-from .store import LocalStore
 from .tiers import RemoteTier
 from .views import CatalogViews
 

@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from tierckpt.common import status as _status
 from tierckpt.errors import InvalidArgumentError, TierckptError
 
-__all__ = ["rpc", "rpc_stream", "abort_for", "add_service", "Undecodable", "check_decoded"]
+__all__ = ["rpc", "rpc_stream", "abort_for", "add_service", "Undecodable", "check_decoded", "Authorizing"]
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +95,23 @@ def add_service(add_to_server: Callable[[Any, Any], None], servicer: Any, server
         server.add_registered_method_handlers(name, wrapped)
 
 
+class Authorizing:
+    """The base of every servicer whose methods :func:`rpc` wraps."""
+
+    def authorize(self, request: Any, context: Any) -> None:
+        """Runs before every wrapped method; raises PermissionDeniedError to refuse the call.
+        Default: every caller that reached the service may call it."""
+
+
 def rpc(fn: Callable) -> Callable:
-    """Decorate a unary servicer method: tierckpt exceptions and OS errors become status codes.
-    A servicer's ``authorize(request, context)``, when it has one, runs first."""
+    """Decorate a unary method of an :class:`Authorizing` servicer: tierckpt exceptions and OS
+    errors become status codes. The servicer's ``authorize(request, context)`` runs first."""
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: Any) -> Any:
+    async def wrapper(self: Authorizing, request: Any, context: Any) -> Any:
         try:
             request = check_decoded(request)
-            authorize = getattr(self, "authorize", None)
-            if authorize is not None:
-                authorize(request, context)
+            self.authorize(request, context)
             return await fn(self, request, context)
         except (TierckptError, OSError) as e:
             await abort_for(e, fn.__name__, context)
@@ -117,12 +123,10 @@ def rpc_stream(fn: Callable) -> Callable:
     """Decorate a server-streaming servicer method (an async generator) the same way."""
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+    async def wrapper(self: Authorizing, request: Any, context: Any) -> AsyncIterator[Any]:
         try:
             request = check_decoded(request)
-            authorize = getattr(self, "authorize", None)
-            if authorize is not None:
-                authorize(request, context)
+            self.authorize(request, context)
             async for item in fn(self, request, context):
                 yield item
         except (TierckptError, OSError) as e:

@@ -21,9 +21,9 @@ from . import __version__
 from .access import ClientAccess
 from .config import ConfigError, DaemonConfig
 from .datamgmt import TIERS, DataManagement
+from .local.policies import JobPolicy
 from .node import Node
-from .policies import JobPolicy
-from .rpc import add_service, check_decoded, rpc, rpc_stream
+from .rpc import Authorizing, add_service, check_decoded, rpc, rpc_stream
 from .tierhealth import TierHealth
 from .unixsock import SocketClaim, claim_socket, resolve_group
 
@@ -69,7 +69,7 @@ def _check_unchanged(request: pb.BeginSaveRequest, names: set[str]) -> tuple[int
     return request.base_step, request.base_generation, list(request.unchanged)
 
 
-class TierckptServicer(pb_grpc.TierckptServicer):
+class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
     """The client service. ``access`` is set on the TCP listener's instance: callers there are
     bound by their certificate identity (:mod:`tierckptd.access`); Unix-socket callers are not."""
 

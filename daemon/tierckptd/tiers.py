@@ -16,19 +16,59 @@ A :class:`RemoteTier` is driven by the :class:`~tierckptd.node.Node`. Call order
    rank into the local store, verifying checksums), ``wait(job, step, rank, timeout)`` (until a
    committed rank reached this tier), ``status()``.
 4. ``stop(timeout)`` once, on shutdown: finish or persist in-flight work within the timeout.
+
+The operator verbs (``tierckpt rm``, ``verify``, ``persist`` and the health probe) are on the
+contract too, so :mod:`tierckptd.datamgmt` loops over tiers and never reaches into one:
+``delete(job, step)`` and ``verify(job, step)`` are shared with the local tier
+(:class:`Tier`); ``persist(manifests)`` queues ranks (only a tier with ``takes_persist``);
+``probe()`` is called in the background by the daemon's health checks when ``needs_probe``.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .manifest import Manifest
-from .store import Eviction
+from tierckpt.errors import FailedPreconditionError
 
-__all__ = ["RemoteTier", "RankCopy", "TierHost"]
+from .local.manifest import Manifest
+from .local.store import Eviction
+
+__all__ = ["Check", "Deleted", "MISMATCH", "MISSING", "OK", "RankCopy", "RemoteTier", "Tier", "TierHost",
+           "Verified"]
+
+OK, MISMATCH, MISSING = "ok", "mismatch", "missing"
+
+
+@dataclass(frozen=True)
+class Check:
+    """The outcome of re-hashing one copy of a rank (``tierckpt verify``)."""
+
+    step: int
+    rank: int
+    tier: str
+    node: str   # holder (local, peer) or the persistent URL
+    state: str  # OK | MISMATCH | MISSING
+    detail: str = ""
+
+
+@dataclass
+class Deleted:
+    """What one tier removed of a step (``tierckpt rm``)."""
+
+    copies: int = 0   # ranks (local, persistent: manifests) or replica copies (peer)
+    objects: int = 0  # objects removed from the object store (persistent)
+    unreachable: list[str] = field(default_factory=list)  # holders that did not answer
+
+
+@dataclass
+class Verified:
+    """What one tier re-hashed of a job (``tierckpt verify``)."""
+
+    checks: list[Check] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)  # holders that did not answer (named why)
 
 
 @dataclass(frozen=True)
@@ -47,17 +87,46 @@ class TierHost(Protocol):
     def notify_ingested(self, manifest: Manifest) -> None:
         """A tier committed a copy into the local store (a replica, a fetch, a download)."""
 
+    async def repair_local(self, manifest: Manifest) -> bool:
+        """Replace a corrupt local copy of ``manifest``'s save with a verified copy from another
+        tier; True when the local tier holds a verified copy of the same save afterwards."""
+
 
 class _NoHost:
     def notify_ingested(self, manifest: Manifest) -> None:
         pass
 
+    async def repair_local(self, manifest: Manifest) -> bool:
+        return False
 
-class RemoteTier(abc.ABC):
-    """A tier beyond the local one. ``name`` is "peer" or "persistent"."""
+
+class Tier(abc.ABC):
+    """What every tier answers to the operator verbs. ``name`` is "local", "peer" or "persistent"."""
 
     name: str = ""
+
+    @abc.abstractmethod
+    async def delete(self, job: str, step: int) -> Deleted:
+        """Remove every copy of ``job`` step ``step`` this tier holds (each rank's manifest before
+        its data, so no reader sees the step complete with data gone).
+
+        Raises:
+            UnavailableError: the tier's storage failed (some manifests may already be gone).
+        """
+
+    @abc.abstractmethod
+    async def verify(self, job: str, step: int | None) -> Verified:
+        """Re-hash every copy of ``job`` (or of one step) this tier holds; changes nothing stored."""
+
+
+class RemoteTier(Tier):
+    """A tier beyond the local one. ``name`` is "peer" or "persistent"."""
+
     host: TierHost = _NoHost()
+    needs_probe: bool = False
+    """Whether the daemon's health checks call :meth:`probe` (in the background, repeatedly)."""
+    takes_persist: bool = False
+    """Whether :meth:`persist` queues ranks here (``tierckpt persist``)."""
 
     def bind(self, host: TierHost) -> None:
         """Called once by the node that drives this tier."""
@@ -121,3 +190,20 @@ class RemoteTier(abc.ABC):
 
     async def stop(self, timeout: float) -> None:
         """Finish or persist in-flight work within ``timeout`` seconds."""
+
+    async def probe(self) -> None:
+        """Check that the tier can do its work (credentials, reachability), once, without retries.
+        Called only when ``needs_probe``.
+
+        Raises:
+            BackendError: it cannot; the message says why.
+        """
+
+    def persist(self, manifests: Sequence[Manifest]) -> None:
+        """Queue these committed local ranks for this tier now, selected or not (only where
+        ``takes_persist``; wait for each with :meth:`wait`).
+
+        Raises:
+            FailedPreconditionError: this tier takes no persist requests.
+        """
+        raise FailedPreconditionError(f"tier: the {self.name} tier takes no persist requests")

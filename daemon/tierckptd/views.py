@@ -16,7 +16,7 @@ from tierckpt.common.names import check_job
 from tierckpt.errors import DeadlineExceededError
 
 from .knobs import KNOBS
-from .store import LocalStore
+from .local.store import LocalStore
 from .tiers import RankCopy, RemoteTier
 
 __all__ = ["CatalogViews", "StepView", "RankView", "TIERS"]

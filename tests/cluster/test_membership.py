@@ -4,7 +4,7 @@ import pytest
 from tierckpt.errors import PermissionDeniedError
 from tierckptd.cluster.membership import Held, Membership
 from tierckptd.config import load_config
-from tierckptd.manifest import Manifest
+from tierckptd.local.manifest import Manifest
 from tierckptd.peer.guard import PeerGuard
 
 

@@ -17,7 +17,7 @@ import tierckpt
 from tierckpt.errors import TierckptError
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
-from tierckptd.manifest import Manifest
+from tierckptd.local.manifest import Manifest
 from tierckptd.persistent.layout import chunk_keys, data_key, is_content, manifest_rank_prefix
 
 from .matrix import Matrix

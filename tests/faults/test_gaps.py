@@ -17,7 +17,7 @@ from tierckpt.errors import DataLossError, TierError
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckptd.backends.file import FileBackend
-from tierckptd.manifest import Manifest
+from tierckptd.local.manifest import Manifest
 from tierckptd.metrics import Metrics
 from tierckptd.persistent import manifest_key
 from tierckptd.persistent.layout import chunk_keys
@@ -232,7 +232,7 @@ def test_gap5_a_dead_senders_partial_replica_is_dropped(daemon_factory, how: str
     staging = d.local_dir / "staging"
     ch, _, peer = stubs(d.tcp_address)
     with ch:
-        from tierckptd.manifest import FORMAT
+        from tierckptd.local.manifest import FORMAT
         assert FORMAT == 1
         ticket, port = _prepare(peer, "n1", 1 << 20)
     assert any(staging.iterdir())

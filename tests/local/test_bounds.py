@@ -8,8 +8,8 @@ import stat
 import pytest
 from tierckpt.common import checksum as _checksum
 from tierckpt.errors import CapacityError, DataLossError, FailedPreconditionError
-from tierckptd.retention import MIN_CHARGE
-from tierckptd.store import LocalStore
+from tierckptd.local.rules import MIN_CHARGE
+from tierckptd.local.store import LocalStore
 
 
 def _save(store, job, step, data: dict[str, bytes], world=1):

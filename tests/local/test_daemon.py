@@ -124,7 +124,7 @@ def test_keep_local_retention_keeps_newest_complete(daemon_factory):
 
 
 def test_capacity_exhausted_after_eviction_leaves_store_intact(daemon_factory):
-    # Each rank is charged its data plus one 4096-byte manifest (retention.MIN_CHARGE).
+    # Each rank is charged its data plus one 4096-byte manifest (local.rules.MIN_CHARGE).
     d = daemon_factory(args=("--local-capacity", "110000", "--keep-local", "5"))
     with d.client() as c:
         c.save("job", 1, 0, 1, {"x": np.zeros(10000, np.uint8)}).result(30)

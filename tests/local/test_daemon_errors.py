@@ -53,6 +53,6 @@ def test_enospc_on_the_daemon_is_resource_exhausted():
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(Aborted) as info:
-        asyncio.run(handler(None, None, Context()))
+        asyncio.run(handler(rpc.Authorizing(), None, Context()))
     assert info.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
 

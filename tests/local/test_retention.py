@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tierckptd.retention import (
+from tierckptd.local.rules import (
     MIN_CHARGE,
     capacity_order,
     charge_file,

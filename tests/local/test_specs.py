@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tierckpt._buffers import as_buffer
 from tierckpt.errors import InvalidArgumentError
-from tierckptd.staging import MAX_SHARD_NAME, check_layout, check_specs, dtype_itemsize
+from tierckptd.local.staging import MAX_SHARD_NAME, check_layout, check_specs, dtype_itemsize
 
 
 @pytest.mark.parametrize("obj", [np.zeros((3, 4), np.float32), np.array(2.5), np.zeros((0, 4), np.float16),

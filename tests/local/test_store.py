@@ -7,8 +7,8 @@ import os
 import pytest
 from tierckpt.common import checksum as _checksum
 from tierckpt.errors import CapacityError, DataLossError, InvalidArgumentError
-from tierckptd.retention import charge_file, charge_rank
-from tierckptd.store import LocalStore
+from tierckptd.local.rules import charge_file, charge_rank
+from tierckptd.local.store import LocalStore
 
 
 def _save(store: LocalStore, job: str, step: int, data: dict[str, bytes], rank: int = 0, world: int = 1, **kw):
@@ -156,7 +156,7 @@ def test_restore_from_a_remote_tier_is_not_evicted_by_its_own_commit(scratch):
     import asyncio
 
     from tierckptd.node import Node
-    from tierckptd.tiers import RemoteTier
+    from tierckptd.tiers import Deleted, RemoteTier, Verified
 
     store = LocalStore(scratch / "d3", "n0", capacity=1_000_000, keep_local=1)
     store.open()
@@ -174,6 +174,12 @@ def test_restore_from_a_remote_tier_is_not_evicted_by_its_own_commit(scratch):
 
         async def wait(self, job, step, rank, timeout):
             return []
+
+        async def delete(self, job, step):
+            return Deleted()
+
+        async def verify(self, job, step):
+            return Verified()
 
     async def run():
         node = Node(store, [FakeRemote()], node_id="n0", staging_timeout=60)

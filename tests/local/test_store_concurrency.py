@@ -10,11 +10,11 @@ import threading
 import pytest
 from tierckpt.common import checksum as _checksum
 from tierckpt.errors import CapacityError
-from tierckptd import store as store_mod
-from tierckptd.commit import Committer
-from tierckptd.localfs import LocalDir
-from tierckptd.retention import charge_file, charge_rank
-from tierckptd.store import LocalStore
+from tierckptd.local import store as store_mod
+from tierckptd.local.commit import Committer
+from tierckptd.local.localfs import LocalDir
+from tierckptd.local.rules import charge_file, charge_rank
+from tierckptd.local.store import LocalStore
 
 
 def test_bytes_being_committed_still_count_against_capacity(scratch, monkeypatch):
@@ -103,7 +103,7 @@ def _bytes_on_disk(root) -> int:
 def _charged_on_disk(root) -> int:
     """What the files on disk are charged: each data file at least MIN_CHARGE, each rank (committed
     or staging) one manifest."""
-    from tierckptd.retention import MIN_CHARGE
+    from tierckptd.local.rules import MIN_CHARGE
 
     files = [p for sub in ("jobs", "staging", "recycle") for p in (root / sub).rglob("*") if p.is_file()]
     ranks = {p.parent for p in files if p.name == "manifest.json"} | set((root / "staging").iterdir())

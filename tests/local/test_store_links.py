@@ -8,8 +8,8 @@ import os
 import pytest
 from tierckpt.common import checksum as _checksum
 from tierckpt.errors import FailedPreconditionError, InvalidArgumentError
-from tierckptd.retention import MIN_CHARGE, charge_file
-from tierckptd.store import LocalStore
+from tierckptd.local.rules import MIN_CHARGE, charge_file
+from tierckptd.local.store import LocalStore
 
 A = b"a" * 10_000
 B = b"b" * 20_000

@@ -20,7 +20,7 @@ from ..harness import free_port
 MIB = 1 << 20
 
 NO_WARM_POOL = ("--knobs", "warm_pool=0")
-"""For the tests that check the bytes charged exactly: no warm pool files (see tierckptd.warm)."""
+"""For the tests that check the bytes charged exactly: no warm pool files (see tierckptd.local.warm)."""
 
 
 def _rand(seed: int, n: int = MIB) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Warm pages ahead of need (tierckptd.warm): pool files pre-allocated from the jobs' last saves,
+"""Warm pages ahead of need (tierckptd.local.warm): pool files pre-allocated from the jobs' last saves,
 within free capacity, dropped first; staging files of replicas and restores allocated ahead of
 the writer."""
 
@@ -11,9 +11,9 @@ import time
 import pytest
 from tierckpt.common import checksum as _checksum
 from tierckptd.knobs import KNOBS
-from tierckptd.retention import charge_rank
-from tierckptd.store import LocalStore
-from tierckptd.warm import Warmer, fallocate_keep_size, free_pages_go_to_hypervisor, machine_headroom, touch_pages
+from tierckptd.local.rules import charge_rank
+from tierckptd.local.store import LocalStore
+from tierckptd.local.warm import Warmer, fallocate_keep_size, free_pages_go_to_hypervisor, machine_headroom, touch_pages
 
 MIB = 1 << 20
 
@@ -376,7 +376,7 @@ def test_touching_never_changes_a_files_bytes_even_under_a_concurrent_writer(scr
 def test_touching_falls_back_to_fallocate_where_the_kernel_cannot(scratch, monkeypatch):
     import errno
 
-    from tierckptd import warm
+    from tierckptd.local import warm
 
     def unsupported(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.EINVAL, "Invalid argument")
@@ -399,7 +399,7 @@ def test_touching_falls_back_to_fallocate_where_the_kernel_cannot(scratch, monke
 def test_a_file_is_never_touched_just_ahead_of_its_writer(scratch, monkeypatch):
     """Prefault ahead of an inbound copy's writer fallocates even where pool files are touched
     (both faulting the same file's pages in was measured slower)."""
-    from tierckptd import warm
+    from tierckptd.local import warm
 
     touched = []
     monkeypatch.setattr(warm, "touch_pages", lambda fd, off, n: touched.append(off))

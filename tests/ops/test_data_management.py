@@ -109,9 +109,9 @@ def test_rm_and_verify_reach_peers(daemon_factory) -> None:
 
 
 def test_policy_files_survive_and_bad_ones_are_ignored(tmp_path: Path) -> None:
-    from tierckptd.localfs import LocalDir
-    from tierckptd.policies import JobPolicies
-    from tierckptd.policies import JobPolicy as DaemonPolicy
+    from tierckptd.local.localfs import LocalDir
+    from tierckptd.local.policies import JobPolicies
+    from tierckptd.local.policies import JobPolicy as DaemonPolicy
 
     fs = LocalDir(tmp_path)
     fs.open()

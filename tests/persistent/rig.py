@@ -14,10 +14,10 @@ from tierckpt.common import checksum
 from tierckptd.cluster import Key
 from tierckptd.config import DaemonConfig
 from tierckptd.fakes import FaultyBackend, MemoryBackend
-from tierckptd.manifest import Manifest
+from tierckptd.local.manifest import Manifest
+from tierckptd.local.staging import dtype_itemsize
+from tierckptd.local.store import LocalStore
 from tierckptd.persistent import PersistentTier
-from tierckptd.staging import dtype_itemsize
-from tierckptd.store import LocalStore
 
 URL = "memory://test/"
 

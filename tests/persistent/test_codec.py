@@ -19,7 +19,7 @@ import pytest
 import xxhash
 from tierckpt.errors import DataLossError
 from tierckptd.knobs import KNOBS
-from tierckptd.manifest import Manifest
+from tierckptd.local.manifest import Manifest
 from tierckptd.persistent import ShardCodec, compress, manifest_key, register_codec
 from tierckptd.persistent.layout import content_key
 

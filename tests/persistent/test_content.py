@@ -13,7 +13,7 @@ from tierckpt.errors import DataLossError
 from tierckptd.backends import BackendError
 from tierckptd.fakes import FaultyBackend, MemoryBackend
 from tierckptd.knobs import KNOBS
-from tierckptd.manifest import Manifest
+from tierckptd.local.manifest import Manifest
 from tierckptd.persistent import compress, manifest_key
 from tierckptd.persistent.calls import BackendCalls
 from tierckptd.persistent.gc import collect

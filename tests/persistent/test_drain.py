@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tierckpt
 from tierckptd.backends import open_backend
-from tierckptd.manifest import Manifest, ShardEntry
+from tierckptd.local.manifest import Manifest, ShardEntry
 from tierckptd.persistent import (
     DrainQueue,
     data_key,

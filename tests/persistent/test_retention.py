@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from tierckptd.fakes import FaultyBackend
-from tierckptd.manifest import Manifest
+from tierckptd.local.manifest import Manifest
 from tierckptd.persistent import manifest_key
 from tierckptd.persistent.layout import content_key
 

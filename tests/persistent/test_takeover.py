@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from tierckptd.knobs import KNOBS
-from tierckptd.manifest import Manifest
+from tierckptd.local.manifest import Manifest
 from tierckptd.persistent import data_key, manifest_key
 
 from .rig import URL, FakeCluster, Rig, until

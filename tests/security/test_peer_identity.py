@@ -10,7 +10,7 @@ import grpc
 import pytest
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
-from tierckptd.manifest import Manifest, ShardEntry
+from tierckptd.local.manifest import Manifest, ShardEntry
 from tierckptd.testing import free_port
 
 from ..harness import wait_until

@@ -24,9 +24,9 @@ from tierckpt.v1 import peer_pb2 as ppb
 
 from ..cluster import ring
 from ..cluster.membership import Membership, PeerInfo
-from ..manifest import Manifest
+from ..local.manifest import Manifest
+from ..local.store import LocalStore
 from ..offload import run_blocking, run_owning
-from ..store import LocalStore
 from . import bulk
 from .receiver import Receiver, check_digest
 from .transfer import BulkClient, plan_pieces

@@ -20,7 +20,7 @@ from ..cluster import ring
 from ..cluster.membership import Membership
 from ..config import DaemonConfig
 from ..knobs import KNOBS
-from ..manifest import Manifest
+from ..local.manifest import Manifest
 
 __all__ = ["PeerGuard"]
 

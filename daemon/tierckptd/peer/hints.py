@@ -5,7 +5,7 @@ GiB on the benchmark machines, about as long as the transfer itself. The sizes o
 are known as soon as the owner's trainer begins the save, seconds before its bytes exist. So when
 a save of an owned rank begins, the owner tells each peer of the rank's placement that has not
 had a copy of it from this owner yet; the peer allocates pool files of those sizes in free
-capacity, at the lowest CPU priority (:meth:`tierckptd.warm.WarmPages.expect`), while the
+capacity, at the lowest CPU priority (:meth:`tierckptd.local.warm.WarmPages.expect`), while the
 trainer is still copying. The copy then takes those files like recycled ones.
 
 From the second round on, a receiver recycles the files of the copy it evicts, so the owner

@@ -29,9 +29,9 @@ from tierckpt.errors import (
 from tierckpt.v1 import peer_pb2 as ppb
 
 from ..knobs import KNOBS
-from ..manifest import Manifest
+from ..local.manifest import Manifest
+from ..local.store import LocalStore, Staging
 from ..offload import run_blocking, run_owning
-from ..store import LocalStore, Staging
 from . import bulk
 
 __all__ = ["Receiver", "check_digest"]
@@ -83,7 +83,7 @@ class Receiver:
     """
 
     def __init__(self, node_id: str, store: LocalStore, announce: Callable[[Manifest], None], staging_timeout: float,
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, *, check_identity: Callable[[socket.socket, str], None] | None = None) -> None:
         self.node_id = node_id
         self.store = store
         self.announce = announce
@@ -96,7 +96,7 @@ class Receiver:
         self._restoring = 0  # fetches in progress: inbound replicas give way to them
         self._restore_cv = threading.Condition()
         self.fetching: set[tuple[str, int, int]] = set()  # ranks being fetched (not to be staged twice)
-        self.check_identity: Callable[[socket.socket, str], None] | None = None  # set under mTLS
+        self.check_identity = check_identity  # under mTLS: the connection's certificate names the ticket's node
 
     # ------------------------------------------------------------------------------ replicas
 

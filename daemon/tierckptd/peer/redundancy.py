@@ -30,10 +30,10 @@ from tierckpt.v1 import peer_pb2 as ppb
 from ..cluster import ring
 from ..cluster.membership import Membership, PeerInfo
 from ..knobs import KNOBS
-from ..manifest import Manifest
+from ..local.manifest import Manifest
+from ..local.rules import retention_floor
+from ..local.store import Eviction, LocalStore
 from ..offload import run_blocking
-from ..retention import retention_floor
-from ..store import Eviction, LocalStore
 from .replicator import Pusher, Replicator
 
 __all__ = ["Redundancy"]
@@ -43,17 +43,50 @@ log = logging.getLogger(__name__)
 Key = tuple[str, int, int]
 
 
+class Drops:
+    """DropReplicas calls in flight, by (peer, job): a push of the job to that peer waits for them
+    (:meth:`sent`), so the peer's copy of the next step takes the evicted step's files from its
+    recycle pool (pages already in use) instead of new memory."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[tuple[str, str], set[asyncio.Task]] = {}  # (peer, job) -> DropReplicas in flight
+
+    def track(self, peer: str, job: str, task: asyncio.Task) -> None:
+        key = (peer, job)
+        self._tasks.setdefault(key, set()).add(task)
+        task.add_done_callback(functools.partial(self._done, key))
+
+    def _done(self, key: tuple[str, str], task: asyncio.Task) -> None:
+        tasks = self._tasks.get(key)
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._tasks[key]
+
+    async def sent(self, peer: str, job: str) -> None:
+        """Until the drops of ``job``'s evicted steps already asked of ``peer`` are answered
+        (bounded by ``KNOBS.rpc_timeout``; a drop that fails is garbage-collected later)."""
+        tasks = self._tasks.get((peer, job))
+        if tasks:
+            await asyncio.wait(set(tasks), timeout=KNOBS.rpc_timeout)
+
+    def cancel(self) -> None:
+        for tasks in self._tasks.values():
+            for t in tasks:
+                t.cancel()
+
+
 class Redundancy:
     """Re-replication of lost owners' ranks, and garbage collection of replicas held here."""
 
     def __init__(self, node_id: str, store: LocalStore, cluster: Membership, replicator: Replicator,
-                 pusher: Pusher) -> None:
+                 pusher: Pusher, drops: Drops) -> None:
         self.node_id, self.store, self.cluster = node_id, store, cluster
         self.replicator, self.pusher = replicator, pusher
         self._sem = asyncio.Semaphore(KNOBS.max_parallel_ranks)
         self.tasks: dict[Key, asyncio.Task] = {}  # lost owners' ranks being pushed
         self._backoff: dict[Key, tuple[int, float]] = {}  # key -> (fails, not before)
-        self._drops: dict[tuple[str, str], set[asyncio.Task]] = {}  # (peer, job) -> DropReplicas in flight
+        self.drops = drops
 
     def copies_wanted(self, man: Manifest) -> int:
         """Copies of a replica's rank wanted besides the owner's (see :func:`ring.copies_wanted`)."""
@@ -159,16 +192,13 @@ class Redundancy:
         """Replicas follow the owner's retention: ask every live peer to drop our copies of the step.
 
         One call per peer, in the background. A push of the same job to that peer waits for it
-        first (:meth:`drops_sent`), so the peer's copy of the next step takes the evicted step's
+        first (:meth:`Drops.sent`), so the peer's copy of the next step takes the evicted step's
         files from its recycle pool (pages already in use) instead of new memory."""
         req = ppb.DropReplicasRequest(owner=self.node_id, job=ev.job, step=ev.step, ranks=list(ev.ranks),
                                       reason=ev.reason)
         for p in self.cluster.peers.values():
             if p.up:
-                key = (p.node_id, ev.job)
-                task = asyncio.create_task(self._drop_on(p, req))
-                self._drops.setdefault(key, set()).add(task)
-                task.add_done_callback(functools.partial(self._drop_done, key))
+                self.drops.track(p.node_id, ev.job, asyncio.create_task(self._drop_on(p, req)))
 
     async def _drop_on(self, p: PeerInfo, req: ppb.DropReplicasRequest) -> None:
         try:
@@ -177,23 +207,7 @@ class Redundancy:
             log.info("could not drop replicas of %s step %d on %s (garbage-collected later): %s",
                      req.job, req.step, p.node_id, e)
 
-    def _drop_done(self, key: tuple[str, str], task: asyncio.Task) -> None:
-        tasks = self._drops.get(key)
-        if tasks is not None:
-            tasks.discard(task)
-            if not tasks:
-                del self._drops[key]
-
-    async def drops_sent(self, peer: str, job: str) -> None:
-        """Until the drops of ``job``'s evicted steps already asked of ``peer`` are answered
-        (bounded by ``KNOBS.rpc_timeout``; a drop that fails is garbage-collected later)."""
-        tasks = self._drops.get((peer, job))
-        if tasks:
-            await asyncio.wait(set(tasks), timeout=KNOBS.rpc_timeout)
-
     def cancel(self) -> None:
         for t in self.tasks.values():
             t.cancel()
-        for tasks in self._drops.values():
-            for t in tasks:
-                t.cancel()
+        self.drops.cancel()

@@ -27,9 +27,9 @@ from tierckpt.v1 import peer_pb2 as ppb
 from ..cluster import ring
 from ..cluster.membership import Membership, PeerInfo
 from ..knobs import KNOBS
-from ..manifest import Manifest
-from ..retention import retention_floor
-from ..store import LocalStore
+from ..local.manifest import Manifest
+from ..local.rules import retention_floor
+from ..local.store import LocalStore
 from .transfer import BulkClient, plan_pieces
 
 __all__ = ["Replicator", "Pusher"]
@@ -61,17 +61,16 @@ class Pusher:
     """Copies one local rank to one peer (prepare, bulk put, verified commit)."""
 
     def __init__(self, node_id: str, store: LocalStore, cluster: Membership, transfer: BulkClient, spawn: Spawn,
-                 metrics: Any = None) -> None:
+                 drops_sent: Callable[[str, str], Awaitable[None]], metrics: Any = None) -> None:
         self.node_id, self.store, self.cluster, self.transfer = node_id, store, cluster, transfer
         self._spawn, self.metrics = spawn, metrics
-        self.drops_sent: Callable[[str, str], Awaitable[None]] | None = None
-        """Set by the tier: waits until the drops of the job's evicted steps asked of a peer are
-        answered, so that a push never races the drop it follows (see :mod:`.redundancy`)."""
+        self.drops_sent = drops_sent
+        """Waits until the drops of the job's evicted steps asked of a peer are answered, so that
+        a push never races the drop it follows (see :class:`.redundancy.Drops`)."""
 
     async def push(self, man: Manifest, p: PeerInfo) -> None:
         t0 = time.perf_counter()
-        if self.drops_sent is not None:
-            await self.drops_sent(p.node_id, man.job)
+        await self.drops_sent(p.node_id, man.job)
         prep = await self.cluster.call(p, "PrepareReplica", ppb.PrepareReplicaRequest(
             sender=self.node_id, manifest_json=man.to_json().decode(), skips_linked=True))
         if prep.already_committed:
@@ -81,7 +80,7 @@ class Pusher:
             send = [s for s in man.shards if s.name not in linked]
             files = {s.name: (functools.partial(self.store.open_shard, man, s.name), s.size) for s in send}
             pieces = plan_pieces([(s.name, s.size) for s in send])
-            with self.store.warm.sending():  # pool warming waits (see tierckptd.warm)
+            with self.store.warm.sending():  # pool warming waits (see tierckptd.local.warm)
                 await self.transfer.run(p.node_id, p.host, prep.bulk_port, prep.ticket, "put", pieces, files, {},
                                         p.tls_name)
             await self.cluster.call(p, "CommitReplica", ppb.CommitReplicaRequest(ticket=prep.ticket),

@@ -10,7 +10,7 @@ from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 
 from ..offload import run_blocking
-from ..rpc import rpc
+from ..rpc import Authorizing, rpc
 
 if TYPE_CHECKING:
     from .tier import PeerTier
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["PeerServicer"]
 
 
-class PeerServicer(ppb_grpc.PeerServicer):
+class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
     """Thin servicer of the Peer service (served on the TCP listener only)."""
 
     def __init__(self, tier: PeerTier) -> None:
@@ -88,11 +88,9 @@ class PeerServicer(ppb_grpc.PeerServicer):
         check_step(request.step)
         check_node(request.requester, "requester")
         self.guard.check_claim(self.guard.identity(context), request.requester, "requester")
-        from ..datamgmt import remove_step
-
-        removed = await run_blocking(remove_step, self.tier.store, request.job, request.step,
-                                     f"deleted on request of {request.requester}")
-        return ppb.DeleteStepCopiesResponse(removed=removed)
+        deleted = await self.tier.local.delete(request.job, request.step,
+                                               reason=f"deleted on request of {request.requester}")
+        return ppb.DeleteStepCopiesResponse(removed=deleted.copies)
 
     @rpc
     async def VerifyCopies(self, request: ppb.VerifyCopiesRequest, context: Any) -> ppb.VerifyCopiesResponse:
@@ -101,13 +99,10 @@ class PeerServicer(ppb_grpc.PeerServicer):
             check_step(request.step)
         check_node(request.requester, "requester")
         self.guard.check_claim(self.guard.identity(context), request.requester, "requester")
-        from ..copycheck import verify_local
-
-        checks = await run_blocking(verify_local, self.tier.store, request.job,
-                                    request.step if request.has_step else None)
+        verified = await self.tier.local.verify(request.job, request.step if request.has_step else None)
         states = {"ok": 1, "mismatch": 2, "missing": 3}
         return ppb.VerifyCopiesResponse(copies=[ppb.VerifiedCopy(step=c.step, rank=c.rank, state=states[c.state],
-                                                                 detail=c.detail) for c in checks])
+                                                                 detail=c.detail) for c in verified.checks])
 
     @rpc
     async def WarmReplica(self, request: ppb.WarmReplicaRequest, context: Any) -> ppb.WarmReplicaResponse:

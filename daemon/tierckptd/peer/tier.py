@@ -28,17 +28,18 @@ from ..cluster.changelog import ChangeLog
 from ..cluster.membership import Membership, PeerInfo
 from ..config import ConfigError, DaemonConfig
 from ..knobs import KNOBS
-from ..manifest import Manifest
+from ..local.manifest import Manifest
+from ..local.store import Eviction, LocalStore
+from ..local.tier import LocalTier
 from ..offload import run_blocking
 from ..rpc import add_service
-from ..store import Eviction, LocalStore
-from ..tiers import RankCopy, RemoteTier
+from ..tiers import Check, Deleted, RankCopy, RemoteTier, Verified
 from . import bulk
 from .fetcher import Fetcher
 from .guard import PeerGuard
 from .hints import WarmHints
 from .receiver import Receiver
-from .redundancy import Redundancy
+from .redundancy import Drops, Redundancy
 from .replicator import Pusher, Replicator
 from .service import PeerServicer
 from .transfer import BulkClient
@@ -78,17 +79,17 @@ class PeerTier(RemoteTier):
             source = tls.reloader(config)
             ssl_client, ssl_server = source.client_ssl_context, source.server_ssl_context()
         self._tls = ssl_client is not None
-        self.receiver = Receiver(self.node_id, store, self._announce, config.staging_timeout, metrics)
         self.guard = PeerGuard(config, cluster, config.replicas)
-        if config.tls_enabled:
-            self.receiver.check_identity = self._check_bulk_identity
+        self.receiver = Receiver(self.node_id, store, self._announce, config.staging_timeout, metrics,
+                                 check_identity=self._check_bulk_identity if config.tls_enabled else None)
+        self.local = LocalTier(store)  # what a peer's delete and verify requests reach
         self._bulk = bulk.BulkServer(config.listen.rpartition(":")[0].strip("[]"), ssl_server,
                                      self.receiver.serve_bulk)
         transfer = BulkClient(self._pool, ssl_client)
-        self.pusher = Pusher(self.node_id, store, cluster, transfer, self._spawn, metrics)
+        drops = Drops()
+        self.pusher = Pusher(self.node_id, store, cluster, transfer, self._spawn, drops.sent, metrics)
         self.replicator = Replicator(self.node_id, store, cluster, self.pusher, config.replicas, metrics)
-        self.redundancy = Redundancy(self.node_id, store, cluster, self.replicator, self.pusher)
-        self.pusher.drops_sent = self.redundancy.drops_sent
+        self.redundancy = Redundancy(self.node_id, store, cluster, self.replicator, self.pusher, drops)
         self.hints = WarmHints(self.node_id, cluster, config.replicas, self._spawn)
         self.fetcher = Fetcher(self.node_id, store, cluster, transfer, self.receiver, metrics)
         self._changes = ChangeLog(self._snapshot)
@@ -230,6 +231,23 @@ class PeerTier(RemoteTier):
         if not self.replicator.replicas_for(man):
             return []
         return await self.replicator.wait(man)
+
+    # ------------------------------------------------------------------------------ operator verbs
+
+    async def delete(self, job: str, step: int) -> Deleted:
+        """Ask every known peer to delete its copies of the step (Peer.DeleteStepCopies,
+        ``KNOBS.fanout`` at a time within ``KNOBS.fanout_deadline``)."""
+        req = ppb.DeleteStepCopiesRequest(requester=self.node_id, job=job, step=step)
+        answers, missed = await self.cluster.fan_out("DeleteStepCopies", req)
+        return Deleted(copies=sum(r.removed for _, r in answers), unreachable=missed)
+
+    async def verify(self, job: str, step: int | None) -> Verified:
+        """Ask every known peer to re-hash its copies of ``job`` (Peer.VerifyCopies)."""
+        req = ppb.VerifyCopiesRequest(requester=self.node_id, job=job, has_step=step is not None, step=step or 0)
+        answers, missed = await self.cluster.fan_out("VerifyCopies", req)
+        states = {1: "ok", 2: "mismatch", 3: "missing"}
+        return Verified([Check(c.step, c.rank, "peer", p.node_id, states.get(c.state, "missing"), c.detail)
+                         for p, resp in answers for c in resp.copies], missed)
 
     def status(self) -> dict:
         pending = self.replicator.pending()

@@ -15,7 +15,8 @@ One concept per module:
 - :mod:`.takeover`: draining the selected copies of lost owners.
 - :mod:`.retention`: ``keep_persistent``.
 - :mod:`.catalog`: the per-job catalog cache and manifest reads.
-- :mod:`.restore`: fetching a rank into the local store, verified.
+- :mod:`.download`: fetching a rank into the local store, verified.
+- :mod:`.audit`: re-hashing stored objects (``tierckpt verify``).
 - :mod:`.tier`: :class:`PersistentTier`, the :class:`~tierckptd.tiers.RemoteTier` facade.
 
 Each module's docstring states its part of the contract (selection, layout, queue, retries,

@@ -22,7 +22,7 @@ from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
 
 from ..backends import BackendError
 from ..knobs import KNOBS
-from ..manifest import Manifest
+from ..local.manifest import Manifest
 from ..retry import RetryPolicy
 from ..tiers import RankCopy
 from .calls import BackendCalls

@@ -54,8 +54,8 @@ from tierckpt.errors import DataLossError, UnavailableError
 
 from ..backends import BackendError
 from ..knobs import KNOBS
-from ..manifest import Manifest, ShardEntry
-from ..store import LocalStore
+from ..local.manifest import Manifest, ShardEntry
+from ..local.store import LocalStore
 from .calls import BackendCalls
 from .layout import (
     content_key,

@@ -22,9 +22,9 @@ from tierckpt.errors import DataLossError
 from ..backends import BackendError
 from ..config import DaemonConfig
 from ..knobs import KNOBS
-from ..manifest import Manifest
+from ..local.manifest import Manifest
+from ..local.store import Eviction, LocalStore
 from ..offload import run_blocking
-from ..store import Eviction, LocalStore
 from .calls import Stopped
 from .catalog import Catalog
 from .ledger import Entry, Ledger
@@ -55,7 +55,8 @@ class Drainer:
 
     def __init__(self, config: DaemonConfig, store: LocalStore, ledger: Ledger, queue: QueueWriter,
                  uploader: RankUploader, catalog: Catalog, retention: Retention, metrics: Any,
-                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task]) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task], *,
+                 repair: Callable[[Manifest], Awaitable[bool]] | None = None) -> None:
         self.config = config
         self.url = config.persistent
         self.store = store
@@ -70,8 +71,8 @@ class Drainer:
         self._stopping = False
         self.running: set[asyncio.Task] = set()
         self._forced: set[tuple[str, int]] = set()  # steps an operator asked to persist (PersistStep)
-        self.repair: Callable[[Manifest], Awaitable[bool]] | None = None
-        """Replaces a corrupt local copy with a verified one from elsewhere (set by the tier)."""
+        self.repair = repair
+        """Replaces a corrupt local copy with a verified one from elsewhere (the node's, through the tier)."""
 
     # ----------------------------------------------------------------------------- queueing
 

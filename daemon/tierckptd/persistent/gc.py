@@ -30,7 +30,7 @@ import time
 from tierckpt.errors import DataLossError, NotFoundError
 
 from ..knobs import KNOBS
-from ..manifest import Manifest
+from ..local.manifest import Manifest
 from .calls import BackendCalls
 from .layout import (
     chunk_keys,

@@ -42,7 +42,7 @@ import re
 
 from tierckpt.errors import DataLossError
 
-from ..manifest import Manifest, ShardEntry
+from ..local.manifest import Manifest, ShardEntry
 
 CONTENT_CODECS = ("raw", "zstd", "bg2-zstd", "bg4-zstd", "zipnn-bf16", "zipnn-f16", "zipnn-f32")
 """The chunk codecs (:data:`.compress.CODECS`; named here so the layout needs no numpy)."""

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..manifest import Manifest
+from ..local.manifest import Manifest
 
 __all__ = ["Entry", "Bounded", "Ledger", "Key"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from tierckpt.common.fileio import atomic_write
 
-from ..manifest import Manifest
+from ..local.manifest import Manifest
 from ..offload import run_blocking
 
 __all__ = ["DrainQueue", "QueueWriter", "QUEUE_DIR"]

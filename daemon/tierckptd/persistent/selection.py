@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..manifest import Manifest
+from ..local.manifest import Manifest
 
 __all__ = ["selected", "step_selected", "not_selected_reason", "plan_retention"]
 

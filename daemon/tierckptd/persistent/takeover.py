@@ -28,8 +28,8 @@ from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
 from ..cluster import ClusterView
 from ..cluster.ring import first_after
 from ..knobs import KNOBS
-from ..manifest import Manifest
-from ..store import Eviction, LocalStore
+from ..local.manifest import Manifest
+from ..local.store import Eviction, LocalStore
 from .catalog import Catalog
 from .drainer import Drainer
 from .ledger import Bounded, Ledger

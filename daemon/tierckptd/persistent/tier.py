@@ -4,7 +4,7 @@
 beyond ``wait``'s reading of them: selection (:mod:`.selection`), the durable queue
 (:mod:`.queue`), the drain loop (:mod:`.drainer`) and its uploads (:mod:`.uploader`),
 take-over (:mod:`.takeover`), retention (:mod:`.retention`), the catalog (:mod:`.catalog`),
-restore (:mod:`.restore`), all calling the object store through :mod:`.calls`.
+restore (:mod:`.download`), verify (:mod:`.audit`), all calling the object store through :mod:`.calls`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import secrets
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from tierckpt.errors import NotFoundError, TierError, UnavailableError
@@ -22,18 +22,19 @@ from ..backends import Backend, BackendError, MissingExtraError, open_backend
 from ..cluster import ClusterView
 from ..config import ConfigError, DaemonConfig
 from ..knobs import KNOBS
-from ..manifest import Manifest
+from ..local.manifest import Manifest
+from ..local.store import Eviction, LocalStore
 from ..offload import run_blocking
-from ..store import Eviction, LocalStore
-from ..tiers import RankCopy, RemoteTier
+from ..tiers import Deleted, RankCopy, RemoteTier, Verified
+from .audit import Auditor
 from .calls import BackendCalls
 from .catalog import Catalog
 from .codec import IDENTITY, ShardCodec
 from .content import ContentStore
+from .download import Restorer
 from .drainer import Drainer
 from .ledger import Ledger
 from .queue import QUEUE_DIR, DrainQueue, QueueWriter
-from .restore import Restorer
 from .retention import Retention
 from .selection import not_selected_reason, selected, step_selected
 from .takeover import TakeOver
@@ -63,6 +64,8 @@ class PersistentTier(RemoteTier):
     """
 
     name = "persistent"
+    needs_probe = True
+    takes_persist = True
 
     def __init__(self, config: DaemonConfig, store: LocalStore, metrics: Any = None, *,
                  cluster: ClusterView | None = None, backend: Backend | None = None,
@@ -84,10 +87,11 @@ class PersistentTier(RemoteTier):
         self.drainer = Drainer(config, store, self.ledger, self.writer, self.uploader, self.catalog_cache,
                                Retention(self.calls, self.catalog_cache, self.keep_persistent, config.node_id,
                                          self.content.collecting),
-                               metrics, self._spawn)
+                               metrics, self._spawn, repair=self._repair_local)
         self.takeover = TakeOver(config.node_id, self.persist_every, store, cluster, self.ledger,
                                  self.catalog_cache, self.drainer)
         self.restorer = Restorer(store, self.calls, self.catalog_cache, metrics, self._announce, self.content)
+        self.auditor = Auditor(store, self.calls, self.catalog_cache, self.content, self.url)
 
     def _content_layout(self, codec: object) -> bool:
         return self.config.persistent_layout == "content" and codec is IDENTITY and not KNOBS.per_shard_layout
@@ -105,9 +109,8 @@ class PersistentTier(RemoteTier):
     def _announce(self, man: Manifest) -> None:
         self.host.notify_ingested(man)
 
-    def bind(self, host: Any) -> None:
-        super().bind(host)
-        self.drainer.repair = getattr(host, "repair_local", None)  # a node: from a peer's verified copy
+    async def _repair_local(self, man: Manifest) -> bool:
+        return await self.host.repair_local(man)  # the node: from a peer's verified copy
 
     @property
     def backend(self) -> Backend | None:
@@ -259,6 +262,29 @@ class PersistentTier(RemoteTier):
         if local is not None and remote.generation != local.generation:
             raise TierError(f"{job} step {step} rank {rank}: the persistent tier holds another save of it")
         return [self.url]
+
+    # ----------------------------------------------------------------------------- operator verbs
+
+    async def delete(self, job: str, step: int) -> Deleted:
+        """Every rank's manifest of the step, then its data (see :mod:`.retention`)."""
+        try:
+            manifests, objects = await self.drainer.retention.delete_step(job, step)
+        except BackendError as e:
+            raise UnavailableError(f"persistent tier {self.url}: {e}") from e
+        return Deleted(copies=manifests, objects=objects)
+
+    async def verify(self, job: str, step: int | None) -> Verified:
+        """Download and re-hash the stored ranks (see :mod:`.audit`); a store that cannot be
+        listed is named in ``unreachable``."""
+        try:
+            return Verified(await self.auditor.verify(job, step))
+        except (BackendError, UnavailableError) as e:
+            return Verified(unreachable=[f"persistent ({e})"])
+
+    def persist(self, manifests: Sequence[Manifest]) -> None:
+        """Queue the ranks into the drain queue like selected ones."""
+        for man in manifests:
+            self.drainer.force(man)
 
     def status(self) -> dict:
         """``backlog_bytes``, ``backlog_steps`` (pending ranks), ``oldest_age_seconds``, ``url``, ``failing``."""

@@ -27,8 +27,8 @@ from tierckpt.errors import DataLossError, InvalidArgumentError, NotFoundError, 
 
 from ..backends import BackendError
 from ..knobs import KNOBS
-from ..manifest import Manifest
-from ..store import LocalStore
+from ..local.manifest import Manifest
+from ..local.store import LocalStore
 from .calls import BackendCalls
 from .catalog import Catalog
 from .codec import IDENTITY, ShardCodec

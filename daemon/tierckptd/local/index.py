@@ -1,14 +1,14 @@
 """The local tier's in-memory catalog: committed ranks, their bytes, and retention pins.
 
 Not thread-safe by itself: the local store calls it under its lock. The rules deciding what
-to evict live in :mod:`tierckptd.retention`; this class only answers from its state.
+to evict live in :mod:`tierckptd.local.rules`; this class only answers from its state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from . import retention
+from . import rules
 from .links import Ino, Links
 from .manifest import Manifest, ShardEntry
 
@@ -51,7 +51,7 @@ class Catalog:
             ino = (inodes or {}).get(s.file)
             if ino is not None:
                 self.links.hold(ino, _holder(man, s), s.size)
-                charge -= retention.charge_file(s.size)
+                charge -= rules.charge_file(s.size)
                 data -= s.size
         self.committed_bytes += charge
         self.data_bytes += data
@@ -63,7 +63,7 @@ class Catalog:
         for s in man.shards:
             h = _holder(man, s)
             if self.links.holds(h):
-                charge -= retention.charge_file(s.size)
+                charge -= rules.charge_file(s.size)
                 data -= s.size
                 self.links.drop(h)
         self.committed_bytes -= charge
@@ -74,7 +74,7 @@ class Catalog:
         the inode, not the manifest, carries its bytes."""
         h = _holder(man, entry)
         if not self.links.holds(h):
-            self.committed_bytes -= retention.charge_file(entry.size)
+            self.committed_bytes -= rules.charge_file(entry.size)
             self.data_bytes -= entry.size
             self.links.hold(ino, h, entry.size)
         self.links.hold(ino, holder, entry.size)
@@ -85,7 +85,7 @@ class Catalog:
 
     def freeable(self, man: Manifest, charge: int) -> int:
         """Bytes that removing ``man`` alone would free (files other names share stay)."""
-        return charge - sum(retention.charge_file(s.size) for s in man.shards if self.links.others(_holder(man, s)))
+        return charge - sum(rules.charge_file(s.size) for s in man.shards if self.links.others(_holder(man, s)))
 
     def get(self, job: str, step: int, rank: int) -> Manifest | None:
         return self._jobs.get(job, {}).get(step, {}).get(rank)
@@ -150,13 +150,13 @@ class Catalog:
 
     def retention_victims(self, job: str, keep_local: int) -> list[int]:
         pinned = {s for (j, s) in self._pins if j == job}
-        return retention.retention_victims(self._jobs.get(job, {}), self.complete(job), keep_local, pinned)
+        return rules.retention_victims(self._jobs.get(job, {}), self.complete(job), keep_local, pinned)
 
     def capacity_order(self, *, allow_pinned: bool) -> list[tuple[str, int]]:
         jobs = {job: {step: min(m.created for m in ranks.values()) for step, ranks in steps.items()}
                 for job, steps in self._jobs.items()}
         newest = {job: (c[-1] if (c := self.complete(job)) else None) for job in self._jobs}
-        return retention.capacity_order(jobs, newest, set(self._pins), allow_pinned=allow_pinned)
+        return rules.capacity_order(jobs, newest, set(self._pins), allow_pinned=allow_pinned)
 
 
 def _holder(man: Manifest, entry: ShardEntry) -> tuple[str, int, int, str]:

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 from tierckpt.errors import InvalidArgumentError
 
 from .manifest import Manifest, ShardEntry
-from .retention import charge_file
+from .rules import charge_file
 from .staging import StagedFile, Staging
 
 if TYPE_CHECKING:
-    from .catalog import Catalog
+    from .index import Catalog
 
 __all__ = ["Links", "Ino", "share_fn", "share_sources_locked", "shared_digests"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tierckpt.errors import DataLossError, FailedPreconditionError, NotFoundError
 
-from .knobs import KNOBS
+from ..knobs import KNOBS
 from .links import Ino
 from .localfs import FILE_MODE, STAGING_MODE, LocalDir, UnsafeFileError, digest_fd
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
@@ -32,7 +32,7 @@ _RANK_PREFIX = "rank-"
 
 
 class StoreLayout:
-    """The local dir's layout (see :mod:`tierckptd.store`) over a :class:`LocalDir`."""
+    """The local dir's layout (see :mod:`tierckptd.local.store`) over a :class:`LocalDir`."""
 
     def __init__(self, fs: LocalDir, recycle: RecyclePool) -> None:
         self.fs = fs

@@ -20,12 +20,12 @@ The local dir is writable by trainers in the socket group, so every file operati
 regular files of exactly the declared size, and the daemon reads committed shards through
 :meth:`LocalStore.open_shard`. Files are created 0640 and directories 0750.
 
-Resource bounds: every file and manifest is charged at least ``retention.MIN_CHARGE`` bytes;
+Resource bounds: every file and manifest is charged at least ``rules.MIN_CHARGE`` bytes;
 capacity is decided before anything is evicted; at most ``max_open_saves`` saves are open.
 
-Pieces: :mod:`.catalog` (in-memory state), :mod:`.retention` (which steps go),
+Pieces: :mod:`.index` (in-memory state, the catalog), :mod:`.rules` (which steps go),
 :mod:`.recycle` (reuse of evicted files), :mod:`.staging` (open saves and spec rules),
-:mod:`.localfs` (symlink-safe file operations), :mod:`.layout` (the file steps), :mod:`.startup`
+:mod:`.localfs` (symlink-safe file operations), :mod:`.paths` (the file steps), :mod:`.startup`
 (lock, recovery, quarantine), :mod:`.eviction` (carrying out retention and capacity evictions),
 :mod:`.saves` (open saves), :mod:`.commit` (the commit path), :mod:`.links` (unchanged shards
 shared by inode), :mod:`.warm` (warm pages). :class:`LocalStore` is their facade.
@@ -46,17 +46,17 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import Catalog, CompletenessFn
+from ..knobs import KNOBS
 from .commit import Committer
 from .eviction import Evictor
-from .knobs import KNOBS
-from .layout import StoreLayout
+from .index import Catalog, CompletenessFn
 from .links import share_fn
 from .localfs import LocalDir, fs_is_tmpfs
 from .manifest import Manifest
+from .paths import StoreLayout
 from .policies import JobPolicies, JobPolicy
 from .recycle import RecyclePool
-from .retention import Eviction, charge_file
+from .rules import Eviction, charge_file
 from .saves import OpenSaves
 from .staging import ShardSpec, StagedFile, Staging
 from .startup import prepare_local_dir, rebuild
@@ -72,7 +72,7 @@ DEFAULT_MAX_OPEN_SAVES = 1024
 @dataclass(frozen=True)
 class Usage:
     """Shard bytes held (committed, being saved, in the recycle pool), and ``charged``: what
-    counts against the capacity (every file and manifest at least ``retention.MIN_CHARGE``)."""
+    counts against the capacity (every file and manifest at least ``rules.MIN_CHARGE``)."""
 
     capacity: int
     committed: int
@@ -135,7 +135,7 @@ class LocalStore:
                                 counters=self.counters, catalog=self._catalog)
         self._lock_fd: int | None = None
         self._on_evict = on_evict
-        # Warm pages (see tierckptd.warm): counters(), expect() for peer hints, sending() for transfers.
+        # Warm pages (see tierckptd.local.warm): counters(), expect() for peer hints, sending() for transfers.
         self.warm = WarmPages(self._lock, self._catalog, self._recycle, lambda: self.capacity - self._used_locked(),
                               self._saves.busy, self._saves.open_jobs_locked, self.policies.keep_local,
                               lambda tmpfs: machine_headroom(self._fs.fd, tmpfs))

@@ -23,9 +23,9 @@ from typing import Any
 from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
 
 from ..backends import BackendError
-from ..manifest import Manifest, ShardEntry
+from ..local.manifest import Manifest, ShardEntry
+from ..local.store import LocalStore
 from ..offload import run_blocking, run_owning
-from ..store import LocalStore
 from .calls import BackendCalls
 from .catalog import Catalog, count_checksum_failure
 from .codec import codec_named

@@ -31,7 +31,7 @@ from .localfs import LocalDir, UnsafeFileError, check_regular
 from .manifest import MANIFEST_NAME, Manifest
 
 if TYPE_CHECKING:
-    from .catalog import Catalog
+    from .index import Catalog
     from .policies import JobPolicies
     from .recycle import RecyclePool
 
@@ -52,7 +52,7 @@ def take_dir_lock(fs: LocalDir) -> int:
         ConfigError: another live daemon holds the lock, or ``.lock`` is a symlink, not a
             regular file, or linked elsewhere (truncating it would damage another file).
     """
-    from .config import ConfigError
+    from ..config import ConfigError
 
     try:
         fd = os.open(".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640, dir_fd=fs.fd)
@@ -82,7 +82,7 @@ def prepare_local_dir(fs: LocalDir) -> int:
         ConfigError: another live daemon holds the dir, or the dir, its ``.lock`` or a top-level
             directory is a symlink.
     """
-    from .config import ConfigError
+    from ..config import ConfigError
 
     try:
         fs.open()

@@ -60,11 +60,11 @@ from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .knobs import KNOBS
-from .retention import charge_file
+from ..knobs import KNOBS
+from .rules import charge_file
 
 if TYPE_CHECKING:
-    from .catalog import Catalog
+    from .index import Catalog
     from .recycle import RecyclePool
 
 __all__ = ["WarmPages", "Warmer", "accept_hint", "fallocate_keep_size", "free_pages_go_to_hypervisor",

@@ -1,6 +1,6 @@
 """Carrying out evictions in the local tier: retention, capacity (planned first), rank removal.
 
-The rules are :mod:`.retention`'s; this class applies them to the catalog and the files. Every
+The rules are :mod:`.rules`'s; this class applies them to the catalog and the files. Every
 method is called with the store's lock held.
 """
 
@@ -11,11 +11,11 @@ from collections.abc import Callable
 
 from tierckpt.errors import CapacityError
 
-from .catalog import Catalog
-from .layout import StoreLayout
+from .index import Catalog
 from .manifest import Manifest
+from .paths import StoreLayout
 from .recycle import RecyclePool
-from .retention import Eviction, charge_rank, plan_room
+from .rules import Eviction, charge_rank, plan_room
 from .staging import Staging
 
 __all__ = ["Evictor", "charge"]

@@ -15,15 +15,15 @@ from collections.abc import Callable, Iterable
 from tierckpt.common.names import MAX_METADATA_BYTES
 from tierckpt.errors import FailedPreconditionError, InvalidArgumentError
 
-from .catalog import Catalog
+from ..knobs import KNOBS
 from .eviction import charge
-from .knobs import KNOBS
-from .layout import StoreLayout
+from .index import Catalog
 from .links import shared_digests
 from .localfs import UnsafeFileError
 from .manifest import Manifest, ShardEntry
+from .paths import StoreLayout
 from .recycle import RecyclePool
-from .retention import Eviction
+from .rules import Eviction
 from .saves import OpenSaves
 from .staging import Staging
 

@@ -20,11 +20,11 @@ from tierckpt.common.fileio import pwrite_all
 from tierckpt.common.names import check_job, check_rank, check_step
 from tierckpt.errors import CapacityError, InvalidArgumentError
 
-from .catalog import Catalog
 from .eviction import charge
-from .layout import StoreLayout
+from .index import Catalog
 from .localfs import LocalDir
 from .manifest import Manifest, ShardEntry
+from .paths import StoreLayout
 from .recycle import RecyclePool
 from .staging import ShardSpec, StagedFile, Staging, check_specs
 

@@ -1,0 +1,42 @@
+"""The local tier as the rest of the daemon sees it: the :class:`~tierckptd.tiers.Tier` facade.
+
+:class:`~.store.LocalStore` owns the local dir (staging, commit, catalog, retention, capacity,
+recycling, warm pages; see :mod:`.store` for the pieces) and is what the save and restore paths
+call. :class:`LocalTier` adds the operator verbs that every tier answers (delete, verify) over
+that store and holds no rule or state of its own, so the node and the peer tier's service (a
+peer asking this node to delete or re-hash its copies) reach the local dir through one door.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..offload import run_blocking
+from ..tiers import Deleted, Tier, Verified
+from .rehash import verify_local
+from .store import LocalStore
+
+__all__ = ["LocalTier"]
+
+
+class LocalTier(Tier):
+    """Args:
+        store: the opened local store (shared with the save and restore paths).
+    """
+
+    name = "local"
+
+    def __init__(self, store: LocalStore) -> None:
+        self.store = store
+
+    def remove_step(self, job: str, step: int, reason: str) -> int:
+        """Remove every rank of ``job`` step ``step`` held here, each rank's manifest before its
+        data (blocking); returns the ranks removed."""
+        ranks = self.store.steps(job).get(step, {})
+        return sum(1 for rank in sorted(ranks) if self.store.remove_rank(job, step, rank, reason))
+
+    async def delete(self, job: str, step: int, *, reason: str = "deleted on request") -> Deleted:
+        return Deleted(copies=await run_blocking(self.remove_step, job, step, reason))
+
+    async def verify(self, job: str, step: int | None) -> Verified:
+        return Verified(await run_blocking(functools.partial(verify_local, self.store, job, step)))
