@@ -32,3 +32,26 @@ def test_neighbourhood_size_does_not_grow_with_the_cluster():
         assert hood == sorted({nodes[3], nodes[4], nodes[6], nodes[7]})
     small = ["a", "b", "c"]
     assert ring.neighbourhood("a", small, 1) == ["b", "c"]
+
+
+def test_in_placement_is_the_first_r_plus_one_not_known_down():
+    nodes = ["n0", "n1", "n2", "n3", "n4"]
+    up = set(nodes)
+    # R = 1: n1 and n2 (one spare) may hold n0's replicas, n3 may not.
+    assert [ring.in_placement(n, "n0", nodes, up, 1) for n in ("n1", "n2", "n3")] == [True, True, False]
+    # n1 known down: the walk widens by one, so n3 may.
+    assert ring.in_placement("n3", "n0", nodes, up - {"n1"}, 1)
+    assert not ring.in_placement("n4", "n0", nodes, up - {"n1"}, 1)
+    assert not ring.in_placement("n0", "n0", nodes, up, 1)  # never the owner
+
+
+def test_watched_walks_both_ways_and_widens_past_down_nodes():
+    nodes = [f"n{i}" for i in range(10)]
+    up = set(nodes)
+    assert ring.watched("n5", nodes, up, 1, 3) == {"n6", "n7", "n4", "n3"}
+    assert ring.watched("n5", nodes, up - {"n6"}, 1, 3) == {"n6", "n7", "n8", "n4", "n3"}
+    # At most max_widen down nodes widen a side: with n6..n9 down and max_widen 1, the walk stops.
+    assert ring.watched("n5", nodes, up - {"n6", "n7", "n8", "n9"}, 1, 1) == {"n6", "n7", "n4", "n3"}
+    # The size of the answer does not grow with the cluster.
+    big = [f"m{i:03d}" for i in range(500)]
+    assert len(ring.watched("m250", big, set(big), 1, 3)) == 4

@@ -225,25 +225,12 @@ class Membership:
         return returned, self._rebuild_index()
 
     def watched(self) -> set[str]:
-        """The neighbourhood this node keeps in touch with: walking the ring both ways from this
-        node, peers until R + 1 that are not known to be down are found on each side (a down
-        neighbour widens the walk by one, up to ``KNOBS.max_widen`` per side). Independent of
-        the cluster's size."""
-        succ = ring.after(self.node_id, self.ids())
-        want = max(1, self.config.replicas) + 1
-        out: set[str] = set()
-        for side in (succ, succ[::-1]):
-            alive = down = 0
-            for n in side:
-                if alive >= want or down > KNOBS.max_widen:
-                    break
-                out.add(n)
-                p = self.peers[n]
-                if p.up or not p.contacted:
-                    alive += 1
-                else:
-                    down += 1
-        return out
+        """The neighbourhood this node keeps in touch with (:func:`ring.watched`)."""
+        return ring.watched(self.node_id, self.ids(), self.maybe_up(), self.config.replicas, KNOBS.max_widen)
+
+    def maybe_up(self) -> set[str]:
+        """The peers not known to be down (up, or never contacted yet)."""
+        return {n for n, p in self.peers.items() if p.up or not p.contacted}
 
     async def fan_out(self, method: str, request: Any, nodes: set[str] | None = None
                       ) -> tuple[list[tuple[PeerInfo, Any]], list[str]]:

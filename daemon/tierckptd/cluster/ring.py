@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-__all__ = ["after", "placement", "first_after", "copies_wanted", "neighbourhood"]
+__all__ = ["after", "placement", "first_after", "copies_wanted", "neighbourhood", "in_placement", "watched"]
 
 
 def after(owner: str, nodes: Iterable[str]) -> list[str]:
@@ -72,3 +72,37 @@ def neighbourhood(node: str, nodes: Iterable[str], replicas: int) -> list[str]:
     if len(ring) <= 2 * k:
         return sorted(ring)
     return sorted(set(ring[:k]) | set(ring[-k:]))
+
+
+def in_placement(node: str, owner: str, nodes: Iterable[str], maybe_up: Collection[str], replicas: int) -> bool:
+    """Whether ``node`` is among the first R + 1 nodes after ``owner`` in ``maybe_up`` (the nodes
+    not known to be down; a node never contacted counts as up: a stricter answer, never a looser
+    one). The rule a receiver applies to a replica pushed to it (one spare beyond R, for a down
+    successor and for re-replication)."""
+    before = 0
+    for n in after(owner, nodes):
+        if n == node:
+            return before < max(1, replicas) + 1
+        if n in maybe_up:
+            before += 1
+    return False
+
+
+def watched(node: str, nodes: Iterable[str], maybe_up: Collection[str], replicas: int, max_widen: int) -> set[str]:
+    """The neighbourhood ``node`` keeps in touch with: walking the ring both ways from it, nodes
+    until R + 1 in ``maybe_up`` (not known to be down) are found on each side; each down node
+    widens the walk by one, up to ``max_widen`` per side. Independent of the cluster's size."""
+    succ = after(node, nodes)
+    want = max(1, replicas) + 1
+    out: set[str] = set()
+    for side in (succ, succ[::-1]):
+        alive = down = 0
+        for n in side:
+            if alive >= want or down > max_widen:
+                break
+            out.add(n)
+            if n in maybe_up:
+                alive += 1
+            else:
+                down += 1
+    return out

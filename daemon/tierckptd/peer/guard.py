@@ -63,18 +63,10 @@ class PeerGuard:
                                         f"(R={self.replicas})")
 
     def in_placement(self, owner: str) -> bool:
-        """Whether this node is among the first R + 1 nodes after ``owner`` that it believes up
-        (nodes it never contacted count as up: a stricter answer, never a looser one)."""
+        """Whether this node is in ``owner``'s placement as it sees the cluster (:func:`ring.in_placement`)."""
         if owner not in self.cluster.peers:
             return False
-        before = 0
-        for n in ring.after(owner, self.cluster.ids()):
-            if n == self.node_id:
-                return before < max(1, self.replicas) + 1
-            p = self.cluster.peers[n]
-            if p.up or not p.contacted:
-                before += 1
-        return False
+        return ring.in_placement(self.node_id, owner, self.cluster.ids(), self.cluster.maybe_up(), self.replicas)
 
     def check_drop(self, identity: set[str], owner: str) -> None:
         """DropReplicas for ``owner``: from the owner itself, or for an owner gone for the grace period."""
