@@ -308,8 +308,10 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError("staging_timeout/shutdown_timeout: must be positive")
     if cfg.persistent_layout not in ("per-shard", "content"):
         raise ConfigError(f"persistent_layout: {cfg.persistent_layout!r} must be per-shard or content")
-    if cfg.codec not in ("auto", "none", "zstd", "bg-zstd"):
-        raise ConfigError(f"codec: {cfg.codec!r} must be auto, none, zstd or bg-zstd")
+    from .persistent.compress import SETTINGS  # the one list (imported here: persistent imports config)
+
+    if cfg.codec not in SETTINGS:
+        raise ConfigError(f"codec: {cfg.codec!r} must be {', '.join(SETTINGS[:-1])} or {SETTINGS[-1]}")
     if cfg.fsync not in ("auto", "always", "never"):
         raise ConfigError(f"fsync: {cfg.fsync!r} must be auto, always or never")
     if cfg.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -247,3 +247,31 @@ def test_a_consumed_chunk_that_does_not_shrink_is_stored_as_its_plain_bytes(size
     stored = compress.encode("zipnn-f32", bytearray(plain), consume=True)
     assert stored[:1] == b"\x00"
     assert bytes(compress.decode("zipnn-f32", stored, size)) == plain
+
+
+def test_one_registry_serves_chunk_codecs_production_and_tests_alike() -> None:
+    """A chunk codec registered the way the built-ins are is found by encode/decode and marks a
+    shard as content-layout; a name taken by the other kind is refused."""
+    from tierckptd.local.manifest import ShardEntry
+    from tierckptd.persistent.codec import ChunkCodec, chunk_codec, is_chunk_codec
+    from tierckptd.persistent.layout import is_content
+
+    class _Reversed(ChunkCodec):
+        name = "test-reversed"
+
+        def pack(self, data, consume):
+            return [bytes(data)[::-1][:-1]]  # one byte shorter, so it "shrinks"
+
+        def unpack(self, body, size):
+            raise DataLossError("cannot undo a dropped byte")
+
+    assert not is_chunk_codec("test-reversed")
+    register_codec(_Reversed())
+    assert chunk_codec("test-reversed").name == "test-reversed"
+    assert compress.encode("test-reversed", b"abcd") == b"\x01dcb"
+    with pytest.raises(DataLossError):
+        compress.decode("test-reversed", b"\x01dcb", 4)
+    assert is_content(ShardEntry(name="m", size=4, checksum="0" * 16, codec="test-reversed"))
+    assert all(is_chunk_codec(c) for c in compress.CODECS)  # the built-ins, registered on first use
+    with pytest.raises(ValueError, match="taken"):
+        register_codec(type("_Clash", (_Zlib,), {"name": "zstd"})())  # a per-shard codec named like a chunk codec

@@ -31,6 +31,8 @@ it does not shrink" needs no second name and the object name (which includes the
 existence check needs no encoding) still tells how to read it. Checksums and content hashes
 always cover the plain bytes. :func:`choose` picks the codec for a shard from the ``codec``
 setting and the shard's dtype (a manifest's dtype string: ``"torch:bfloat16"``, ``"<f4"``).
+Each codec is a :class:`~.codec.ChunkCodec` registered in the one registry of :mod:`.codec` at
+import; :func:`encode` and :func:`decode` find them there (so does a codec a test registers).
 Everything here is blocking; the tier calls it from worker threads. zstd and numpy release the
 GIL; ZipNN holds it for the whole call (~2 ms per MiB compressing on one core here, less
 decoding), so float chunks are coded one at a time per daemon. Each thread has its own coder
@@ -44,9 +46,10 @@ import struct
 import threading
 from typing import Any
 
-import numpy as np
 import xxhash
 from tierckpt.errors import DataLossError
+
+from .codec import ChunkCodec, chunk_codec, register_codec
 
 __all__ = ["CODECS", "SETTINGS", "ZIPNN", "choose", "encode", "decode", "LEVEL"]
 
@@ -105,7 +108,7 @@ def _zstd(level: int = LEVEL) -> tuple[Any, Any]:
     return pairs[level]
 
 
-_UINT = {2: np.uint16, 4: np.uint32}
+_UINT = {2: "<u2", 4: "<u4"}
 _ZIPNN_DTYPE = {codec: dtype for dtype, codec in ZIPNN.items()}
 _DIGEST = 8  # xxh3-64 of the ZipNN stream and the tail, ahead of them
 _ZN_HEADER = 32  # a ZipNN stream's header: b"ZN", ..., plain size at [16:24], own size at [24:32] (little endian)
@@ -156,6 +159,8 @@ def _unpack_zipnn(body: memoryview, size: int, codec: str) -> bytes | bytearray:
 
 def _planes(data: bytes | bytearray | memoryview, width: int) -> list[bytes]:
     """Rotate each element left by one bit, then split into ``width`` byte planes (+ the tail)."""
+    import numpy as np  # imported on first use: the layout reads codec names without numpy
+
     n = len(data) - len(data) % width
     x = np.frombuffer(data, _UINT[width], n // width)
     bits = 8 * width
@@ -165,6 +170,8 @@ def _planes(data: bytes | bytearray | memoryview, width: int) -> list[bytes]:
 
 
 def _unplanes(planes: list[Any], width: int) -> bytes:
+    import numpy as np
+
     count = len(planes[0])
     grouped = np.empty((count, width), np.uint8)
     for i in range(width):
@@ -201,23 +208,70 @@ def _unpack_planes(body: memoryview, size: int, width: int) -> bytes:
     return _unplanes(planes, width)
 
 
+class _Raw(ChunkCodec):
+    name = "raw"
+
+    def pack(self, data: bytes | bytearray | memoryview, consume: bool) -> list[bytes] | None:
+        return None
+
+    def unpack(self, body: memoryview, size: int) -> bytes:
+        raise DataLossError(f"chunk of codec {self.name!r} has an unknown tag {_PACKED!r}")
+
+
+class _Zstd(ChunkCodec):
+    name = "zstd"
+
+    def pack(self, data: bytes | bytearray | memoryview, consume: bool) -> list[bytes] | None:
+        return [_zstd()[0].compress(data)]
+
+    def unpack(self, body: memoryview, size: int) -> bytes:
+        return _zstd()[1].decompress(body, max_output_size=size, allow_extra_data=False)
+
+
+class _BytePlanes(ChunkCodec):
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.name = f"bg{width}-zstd"
+
+    def pack(self, data: bytes | bytearray | memoryview, consume: bool) -> list[bytes] | None:
+        return [_pack_planes(data, self.width)]
+
+    def unpack(self, body: memoryview, size: int) -> bytes:
+        return _unpack_planes(body, size, self.width)
+
+
+class _ZipNN(ChunkCodec):
+    overwrites_input = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def pack(self, data: bytes | bytearray | memoryview, consume: bool) -> list[bytes] | None:
+        return _pack_zipnn(data, self.name, consume)
+
+    def unpack(self, body: memoryview, size: int) -> bytes | bytearray:
+        return _unpack_zipnn(body, size, self.name)
+
+
+for _codec in (_Raw(), _Zstd(), _BytePlanes(2), _BytePlanes(4), *(_ZipNN(n) for n in ZIPNN.values())):
+    register_codec(_codec)
+
+
 def encode(codec: str, data: bytes | bytearray | memoryview, *, consume: bool = False) -> bytes:
     """The stored form of one chunk (tag byte first; never longer than ``len(data) + 1``).
 
     Args:
         consume: ``data`` is a bytearray the caller is done with: a codec may overwrite it
             instead of copying it first.
+
+    Raises:
+        DataLossError: no chunk codec of that name is registered.
     """
-    parts: list[bytes] | None = None
-    if codec in _ZIPNN_DTYPE:
-        parts = _pack_zipnn(data, codec, consume)
-    elif codec.startswith("bg"):
-        parts = [_pack_planes(data, int(codec[2]))]
-    elif codec != "raw":
-        parts = [_zstd()[0].compress(data)]
+    coder = chunk_codec(codec)
+    parts = coder.pack(data, consume)
     if parts is None or sum(map(len, parts)) >= len(data):
-        if consume and codec in _ZIPNN_DTYPE and parts is not None:  # ZipNN overwrote ``data``:
-            return _RAW + bytes(_unpack_zipnn(memoryview(b"".join(parts)), len(data), codec))  # its output has it
+        if consume and parts is not None and coder.overwrites_input:  # ``data`` was overwritten:
+            return _RAW + bytes(coder.unpack(memoryview(b"".join(parts)), len(data)))  # the output has it
         return _RAW + bytes(data)
     return b"".join([_PACKED, *parts])
 
@@ -228,19 +282,13 @@ def decode(codec: str, stored: bytes, size: int) -> bytes | bytearray:
     Raises:
         DataLossError: the stored bytes are not a chunk of that codec and size.
     """
-    if codec not in CODECS:
-        raise DataLossError(f"chunk stored with unknown codec {codec!r}")
+    coder = chunk_codec(codec)
     tag, body = stored[:1], memoryview(stored)[1:]
     try:
         if tag == _RAW:
             out: bytes | bytearray = bytes(body)
-        elif tag == _PACKED and codec != "raw":
-            if codec in _ZIPNN_DTYPE:
-                out = _unpack_zipnn(body, size, codec)
-            elif codec.startswith("bg"):
-                out = _unpack_planes(body, size, int(codec[2]))
-            else:
-                out = _zstd()[1].decompress(body, max_output_size=size, allow_extra_data=False)
+        elif tag == _PACKED:
+            out = coder.unpack(body, size)
         else:
             raise DataLossError(f"chunk of codec {codec!r} has an unknown tag {tag!r}")
     except DataLossError:

@@ -43,9 +43,7 @@ import re
 from tierckpt.errors import DataLossError
 
 from ..local.manifest import Manifest, ShardEntry
-
-CONTENT_CODECS = ("raw", "zstd", "bg2-zstd", "bg4-zstd", "zipnn-bf16", "zipnn-f16", "zipnn-f32")
-"""The chunk codecs (:data:`.compress.CODECS`; named here so the layout needs no numpy)."""
+from .codec import is_chunk_codec
 
 __all__ = [
     "manifest_key", "data_key", "parse_manifest_key", "manifest_rank_prefix", "rank_data_prefix",
@@ -80,7 +78,7 @@ def data_key(job: str, step: int, rank: int, shard: ShardEntry) -> str:
 
 def is_content(shard: ShardEntry) -> bool:
     """Whether a manifest's shard is stored in the content layout (chunks, no data file)."""
-    return bool(shard.chunks) or (not shard.file and shard.codec in CONTENT_CODECS)
+    return bool(shard.chunks) or (not shard.file and is_chunk_codec(shard.codec))
 
 
 def content_key(job: str, digest: str, size: int, codec: str) -> str:
