@@ -68,10 +68,39 @@ def test_gap2_drain_refuses_a_corrupt_local_copy_in_process(tmp_path: Path, matr
         assert not [k for k in rig.memory.objects if "manifest" in k or k.endswith(f"a.{man.generation}")
                     or "/a" in k.split("rank-")[-1]], rig.memory.objects.keys()
         assert metrics.checksum_failures.labels(tier="local")._value.get() >= 1
+        assert [m.generation for m in rig.host.repairs][:1] == [man.generation]  # a peer copy was asked for
         with pytest.raises(TierError, match="local copy corrupt"):  # wait("persistent") fails loudly
             await asyncio.wait_for(rig.tier.wait("job", 1, 0, None), 5)
         rig.save("job", 1, 0, {"a": b"A" * 5000, "b": b"B" * 10})  # a re-save drains
         await asyncio.wait_for(rig.tier.wait("job", 1, 0, None), 10)
+        await rig.tier.stop(1.0)
+    asyncio.run(body())
+    matrix.record(committed=1, corrupt_returned=0)
+
+
+def test_gap2_a_crashing_repair_refuses_the_drain_and_pauses(tmp_path: Path, matrix) -> None:
+    """A repair that raises is a refused drain with the retry pause, not an attempt loop without one."""
+    class CrashingHost:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def notify_ingested(self, manifest: Manifest) -> None:
+            pass
+
+        async def repair_local(self, manifest: Manifest) -> bool:
+            self.calls += 1
+            raise RuntimeError("repair bug")
+
+    async def body() -> None:
+        rig = Rig(tmp_path)
+        host = CrashingHost()
+        rig.tier.bind(host)
+        man = rig.save("job", 1, 0, {"a": b"a" * 5000})
+        flip_bit(rig.store.shard_path(man, "a"), 10)
+        await rig.tier.start()
+        entry = await until(lambda: (e := rig.tier.ledger.pending[man.key]).error and e, "the refused attempt")
+        assert entry.error.startswith("local copy corrupt") and not entry.running
+        assert entry.not_before > time.monotonic() and host.calls == 1
         await rig.tier.stop(1.0)
     asyncio.run(body())
     matrix.record(committed=1, corrupt_returned=0)

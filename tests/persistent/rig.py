@@ -43,9 +43,14 @@ class FakeCluster:
 class Host:
     def __init__(self) -> None:
         self.ingested: list[Manifest] = []
+        self.repairs: list[Manifest] = []
 
     def notify_ingested(self, manifest: Manifest) -> None:
         self.ingested.append(manifest)
+
+    async def repair_local(self, manifest: Manifest) -> bool:
+        self.repairs.append(manifest)
+        return False  # no peer tier here: nothing to repair from
 
 
 class Rig:

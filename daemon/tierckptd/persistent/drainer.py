@@ -246,7 +246,13 @@ class Drainer:
         self.count_failure(final=False)
         repaired = False
         if self.repair is not None:
-            repaired = await self.repair(man)
+            try:
+                repaired = await self.repair(man)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a failed repair is a refused drain, never a retry loop without a pause
+                log.exception("drain of %s step %d rank %d: repairing the local copy crashed",
+                              man.job, man.step, man.rank)
         if not repaired:
             e.error = f"local copy corrupt: {err}"
         if repaired:
