@@ -179,8 +179,9 @@ class Node:
         self._committed(man, ingested=True)
 
     def evicted(self, ev: Eviction) -> None:
-        """Store callback (any thread): count it and forward it to the tiers on the event loop."""
-        if self.metrics:
+        """Store callback (any thread): count it (an operator's deletion is not an eviction) and
+        forward it to the tiers on the event loop."""
+        if self.metrics and ev.reason != "deleted":
             self.metrics.evictions.labels(reason=ev.reason).inc()
         if self._loop is not None and not self._loop.is_closed():
             for t in self.tiers:

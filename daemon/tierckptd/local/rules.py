@@ -33,7 +33,7 @@ class Eviction:
     job: str
     step: int
     ranks: tuple[int, ...]
-    reason: str  # "retention" | "capacity" | "capacity_undrained" | "replaced"
+    reason: str  # "retention" | "capacity" | "capacity_undrained" | "replaced" | "deleted" (tierckpt rm)
 
 
 def retention_floor(complete_steps: Sequence[int], keep_local: int) -> int:

@@ -380,6 +380,17 @@ class LocalStore:
         with self._lock:
             return self._evictor.remove_rank(job, step, rank, reason, generation=generation)
 
+    def remove_step(self, job: str, step: int, reason: str) -> int:
+        """Remove every rank of ``job`` step ``step`` held here (``tierckpt rm``), each rank's
+        manifest before its data; the tiers hear of it as an eviction with reason "deleted"
+        (queued drains of it are cancelled). Returns the ranks removed."""
+        with self._lock:
+            ranks = tuple(r for r in sorted(self._catalog.steps(job).get(step, {}))
+                          if self._evictor.remove_rank(job, step, r, reason))
+        if ranks:
+            self._notify([Eviction(job, step, ranks, "deleted")])
+        return len(ranks)
+
     def _notify(self, evictions: Iterable[Eviction]) -> None:
         if self._on_evict is not None:
             for ev in evictions:

@@ -29,14 +29,9 @@ class LocalTier(Tier):
     def __init__(self, store: LocalStore) -> None:
         self.store = store
 
-    def remove_step(self, job: str, step: int, reason: str) -> int:
-        """Remove every rank of ``job`` step ``step`` held here, each rank's manifest before its
-        data (blocking); returns the ranks removed."""
-        ranks = self.store.steps(job).get(step, {})
-        return sum(1 for rank in sorted(ranks) if self.store.remove_rank(job, step, rank, reason))
-
     async def delete(self, job: str, step: int, *, reason: str = "deleted on request") -> Deleted:
-        return Deleted(copies=await run_blocking(self.remove_step, job, step, reason))
+        """Remove every rank of the step held here (:meth:`.store.LocalStore.remove_step`)."""
+        return Deleted(copies=await run_blocking(self.store.remove_step, job, step, reason))
 
     async def verify(self, job: str, step: int | None) -> Verified:
         return Verified(await run_blocking(functools.partial(verify_local, self.store, job, step)))

@@ -14,6 +14,7 @@ One concept per module:
 - :mod:`.drainer`: the drain loop (order, concurrency, outcomes, unpinning).
 - :mod:`.takeover`: draining the selected copies of lost owners.
 - :mod:`.retention`: ``keep_persistent``.
+- :mod:`.tombstone`: a deleted step stays deleted (``tierckpt rm`` against drains in flight).
 - :mod:`.catalog`: the per-job catalog cache and manifest reads.
 - :mod:`.download`: fetching a rank into the local store, verified.
 - :mod:`.audit`: re-hashing stored objects (``tierckpt verify``).

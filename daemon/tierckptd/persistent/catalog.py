@@ -26,8 +26,16 @@ from ..local.manifest import Manifest
 from ..retry import RetryPolicy
 from ..tiers import RankCopy
 from .calls import BackendCalls
-from .layout import data_key, is_content, job_manifests_prefix, manifest_rank_prefix, parse_manifest_key
+from .layout import (
+    data_key,
+    is_content,
+    job_manifests_prefix,
+    manifest_rank_prefix,
+    parse_manifest_key,
+    parse_tombstone_key,
+)
 from .ledger import Bounded, Key
+from .tombstone import read_tombstone
 
 __all__ = ["Catalog", "count_checksum_failure"]
 
@@ -82,13 +90,30 @@ class Catalog:
         """step -> rank -> world size from one listing of the job's manifests."""
         keys = await self.calls.read(functools.partial(self.calls.be.list, job_manifests_prefix(job)), policy)
         out: Steps = {}
+        deleted: set[int] = set()
         for key in keys:
             parsed = parse_manifest_key(job, key)
             if parsed is None:
+                if (tomb := parse_tombstone_key(job, key)) is not None:
+                    deleted.add(tomb)
                 continue
             step, rank, world = parsed
             out.setdefault(step, {}).setdefault(rank, world)  # two worlds for a rank: a re-save mid-cleanup
+        for step in deleted & out.keys():  # rare: a save after `rm`, or a drain that raced it
+            await self._drop_deleted(job, step, out)
         return out
+
+    async def _drop_deleted(self, job: str, step: int, out: Steps) -> None:
+        """Drop the ranks of ``step`` whose manifest its tombstone covers (:mod:`.tombstone`)."""
+        for rank in list(out[step]):
+            try:
+                await self.read_manifest(job, step, rank)
+            except NotFoundError:  # covered (or deleted meanwhile)
+                del out[step][rank]
+            except DataLossError:
+                pass  # a restore reports it
+        if not out[step]:
+            del out[step]
 
     async def catalog(self, job: str) -> dict[int, dict[int, RankCopy]]:
         """The ranks of ``job`` with a manifest in the store (see the module docstring).
@@ -174,7 +199,15 @@ class Catalog:
             raise UnavailableError(f"persistent tier {self.url}: {err}") from err
         if not found:
             raise NotFoundError(f"{job} step {step} rank {rank} is not in the persistent tier {self.url}")
-        return max(found, key=lambda m: m.created)
+        newest = max(found, key=lambda m: m.created)
+        try:
+            stone = await read_tombstone(self.calls, job, step)
+        except BackendError as err:
+            raise UnavailableError(f"persistent tier {self.url}: {err}") from err
+        if stone is not None and stone.covers(newest):
+            raise NotFoundError(f"{job} step {step} rank {rank} was deleted from the persistent tier {self.url} "
+                                f"(by {stone.by or 'an operator'})")
+        return newest
 
     def _check_manifest(self, key: str, data: bytes, want: Key, world: int) -> Manifest:
         try:

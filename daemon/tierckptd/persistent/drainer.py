@@ -4,9 +4,11 @@ Ranks are drained oldest first, ``KNOBS.ranks_at_once`` at a time. An attempt th
 non-retryable error (access denied, missing bucket) records the error on the entry (``wait``
 raises ``TierError`` naming it) and the rank is tried again every ``KNOBS.failed_retry_seconds``.
 A rank that leaves the local tier before it is drained (evicted by capacity, or superseded by a
-re-save that is not selected) fails for good: logged, counted, its partial upload deleted. A
-drained rank leaves the durable queue, its step is unpinned (once no rank of it is queued), and
-retention runs.
+re-save that is not selected) fails for good: logged, counted, its partial upload deleted. A rank
+whose step an operator deleted (``tierckpt rm``: the delete, or the removal of the local copies,
+tells the drainer; or the uploader finds the step's tombstone, :mod:`.tombstone`) is cancelled:
+not counted as a failure, ``wait`` says it was deleted. A drained rank leaves the durable queue,
+its step is unpinned (once no rank of it is queued), and retention runs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .ledger import Entry, Ledger
 from .queue import QueueWriter
 from .retention import Retention
 from .selection import selected
+from .tombstone import StepDeleted
 from .uploader import RankUploader
 
 __all__ = ["Drainer"]
@@ -137,11 +140,45 @@ class Drainer:
         log.info("persistent tier %s: %d pending drains resumed, %d abandoned", self.url, resumed, dropped)
 
     def on_evict(self, eviction: Eviction) -> None:
-        """A queued rank evicted before its drain fails now (the store logged it loudly)."""
+        """A queued rank evicted before its drain fails now (the store logged it loudly); one
+        deleted on request (``tierckpt rm``) is cancelled."""
         for rank in eviction.ranks:
             e = self.ledger.pending.get((eviction.job, eviction.step, rank))
-            if e is not None:
+            if e is None:
+                continue
+            if eviction.reason == "deleted":
+                self.cancel(e, "the step was deleted on request (tierckpt rm)")
+            else:
                 self.fail(e, f"evicted from the local tier before it was drained ({eviction.reason})")
+
+    def cancel_step(self, job: str, step: int) -> tuple[set[str], list[asyncio.Task]]:
+        """``tierckpt rm``: cancel every queued rank of the step. Returns the generations
+        cancelled and the attempts still in flight (the caller waits them out)."""
+        gens: set[str] = set()
+        tasks: list[asyncio.Task] = []
+        for key, e in list(self.ledger.pending.items()):
+            if key[:2] == (job, step):
+                gens.add(e.man.generation)
+                if e.task is not None and not e.task.done():
+                    tasks.append(e.task)
+                self.cancel(e, "the step was deleted on request (tierckpt rm)")
+        self._forced.discard((job, step))
+        return gens, tasks
+
+    def cancel(self, e: Entry, reason: str) -> None:
+        """Stop draining a rank whose step was deleted: not a failure (``wait`` names ``reason``)."""
+        man = e.man
+        if self.ledger.pending.get(man.key) is not e:
+            return
+        e.cancelled = True
+        del self.ledger.pending[man.key]
+        self.ledger.failed[man.key] = (man.generation, reason)
+        self.queue.remove(*man.key)
+        log.info("drain of %s step %d rank %d to %s cancelled: %s", man.job, man.step, man.rank, self.url, reason)
+        self.update_gauges()
+        self.ledger.broadcast()
+        self._spawn(self._unpin(man.job, man.step))
+        self._spawn(self.uploader.forget_orphans(man))
 
     def fail(self, e: Entry, reason: str) -> None:
         """Give up on a queued rank for good (evicted or superseded): log, count, forget."""
@@ -173,7 +210,7 @@ class Drainer:
                     break
                 if e.not_before <= now:
                     e.running = True
-                    task = asyncio.create_task(self._attempt(e))
+                    task = e.task = asyncio.create_task(self._attempt(e))
                     self.running.add(task)
                     task.add_done_callback(self._attempt_done)
             delays = [e.not_before - now for e in self.ledger.pending.values()
@@ -207,6 +244,9 @@ class Drainer:
             return
         except (BackendError, OSError) as err:
             self._attempt_failed(e, man, err)
+            return
+        except StepDeleted as err:
+            self.cancel(e, str(err))
             return
         except DataLossError as err:  # the local copy is corrupt: nothing was published
             await self._local_copy_corrupt(e, man, err)

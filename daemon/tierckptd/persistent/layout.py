@@ -4,6 +4,7 @@ Object layout below the URL's root (``file:///dir``, ``s3://bucket/prefix``, ``g
 
     <job>/content/<h[:2]>/<h>-<size>.<codec>                                 one chunk (content layout)
     <job>/manifests/<step:020d>/rank-<rank:07d>-of-<world:07d>.json          commit marker
+    <job>/manifests/<step:020d>/deleted.json                                 the step was deleted (a tombstone)
     <job>/leases/<unix-ms:013d>-<token>.json                                 a drain in flight (see :mod:`.gc`)
     <job>/gc/<unix-ms:013d>-<token>-<node>                                   a collection in flight
     <job>/damaged/<h[:2]>/<h>-<size>.<codec>                                 a chunk a restore found damaged
@@ -49,10 +50,12 @@ __all__ = [
     "manifest_key", "data_key", "parse_manifest_key", "manifest_rank_prefix", "rank_data_prefix",
     "job_manifests_prefix", "step_manifests_prefix", "step_data_prefix",
     "content_key", "content_prefix", "is_content", "chunk_keys", "object_keys",
+    "tombstone_key", "parse_tombstone_key",
     "lease_prefix", "gc_prefix", "damaged_prefix", "damaged_key", "damaged_chunk", "stamped_key", "stamp_of",
 ]
 
 _MANIFEST_RE = re.compile(r"^manifests/(\d{20})/rank-(\d{7})-of-(\d{7})\.json$")
+_TOMBSTONE_RE = re.compile(r"^manifests/(\d{20})/deleted\.json$")
 
 
 def manifest_key(job: str, step: int, rank: int, world_size: int) -> str:
@@ -153,6 +156,19 @@ def rank_data_prefix(job: str, step: int, rank: int) -> str:
 def job_manifests_prefix(job: str) -> str:
     """Prefix of every manifest of a job (one listing is the job's catalog)."""
     return f"{job}/manifests/"
+
+
+def tombstone_key(job: str, step: int) -> str:
+    """Object key of a step's tombstone (:mod:`.tombstone`): beside its manifests, so the job's
+    one listing shows it."""
+    return f"{job}/manifests/{step:020d}/deleted.json"
+
+
+def parse_tombstone_key(job: str, key: str) -> int | None:
+    """The step a :func:`tombstone_key` of ``job`` names, or None for any other key."""
+    head = job + "/"
+    m = _TOMBSTONE_RE.match(key[len(head):]) if key.startswith(head) else None
+    return int(m.group(1)) if m else None
 
 
 def step_manifests_prefix(job: str, step: int) -> str:

@@ -31,7 +31,8 @@ class Entry:
     running: bool = False
     not_before: float = 0.0  # monotonic: earliest next attempt after a non-retryable failure
     error: str = ""  # last non-retryable failure, reported by wait()
-    cancelled: bool = False  # evicted or superseded: threads stop retrying
+    cancelled: bool = False  # evicted, superseded or deleted: threads stop retrying
+    task: asyncio.Task | None = None  # the attempt in flight, if any
 
 
 class Bounded(collections.OrderedDict):

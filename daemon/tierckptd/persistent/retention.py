@@ -21,7 +21,7 @@ from ..knobs import KNOBS
 from .calls import BackendCalls
 from .catalog import Catalog
 from .gc import collect
-from .layout import step_data_prefix, step_manifests_prefix
+from .layout import parse_tombstone_key, step_data_prefix, step_manifests_prefix
 from .selection import plan_retention
 
 __all__ = ["Retention"]
@@ -75,7 +75,7 @@ class Retention:
         """
         async with self._locks[job]:
             try:
-                manifests, data = await self._delete_step(job, step, "deleted on request")
+                manifests, data = await self._delete_step(job, step, "deleted on request", keep_tombstone=True)
             finally:
                 self.catalog.invalidate(job)
             try:
@@ -84,10 +84,14 @@ class Retention:
                 log.warning("collection after deleting %s step %d postponed to the next one: %s", job, step, err)
             return manifests, data
 
-    async def _delete_step(self, job: str, step: int, why: str = "") -> tuple[int, int]:
+    async def _delete_step(self, job: str, step: int, why: str = "", *,
+                           keep_tombstone: bool = False) -> tuple[int, int]:
+        """Manifests first, then data; the step's tombstone goes too unless ``keep_tombstone``
+        (``tierckpt rm`` wrote it just before: :mod:`.tombstone`)."""
         be, policy = self.calls.be, KNOBS.catalog_retry
-        manifests = await self.calls.read(functools.partial(be.list, step_manifests_prefix(job, step)), policy)
-        await self.calls.read(functools.partial(be.delete, manifests), policy)
+        listed = await self.calls.read(functools.partial(be.list, step_manifests_prefix(job, step)), policy)
+        manifests = [k for k in listed if parse_tombstone_key(job, k) is None]
+        await self.calls.read(functools.partial(be.delete, manifests if keep_tombstone else listed), policy)
         data = await self.calls.read(functools.partial(be.list, step_data_prefix(job, step)), policy)
         await self.calls.read(functools.partial(be.delete, data), policy)
         self.catalog.forget_step(job, step)

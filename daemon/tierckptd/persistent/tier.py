@@ -38,6 +38,7 @@ from .queue import QUEUE_DIR, DrainQueue, QueueWriter
 from .retention import Retention
 from .selection import not_selected_reason, selected, step_selected
 from .takeover import TakeOver
+from .tombstone import new_tombstone, write_tombstone
 from .uploader import RankUploader
 
 __all__ = ["PersistentTier"]
@@ -266,8 +267,19 @@ class PersistentTier(RemoteTier):
     # ----------------------------------------------------------------------------- operator verbs
 
     async def delete(self, job: str, step: int) -> Deleted:
-        """Every rank's manifest of the step, then its data (see :mod:`.retention`)."""
+        """Cancel this node's queued drains of the step, leave its tombstone, wait out the
+        attempts in flight (``KNOBS.fanout_deadline`` at most; a later one finds the tombstone),
+        then delete every rank's manifest and then the data (see :mod:`.tombstone`, :mod:`.retention`).
+
+        Raises:
+            UnavailableError: the store failed; nothing was deleted if the tombstone could not be written.
+        """
+        gens, running = self.drainer.cancel_step(job, step)
+        gens |= {m.generation for m in self.store.steps(job).get(step, {}).values()}
         try:
+            await write_tombstone(self.calls, new_tombstone(job, step, gens, self.config.node_id))
+            if running:
+                await asyncio.wait(running, timeout=KNOBS.fanout_deadline)
             manifests, objects = await self.drainer.retention.delete_step(job, step)
         except BackendError as e:
             raise UnavailableError(f"persistent tier {self.url}: {e}") from e

@@ -29,12 +29,13 @@ from ..backends import BackendError
 from ..knobs import KNOBS
 from ..local.manifest import Manifest
 from ..local.store import LocalStore
-from .calls import BackendCalls
+from .calls import BackendCalls, Stopped
 from .catalog import Catalog
 from .codec import IDENTITY, ShardCodec
 from .content import ContentStore
 from .layout import data_key, is_content, manifest_key, manifest_rank_prefix, rank_data_prefix
 from .ledger import Entry
+from .tombstone import StepDeleted, read_tombstone
 from .verify import VerifyingReader
 
 __all__ = ["RankUploader"]
@@ -75,6 +76,7 @@ class RankUploader:
             BackendError: a non-retryable store error.
             DataLossError: a local shard does not match its checksum (counted; nothing of it is
                 published, and the manifest is not uploaded).
+            StepDeleted: ``tierckpt rm`` deleted the step after this save; nothing is published.
             OSError: a local file cannot be read, or the rank left the local tier.
         """
         job, step, rank = man.key
@@ -118,11 +120,26 @@ class RankUploader:
             return True
         if leased is not None:
             ContentStore.check_lease(leased)
-        await self.calls.write(functools.partial(self.calls.be.put_bytes,
-                                                 manifest_key(job, step, rank, man.world_size), man.to_json()),
-                               lambda: e.cancelled)
+        await self._check_not_deleted(e, man)
+        key = manifest_key(job, step, rank, man.world_size)
+        await self.calls.write(functools.partial(self.calls.be.put_bytes, key, man.to_json()), lambda: e.cancelled)
+        try:
+            await self._check_not_deleted(e, man, ignore_cancel=True)
+        except StepDeleted:  # deleted while the manifest was on its way: take it back
+            await self.calls.write(functools.partial(self.calls.be.delete, [key]))
+            self.catalog.invalidate(job)
+            raise
         await self._remove_stale(e, man)
         return True
+
+    async def _check_not_deleted(self, e: Entry, man: Manifest, *, ignore_cancel: bool = False) -> None:
+        """Raises StepDeleted if ``tierckpt rm`` deleted the step after this save (:mod:`.tombstone`)."""
+        if e.cancelled and not ignore_cancel:
+            raise Stopped()
+        stone = await read_tombstone(self.calls, man.job, man.step)
+        if stone is not None and stone.covers(man):
+            raise StepDeleted(f"{man.job} step {man.step} was deleted (by {stone.by or 'an operator'}) after "
+                              f"rank {man.rank} was saved; its manifest is not published")
 
     def stored_form(self, man: Manifest) -> Manifest:
         """The manifest as uploaded: the owner's form (:meth:`owner_form`), each shard naming the
