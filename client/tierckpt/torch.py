@@ -41,6 +41,7 @@ import re
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -314,10 +315,35 @@ class SaveStats:
     last_blocking_seconds: float = 0.0
 
 
-def _fingerprint(t: torch.Tensor) -> tuple:
-    """What identifies a tensor's bytes without reading them: its storage, layout and version
-    counter (bumped by every in-place op autograd sees; not by writes through ``.data``)."""
-    return (str(t.device), t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype)
+@dataclass(frozen=True)
+class _Print:
+    """What identifies a tensor's bytes without reading them (``incremental``): the very storage
+    (held by a weak reference, so a freed one never matches, whatever address its successor
+    gets), the version counter (bumped by every in-place op autograd sees, shared with views and
+    ``detach()``; not by writes through ``.data``) and the layout."""
+
+    storage: weakref.ref
+    version: int
+    layout: tuple
+
+    def same(self, other: _Print | None) -> bool:
+        """Whether ``other`` (taken now) shows the bytes this print was taken of."""
+        if other is None or other.version != self.version or other.layout != self.layout:
+            return False
+        held = self.storage()
+        return held is not None and held is other.storage()
+
+
+def _fingerprint(t: torch.Tensor) -> _Print | None:
+    """A :class:`_Print` of a plain dense tensor; None (never unchanged) for anything else:
+    subclasses, sparse or meta tensors, storages without a lasting Python object."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.device.type == "meta":
+        return None
+    try:
+        ref = weakref.ref(t.untyped_storage())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    return _Print(ref, t._version, (str(t.device), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype))
 
 
 class Checkpointer:
@@ -336,13 +362,16 @@ class Checkpointer:
         map_location: device for tensors that cannot be copied into an existing tensor on load;
             default: the device they were saved from when it exists here, else CPU.
         incremental: pass as ``unchanged`` (see :meth:`tierckpt.Client.save`) the tensors with
-            their own shard whose storage, layout and version counter (``t._version``) did not
-            move since this Checkpointer's previous committed save: the daemon links their files
-            instead of a copy. Frozen parameters (``requires_grad=False``) are the common case.
-            Opt-in because an in-place write through ``.data`` (or from outside autograd's view,
-            e.g. a custom kernel writing the storage) does not bump the version counter: such a
-            tensor would be saved with its previous bytes. Use it only when every update goes
-            through ordinary tensor ops (as optimizers do).
+            their own shard that are views of the very storage the previous committed save of
+            this Checkpointer held (a weak reference: a tensor re-created out of place, an EMA
+            computed out of place, optimizer state re-allocated, or a new tensor at a freed
+            address never matches), with the same layout and version counter (``t._version``):
+            the daemon links their files instead of a copy. Frozen parameters
+            (``requires_grad=False``) are the common case. Subclasses, sparse and meta tensors
+            are always written. Opt-in because an in-place write through ``.data`` (or from
+            outside autograd's view, e.g. a custom kernel writing the storage) does not bump the
+            version counter: such a tensor would be saved with its previous bytes. Use it only
+            when every update goes through ordinary tensor ops (as optimizers do).
     """
 
     def __init__(self, job: str, *, client: Client | None = None, address: str | None = None,
@@ -366,7 +395,7 @@ class Checkpointer:
         self._deferred: BaseException | None = None
         self._pinned: dict[tuple, torch.Tensor] = {}
         self.incremental = bool(incremental)
-        self._prints: dict[str, tuple] = {}  # shard -> fingerprint at the last committed save (incremental)
+        self._prints: dict[str, _Print] = {}  # shard -> fingerprint at the last committed save (incremental)
 
     # ------------------------------------------------------------------ saving
 
@@ -403,10 +432,11 @@ class Checkpointer:
         shards[OBJECTS_SHARD] = pickle.dumps({"format": FORMAT, "state": skeleton, "tensors": locs},
                                              protocol=pickle.HIGHEST_PROTOCOL)
         meta = {"tierckpt.torch": FORMAT, "keys": [str(k) for k in state], "user": dict(metadata or {})}
-        prints = {n: _fingerprint(t) for n, (_, t) in zip(names, tensors) if n in shards} if self.incremental else {}
+        prints = {n: p for n, (_, t) in zip(names, tensors)
+                  if n in shards and (p := _fingerprint(t)) is not None} if self.incremental else {}
         with self._lock:
             self.stats.started += 1
-            unchanged = [n for n, p in prints.items() if self._prints.get(n) == p]
+            unchanged = [n for n, p in prints.items() if (was := self._prints.get(n)) is not None and was.same(p)]
         try:
             fut = self.client.save(self.job, step, self.rank, self.world_size, shards, metadata=meta,
                                    persist=persist, unchanged=unchanged)
@@ -449,7 +479,7 @@ class Checkpointer:
         self._pinned = pinned  # reused by the next save of the same layout; others are freed
         return out
 
-    def _done(self, fut: cf.Future, prints: dict[str, tuple] | None = None) -> None:
+    def _done(self, fut: cf.Future, prints: dict[str, _Print] | None = None) -> None:
         err = fut.exception()
         with self._lock:
             self._pending.discard(fut)  # type: ignore[arg-type]
