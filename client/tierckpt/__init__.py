@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 # (PEP 562), so that ``tierckpt.errors`` and ``tierckpt.common``, which the daemon shares, load
 # no client module, grpc or numpy.
 from .errors import (
+    AbortedError,
     AlreadyExistsError,
     CapacityError,
     DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
+    InternalError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
@@ -60,5 +62,6 @@ __all__ = [
     "Client", "CheckpointManager", "SaveFuture", "SaveResult", "Checkpoint", "CheckpointInfo", "RankLocation",
     "StepAvailability", "TierckptError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
     "CapacityError", "UnavailableError", "DataLossError", "FailedPreconditionError", "DeadlineExceededError",
-    "PermissionDeniedError", "TierError", "JobPolicy", "CopyCheck", "DeleteResult", "VerifyResult",
+    "PermissionDeniedError", "TierError", "AbortedError", "InternalError", "JobPolicy", "CopyCheck",
+    "DeleteResult", "VerifyResult",
 ]

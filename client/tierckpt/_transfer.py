@@ -23,7 +23,15 @@ from ._buffers import ShardBuffer
 from .common import checksum as _checksum
 from .common.fileio import digest_file, pwrite_all
 from .common.status import error_from_rpc
-from .errors import CapacityError, DataLossError, NotFoundError, TierckptError
+from .errors import (
+    AbortedError,
+    CapacityError,
+    DataLossError,
+    InternalError,
+    NotFoundError,
+    PermissionDeniedError,
+    TierckptError,
+)
 from .v1 import tierckpt_pb2 as pb
 
 __all__ = ["write_requests", "write_files", "Progress", "StagingMaps", "copy_into", "map_verified", "read_stream",
@@ -242,12 +250,8 @@ def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer], st
             for f in futs:
                 f.cancel()
             cf.wait(futs)
-    except FileNotFoundError as e:
-        raise TierckptError(f"staging file vanished (the save was aborted or expired): {e.filename}") from None
     except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise CapacityError(f"local_dir is full while staging: {e}") from None
-        raise TierckptError(f"copying into the staging file failed: {e}") from None
+        raise typed_os_error(e, "copying into the staging file") from None
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -306,6 +310,18 @@ def read_stream(stub: Any, address: str, job: str, step: int, rank: int, s: pb.R
     if got != s.size or h.hexdigest() != s.checksum:
         raise DataLossError(f"{job} step {step} rank {rank} shard {s.name!r}: checksum mismatch after streaming")
     return buf
+
+
+def typed_os_error(e: OSError, what: str) -> TierckptError:
+    """The typed error for an I/O failure on a save's staging files in the shared local dir."""
+    if isinstance(e, FileNotFoundError):
+        return AbortedError(f"{what}: a staging file vanished (the save was superseded by another save of "
+                            f"the rank, aborted or expired): {e.filename}")
+    if e.errno == errno.ENOSPC:
+        return CapacityError(f"{what}: local_dir is full: {e}")
+    if isinstance(e, PermissionError):
+        return PermissionDeniedError(f"{what}: {e}")
+    return InternalError(f"{what} failed: {e}")
 
 
 def hash_staged(target: str | mmap.mmap, size: int) -> str:

@@ -32,7 +32,7 @@ from ._catalog import CatalogMixin, CheckpointInfo, RankLocation, StepAvailabili
 from ._loans import Loans
 from ._restore import materialize, read_only_arrays
 from ._saveplan import SavePlanner, split_packed
-from ._transfer import StagingMaps, copy_into, hash_staged, run_batched, write_requests
+from ._transfer import StagingMaps, copy_into, hash_staged, run_batched, typed_os_error, write_requests
 from .common.names import (
     MAX_METADATA_BYTES,
     MAX_SHARDS_PER_RANK,
@@ -44,6 +44,7 @@ from .common.names import (
 from .common.status import error_from_rpc
 from .errors import (
     DataLossError,
+    InternalError,
     InvalidArgumentError,
     NotFoundError,
     TierckptError,
@@ -434,9 +435,13 @@ class Client(CatalogMixin, DataManagementMixin):
             self._planner.committed(fut.job, fut.rank, fut.step, save_id)
             fut.set_result(SaveResult(fut.job, fut.step, fut.rank, resp.bytes, fut.blocking_seconds,
                                       time.perf_counter() - t0, fut.shared_bytes))
-        except BaseException as e:  # thread boundary: the future carries the error
+        except BaseException as e:  # thread boundary: the future carries the error, typed
             self._abort(save_id)
-            fut.set_exception(e if isinstance(e, TierckptError) else TierckptError(f"commit failed: {e!r}"))
+            if isinstance(e, OSError):
+                e = typed_os_error(e, "commit")
+            elif not isinstance(e, TierckptError):
+                e = InternalError(f"commit failed: {e!r}")
+            fut.set_exception(e)
         finally:
             self._maps.trim()  # in this background thread, not in a later save's blocking path
 

@@ -20,6 +20,8 @@ __all__ = [
     "DeadlineExceededError",
     "PermissionDeniedError",
     "TierError",
+    "AbortedError",
+    "InternalError",
 ]
 
 
@@ -68,3 +70,14 @@ class DeadlineExceededError(TierckptError, TimeoutError):
 
 class TierError(TierckptError):
     """A background tier (peer replication, persistent drain) failed for this checkpoint."""
+
+
+class AbortedError(TierckptError):
+    """This save was superseded by another save of the same job, step and rank, or it was
+    aborted or expired before its commit: nothing of it is stored (the other save, if any, is
+    whole). Saving again is safe."""
+
+
+class InternalError(TierckptError):
+    """The daemon failed in a way no other class describes (an I/O error on its node, a bug);
+    the message says what. Nothing was returned that failed verification."""

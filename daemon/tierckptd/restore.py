@@ -96,6 +96,7 @@ class NodeRestore:
         reason = f"restore-{id(asyncio.current_task()):x}-{time.monotonic_ns():x}"
         self.store.pin(job, step, reason)
         man = None
+        lost: list[bool] = []
         try:
             for t in self.tiers:
                 try:
@@ -104,12 +105,15 @@ class NodeRestore:
                     continue
                 except (DataLossError, UnavailableError) as e:
                     errors.append(f"{t.name}: {e}")
+                    lost.append(isinstance(e, DataLossError))
                     continue
                 return man, t.name, man.node
         finally:
             self._spawn(self._unpin_later(job, step, reason, KNOBS.restore_pin_seconds if man else 0.0))
         if errors:
-            raise DataLossError(f"{job} step {step} rank {rank}: every copy failed: " + "; ".join(errors))
+            # data loss only when every copy tried failed verification; else the copies may come back
+            cls = DataLossError if all(lost) else UnavailableError
+            raise cls(f"{job} step {step} rank {rank}: every copy failed: " + "; ".join(errors))
         raise NotFoundError(f"{job} step {step} rank {rank} is not held by any tier")
 
     async def _unpin_later(self, job: str, step: int, reason: str, delay: float) -> None:

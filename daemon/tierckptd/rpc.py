@@ -34,7 +34,7 @@ async def abort_for(exc: BaseException, method: str, context: Any) -> None:
         code = _status.code_for(exc)
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s failed", method, exc_info=exc)
-        await context.abort(code, str(exc))
+        await context.abort(code, str(exc), _status.trailing_metadata(exc))
     if isinstance(exc, OSError):
         if exc.errno == errno.ENOSPC:  # the local tier's filesystem is full: the capacity condition
             log.error("%s failed: local_dir is full: %s", method, exc)

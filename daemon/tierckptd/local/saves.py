@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from tierckpt.common.fileio import pwrite_all
 from tierckpt.common.names import check_job, check_rank, check_step
-from tierckpt.errors import CapacityError, InvalidArgumentError
+from tierckpt.errors import AbortedError, CapacityError, FailedPreconditionError, InvalidArgumentError
 
 from .eviction import charge
 from .index import Catalog
@@ -35,6 +36,8 @@ ShareFn = Callable[[Staging], dict[str, tuple[Manifest, ShardEntry]]]
 :meth:`.store.LocalStore.begin`, ``unchanged``)."""
 
 log = logging.getLogger(__name__)
+
+_SAVE_ID = re.compile(r"[0-9a-f]{16}")
 
 
 class OpenSaves:
@@ -71,7 +74,7 @@ class OpenSaves:
         check_step(step)
         check_rank(rank, world_size)
         check_specs(specs, self.max_shard_bytes)
-        save_id = secrets.token_hex(8)
+        save_id = secrets.token_hex(8)  # the form _SAVE_ID checks
         sdir = self._fs.path(StoreLayout.staging_rel(save_id))
         staging = Staging(save_id=save_id, job=job, step=step, rank=rank, world_size=world_size,
                           files={}, dir=sdir, stream=stream, evictable=evictable, inbound=inbound)
@@ -82,12 +85,23 @@ class OpenSaves:
         try:
             self._layout.create_staging(staging, reused, prefault)
         except OSError as e:
+            superseded = not self.is_open(save_id)  # a newer save of the rank began meanwhile
             self.abort(save_id)
             self._recycle.discard(reused.values())  # taken from the pool (and its bytes) but not moved yet
             if e.errno == errno.ENOSPC:
                 raise CapacityError(f"local_dir {self._fs.root} is full: {e.strerror}") from e
+            if superseded:
+                raise self._vanished(save_id, e) from None
             raise
         return staging
+
+    def _vanished(self, save_id: str, err: Exception) -> Exception:
+        """What a missing staging file means: AbortedError when the save is no longer open (a newer
+        save of the rank superseded it, or it was aborted or expired), else ``err`` itself."""
+        if not self.is_open(save_id):
+            return AbortedError(f"save_id: {save_id!r} was superseded by a newer save of the rank, aborted or "
+                                f"expired while in use ({err})")
+        return err
 
     def _reserve_locked(self, staging: Staging, share: ShareFn | None = None) -> dict[str, str]:
         """Supersede an older open save of the rank, bound open saves, link shared files, make
@@ -148,17 +162,26 @@ class OpenSaves:
         return reused
 
     def get(self, save_id: str) -> Staging:
+        """The open save ``save_id``.
+
+        Raises:
+            InvalidArgumentError: ``save_id`` is not a save id (16 hex digits).
+            AbortedError: it names no open save (aborted, superseded, expired or committed).
+        """
         with self._lock:
             st = self._open.get(save_id)
+        if st is None and not _SAVE_ID.fullmatch(save_id):
+            raise InvalidArgumentError(f"save_id: {save_id[:40]!r} is not a save id (16 hex digits)")
         if st is None:
-            raise InvalidArgumentError(f"save_id: {save_id!r} is not an open save (never begun, committed or expired)")
+            raise AbortedError(f"save_id: {save_id!r} is not an open save (aborted, superseded, expired, "
+                               "committed already or never begun)")
         return st
 
     def is_open(self, save_id: str) -> bool:
         """Whether ``save_id`` is an open save (begun, not yet committed, aborted or reclaimed)."""
         try:
             self.get(save_id)
-        except InvalidArgumentError:
+        except AbortedError:
             return False
         return True
 
@@ -168,7 +191,10 @@ class OpenSaves:
         f = st.files.get(shard)
         if f is None:
             raise InvalidArgumentError(f"shard: {shard!r} is not part of save {save_id}")
-        return self._layout.open_staged(st, f, flags)
+        try:
+            return self._layout.open_staged(st, f, flags)
+        except FileNotFoundError as e:
+            raise self._vanished(save_id, e) from None
 
     def write_chunk(self, save_id: str, shard: str, offset: int, data: bytes | memoryview, fd_cache: dict) -> None:
         """Write streamed bytes into a staging file (stream transfers). ``fd_cache`` maps paths to fds."""
@@ -180,7 +206,10 @@ class OpenSaves:
             raise InvalidArgumentError(f"offset: {offset}+{len(data)} exceeds shard {shard!r} size {f.size}")
         fd = fd_cache.get(f.path)
         if fd is None:
-            fd = fd_cache[f.path] = self._layout.open_staged(st, f, os.O_WRONLY)
+            try:
+                fd = fd_cache[f.path] = self._layout.open_staged(st, f, os.O_WRONLY)
+            except FileNotFoundError as e:
+                raise self._vanished(save_id, e) from None
         pwrite_all(fd, memoryview(data), offset)
         f.written += len(data)
 
@@ -196,6 +225,10 @@ class OpenSaves:
                 raise InvalidArgumentError(f"shard: {short} received fewer bytes than their declared size")
         try:
             return self._layout.check_staged(st, digests if verify else None, fsync=fsync)
+        except (FileNotFoundError, FailedPreconditionError) as e:
+            gone = self._vanished(st.save_id, e)
+            self.abort(st.save_id)
+            raise gone from None
         except BaseException:
             self.abort(st.save_id)
             raise
@@ -204,7 +237,7 @@ class OpenSaves:
         """Move the save from the open ones to the committing ones (its bytes stay counted)."""
         with self._lock:
             if self._open.get(st.save_id) is not st:
-                raise InvalidArgumentError(f"save_id: {st.save_id!r} was aborted or superseded")
+                raise AbortedError(f"save_id: {st.save_id!r} was aborted or superseded")
             del self._open[st.save_id]
             if self._by_key.get((st.job, st.step, st.rank)) == st.save_id:
                 del self._by_key[(st.job, st.step, st.rank)]

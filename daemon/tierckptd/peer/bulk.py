@@ -58,6 +58,7 @@ __all__ = [
     "raise_for",
     "recv_msg",
     "recv_range",
+    "discard",
     "runs",
     "send_msg",
     "send_range",
@@ -195,17 +196,50 @@ class OrderedHasher:
 
 def recv_range(sock: socket.socket, fd: int, offset: int, length: int, buf: bytearray,
                on_data: Callable[[int, memoryview], None] | None = None,
-               pause: Callable[[], None] | None = None) -> None:
+               pause: Callable[[], None] | None = None, *, keep_in_step: bool = False) -> None:
     """Receive ``length`` bytes into ``fd`` at ``offset`` through ``buf``.
 
     Args:
         on_data: called with (file offset, bytes) for each buffer written (hashing).
         pause: called before each buffer is received; it may block to give way to more urgent
             transfers (TCP flow control then holds the sender back).
+        keep_in_step: when writing fails (a full local dir), receive the rest of the range
+            anyway before raising, so the connection can still carry an error reply.
+
+    Raises:
+        ConnectionError: the stream ended early.
+        OSError: writing ``fd`` failed.
+    """
+    try:
+        _recv_range(sock, fd, offset, length, buf, on_data, pause)
+    except _WriteFailed as e:
+        if keep_in_step:
+            discard(sock, length - e.received, buf)
+        raise e.error from None
+
+
+class _WriteFailed(Exception):
+    def __init__(self, error: OSError, received: int) -> None:
+        self.error, self.received = error, received
+
+
+def discard(sock: socket.socket, length: int, buf: bytearray) -> None:
+    """Receive and drop ``length`` bytes (keeps a stream in step after a failed write).
 
     Raises:
         ConnectionError: the stream ended early.
     """
+    view = memoryview(buf)
+    while length > 0:
+        k = sock.recv_into(view[:min(len(view), length)])
+        if not k:
+            raise ConnectionError(f"bulk stream ended with {length} bytes still to come")
+        length -= k
+
+
+def _recv_range(sock: socket.socket, fd: int, offset: int, length: int, buf: bytearray,
+                on_data: Callable[[int, memoryview], None] | None,
+                pause: Callable[[], None] | None) -> None:
     view = memoryview(buf)
     done = 0
     while done < length:
@@ -219,7 +253,10 @@ def recv_range(sock: socket.socket, fd: int, offset: int, length: int, buf: byte
                 raise ConnectionError(f"bulk stream ended after {done + got} of {length} bytes")
             got += k
         chunk = view[:got]
-        pwrite_all(fd, chunk, offset + done)
+        try:
+            pwrite_all(fd, chunk, offset + done)
+        except OSError as e:
+            raise _WriteFailed(e, done + got) from None
         if on_data is not None:
             on_data(offset + done, chunk)
         done += got

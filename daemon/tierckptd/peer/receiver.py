@@ -9,6 +9,7 @@ while this node restores (a replacement node's trainers wait on the restore).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierckpt.errors import (
+    AbortedError,
+    CapacityError,
     DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -290,7 +293,7 @@ class Receiver:
         bulk.check_piece(*piece, f.size)
         try:
             fd = self.store.open_staged(inb.staging.save_id, shard)
-        except (FileNotFoundError, InvalidArgumentError):
+        except (FileNotFoundError, InvalidArgumentError, AbortedError):
             raise FailedPreconditionError("ticket: the replica's staging area was aborted or expired") from None
         hasher = inb.hashers[shard]
         inb.touch()
@@ -299,10 +302,21 @@ class Receiver:
             inb.touch()
             hasher.update(off, data)
 
+        runs = list(bulk.runs(*piece, f.size))
         try:
             bulk.send_msg(sock, {"ok": True})
-            for start, length in bulk.runs(*piece, f.size):
-                bulk.recv_range(sock, fd, start, length, buf, update, self._yield_to_restores)
+            for i, (start, length) in enumerate(runs):
+                try:
+                    bulk.recv_range(sock, fd, start, length, buf, update, self._yield_to_restores, keep_in_step=True)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    for _, rest in runs[i + 1:]:  # the sender's piece, received and dropped
+                        bulk.discard(sock, rest, buf)
+                    self._drop_broken(inb, e)
+                    bulk.send_msg(sock, bulk.error_msg(CapacityError(
+                        f"local_dir is full on node {self.node_id}: {e.strerror or e}")))
+                    return
         except OSError as e:
             self._drop_broken(inb, e)
             raise

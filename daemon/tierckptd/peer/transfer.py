@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import errno
 import os
 import queue
 import ssl
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from tierckpt.errors import DataLossError, UnavailableError
+from tierckpt.errors import CapacityError, DataLossError, UnavailableError
 
 from ..knobs import KNOBS
 from ..offload import run_blocking
@@ -108,6 +109,8 @@ class _Stream:
                     return
                 self._one(sock, piece, buf)
         except OSError as e:
+            if e.errno == errno.ENOSPC:  # writing the copy here: this node's local dir is full
+                raise CapacityError(f"local_dir is full while copying from peer {self.peer_id}: {e}") from None
             raise UnavailableError(f"bulk channel to {self.peer_id}: {e}") from None
         finally:
             sock.close()
