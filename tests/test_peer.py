@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from tierckptd.peer import plan_pieces
 from tierckptd.peer.bulk import OrderedHasher, runs
 
 from .harness import Cluster, Daemon, free_port, wait_until
+from .threads import Checked, join_all
 
 # ------------------------------------------------------------------------------ planning (pure)
 
@@ -54,11 +54,10 @@ def test_ordered_hasher_matches_the_shard_checksum_whatever_the_arrival_order():
     data = os.urandom(10 * 4096 + 5)
     h = OrderedHasher(len(data))
     chunks = list(runs(0, 4096, 4096, len(data)))
-    threads = [threading.Thread(target=h.update, args=(o, data[o:o + n])) for o, n in reversed(chunks)]
+    threads = [Checked(h.update, o, data[o:o + n]) for o, n in reversed(chunks)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    join_all(threads)
     assert h.complete and h.hexdigest() == _checksum.digest(data)
     h.abort("broken")
     assert not h.complete

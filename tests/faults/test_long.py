@@ -15,6 +15,7 @@ from tierckpt.errors import TierckptError
 from tierckptd.testing import Daemon, free_port
 
 from ..harness import Cluster, wait_until
+from ..threads import Checked
 from ._util import Checker, save
 from .test_matrix import JOB, SIZES, knobs
 
@@ -111,12 +112,15 @@ def test_repeated_kill9_under_continuous_saving(daemon_factory, matrix) -> None:
                     except TierckptError:
                         return
 
-        t = threading.Thread(target=trainer)
+        t = Checked(trainer)
+        before = len(committed)
         t.start()
-        time.sleep(rng.uniform(0.2, 1.5))
+        wait_until(lambda: len(committed) > before or not t.is_alive(), 60, "a save committed in this round")
+        time.sleep(rng.uniform(0.2, 1.5))  # not a wait: a random moment for the kill, under way saves
         cl.d["n0"].kill()
         stop.set()
-        t.join(30)
+        t.join(60)  # the trainer ended on a typed error or the stop (anything else is raised here)
+        assert len(committed) > before, "no save committed in this round"
         cl.d["n0"].start()
     with cl.d["n0"].client() as c:
         for s in committed:

@@ -22,6 +22,7 @@ from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckptd.testing import free_port
 
 from ..harness import Cluster, wait_until
+from ..threads import Checked, join_all
 from ._util import (
     Checker,
     Proxy,
@@ -157,11 +158,11 @@ def test_kill9_during_a_drain_upload_and_a_download(daemon_factory, tmp_path: Pa
     d.start()
     rd = rank_dir(d.local_dir, JOB, 2, 0)
     with d.client() as c:
-        t = threading.Thread(target=lambda: _swallow(lambda: c.restore(JOB, rank=0, step=2)))
+        t = Checked(_swallow, lambda: c.restore(JOB, rank=0, step=2))
         t.start()
         wait_until(lambda: rd.exists() and any(rd.iterdir()), 30, "the download's data in place")
         d.kill()  # downloaded, not committed
-        t.join(30)
+        t.join(60)  # the interrupted restore ended with a typed error (anything else is raised here)
     d.args = (*args, knobs())
     d.start()
     with d.client() as c:
@@ -171,6 +172,7 @@ def test_kill9_during_a_drain_upload_and_a_download(daemon_factory, tmp_path: Pa
 
 
 def _swallow(fn) -> None:
+    """Call ``fn``; a typed tierckpt error is an accepted end (anything else is raised)."""
     try:
         fn()
     except TierckptError:
@@ -209,32 +211,41 @@ def test_node_wiped_and_replaced_while_others_keep_saving(daemon_factory, matrix
     chk = Checker(matrix)
     cl = Cluster(daemon_factory, 3, replicas=1, extra=(knobs(),))
     world, committed = 3, []
+    replaced = threading.Event()  # set once the new n1 is up
+    after: dict[int, list[int]] = {0: [], 2: []}  # steps a trainer saved (and replicated) after that
     stop = threading.Event()
 
     def trainer(rank: int) -> None:
         with cl.d[f"n{rank}"].client() as c:
-            for step in range(1, 40):
-                if stop.is_set():
-                    return
+            step = 0
+            while not stop.is_set():
+                step += 1
+                started_after = replaced.is_set()
+                fut = save(c, JOB, step, rank, SIZES, world=world)  # the local commit never fails: this node is up
                 try:
-                    save(c, JOB, step, rank, SIZES, world=world).wait("peer", timeout=30)
-                    committed.append((step, rank))
-                except TierckptError:
-                    return  # this rank's node went away
+                    fut.wait("peer", timeout=30)
+                except TierckptError:  # the replica's holder may be the node being replaced: a typed error
+                    chk.matrix.record(typed=1)
+                    continue
+                committed.append((step, rank))
+                if started_after:
+                    after[rank].append(step)
 
     with cl.d["n1"].client() as c:
         for step in (1, 2):
             save(c, JOB, step, 1, SIZES, world=world).wait("peer", timeout=30)
             committed.append((step, 1))
-    threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 2)]
+    threads = [Checked(trainer, r) for r in (0, 2)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    cl.replace("n1")  # kill -9, the local dir lost, a new daemon with the same id
-    time.sleep(2.0)
-    stop.set()
-    for t in threads:
-        t.join(60)
+    try:
+        wait_until(lambda: {r for _, r in committed} >= {0, 2}, 60, "both trainers saving")
+        cl.replace("n1")  # kill -9, the local dir lost, a new daemon with the same id
+        replaced.set()
+        wait_until(lambda: all(after.values()), 120, "a save of each rank, replicated, after the replacement")
+    finally:
+        stop.set()
+        join_all(threads, 120)
     with cl.d["n1"].client() as c:
         for step in (1, 2):  # the new node restores its rank's steps from the peers
             assert chk.restore_ok(c, JOB, step, 1, SIZES)

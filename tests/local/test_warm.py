@@ -5,7 +5,6 @@ the writer."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import pytest
@@ -14,6 +13,8 @@ from tierckptd.knobs import KNOBS
 from tierckptd.local.rules import charge_rank
 from tierckptd.local.store import LocalStore
 from tierckptd.local.warm import Warmer, fallocate_keep_size, free_pages_go_to_hypervisor, machine_headroom, touch_pages
+
+from ..threads import Checked
 
 MIB = 1 << 20
 
@@ -361,11 +362,11 @@ def test_touching_never_changes_a_files_bytes_even_under_a_concurrent_writer(scr
             for off in range(8 * MIB, size, MIB):
                 os.pwrite(fd, data[off:off + MIB], off)
 
-        writer = threading.Thread(target=write)
+        writer = Checked(write)
         writer.start()
         for off in range(0, size, MIB):  # touched while the writer writes the same range
             touch_pages(fd, off, MIB)
-        writer.join()
+        writer.join(120)
         touch_pages(fd, 12345, 3 * MIB)  # any offset: the map starts at the page below
         assert os.pread(fd, size, 0) == data[: 4 * MIB] + bytes(4 * MIB) + data[8 * MIB:]
         assert os.fstat(fd).st_size == size and os.fstat(fd).st_blocks * 512 == size

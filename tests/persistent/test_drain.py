@@ -25,6 +25,7 @@ from tierckptd.persistent import (
 )
 
 from ..harness import free_port, wait_until
+from ..threads import Checked
 
 MiB = 1 << 20
 
@@ -162,6 +163,8 @@ def test_drain_then_restore_on_a_brand_new_cluster(daemon_factory, backend_targe
 def test_kill9_mid_drain_resumes_and_never_shows_a_partial_rank(daemon_factory, backend_target) -> None:
     url, world = backend_target.url, 4
     violations: list[str] = []
+    seen: set[str] = set()  # manifests the watcher found complete
+    rounds = [0]  # full passes over the bucket
     stop = threading.Event()
 
     def watch() -> None:  # a reader polling the bucket: every visible manifest must name stored shards
@@ -174,9 +177,11 @@ def test_kill9_mid_drain_resumes_and_never_shows_a_partial_rank(daemon_factory, 
                     missing = object_keys(man) - keys
                     if missing:
                         violations.append(f"{key} visible without {sorted(missing)}")
+                    seen.add(key)
+                rounds[0] += 1
                 time.sleep(0.01)
 
-    watcher = threading.Thread(target=watch, daemon=True)
+    watcher = Checked(watch)
     watcher.start()
     a = daemon_factory("a", args=_persistent(url, "--persist-every", "1"))
     killed_mid = False
@@ -202,11 +207,15 @@ def test_kill9_mid_drain_resumes_and_never_shows_a_partial_rank(daemon_factory, 
         a.start()  # the same node restarts: its drain queue resumes
         _until(lambda: _backlog(a) == 0, 60, "the resumed drain")
         with open_backend(url) as be:
-            assert len(be.list(f"job/manifests/{step:020d}/")) == world
+            final = set(be.list(f"job/manifests/{step:020d}/"))
+        assert len(final) == world
+        after = rounds[0]  # the watcher checks the finished bucket at least once in full
+        _until(lambda: rounds[0] > after + 1 or not watcher.is_alive(), 60, "a watcher pass over the drained step")
     finally:
         stop.set()
-        watcher.join(10)
+        watcher.join(60)  # re-raises what failed in the watcher
     assert violations == []
+    assert final <= seen, "the watcher never checked the drained step's manifests"
     b = daemon_factory("b", args=_persistent(url))
     with b.client() as c:
         assert c.latest("job") == step

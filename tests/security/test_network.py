@@ -11,13 +11,13 @@ import logging
 import os
 import socket
 import ssl
-import threading
 from pathlib import Path
 
 import pytest
 from tierckptd import tls
 from tierckptd.config import ConfigError, is_loopback_host, load_config
 
+from ..threads import Checked
 from ._util import run_daemon, snapshot
 
 pytest.importorskip("cryptography")
@@ -194,7 +194,7 @@ def test_ssl_peer_identity_and_node_binding(tmp_path: Path, pki) -> None:
                 got.append(tls.ssl_peer_identity(s))
                 s.sendall(b"k")
 
-        t = threading.Thread(target=serve)
+        t = Checked(serve)
         t.start()
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.load_verify_locations(str(pki["ca"]))
@@ -202,7 +202,7 @@ def test_ssl_peer_identity_and_node_binding(tmp_path: Path, pki) -> None:
         with ctx.wrap_socket(socket.create_connection(srv.getsockname()), server_hostname="localhost") as s:
             assert s.recv(1) == b"k"
             assert tls.ssl_peer_identity(s) == {"n0", "localhost"}
-        t.join(10)
+        t.join(30)
     assert got == [{"gpu-7", "gpu-7.example"}]  # CN and DNS SANs; IP SANs are not names
     assert tls.check_peer_node(got[0], "gpu-7", cfg) is None
     refusal = tls.check_peer_node(got[0], "gpu-8", cfg)
