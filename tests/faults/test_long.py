@@ -73,14 +73,16 @@ def test_network_partition_between_namespaces(two_namespaces, scratch: Path, mat
         for d in ds:
             d.start()
         with ds[0].client() as c:
-            wait_until(lambda: any(p.up for p in c.status().peers), 20, "n1 up")
+            wait_until(lambda: any(p.up for p in c.status().peers), 60, "n1 up")
             save(c, JOB, 1, 0, SIZES).wait("peer", timeout=30)
             _ip("-n", ns[0], "link", "set", veth[0], "down")  # the partition
             fut = save(c, JOB, 2, 0, SIZES)
             chk.expect_error(lambda: fut.wait("peer", timeout=3))
             t0 = time.monotonic()
             c.latest(JOB)
-            assert time.monotonic() - t0 < 15
+            # README: nodes that do not answer within fanout_deadline (1.5 s here) are left out;
+            # 30 s is room for a loaded machine, far below a wait on the partitioned peer.
+            assert time.monotonic() - t0 < 30
             _ip("-n", ns[0], "link", "set", veth[0], "up")  # healed
             fut.wait("peer", timeout=90)
             for step in (1, 2):
