@@ -409,7 +409,6 @@ def test_every_argument_has_help_and_every_command_an_example():
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
 def test_completion_scripts(shell, tmp_path):
-    pytest.importorskip("shtab")
     p = run("completion", shell)
     assert p.returncode == 0, p.stderr
     for word in ("restore", "status", "latest", "--json", "--ranks", "--metrics-url"):
