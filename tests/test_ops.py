@@ -6,13 +6,13 @@ import ipaddress
 import os
 import socket
 import stat
-import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .harness import free_port
+from .metrics_scrape import scrape, scrape_text
 
 
 def test_health_metrics_and_socket_mode(daemon_factory):
@@ -28,9 +28,7 @@ def test_health_metrics_and_socket_mode(daemon_factory):
     with d.client() as c:
         c.save("job", 1, 0, 1, {"x": b"abcd"}).result(30)
         c.restore("job", 0)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    values = scrape(mport)
     assert values['tierckpt_saves_total{result="ok",tier="local"}'] == 1
     assert values['tierckpt_saved_bytes_total{tier="local"}'] == 4
     assert values['tierckpt_restores_total{result="ok",tier="local"}'] == 1
@@ -64,12 +62,6 @@ def _answers(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def _scrape(host: str, port: int) -> str:
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as resp:
-        assert resp.status == 200
-        return resp.read().decode()
-
-
 @pytest.mark.parametrize("how", ["flag", "config file"])
 def test_metrics_host_sets_the_metrics_address(daemon_factory, scratch, how):
     """--metrics-host (metrics_host in the config file) is the address /metrics binds to."""
@@ -83,7 +75,7 @@ def test_metrics_host_sets_the_metrics_address(daemon_factory, scratch, how):
     d = daemon_factory(args=args)
     assert d.info["metrics_port"] == mport
     assert _listeners(mport) == {"127.0.0.2"}
-    assert "tierckpt_build_info" in _scrape("127.0.0.2", mport)
+    assert "tierckpt_build_info" in scrape_text(mport, host="127.0.0.2")
     assert not _answers("127.0.0.1", mport)
 
 
@@ -92,7 +84,7 @@ def test_metrics_host_all_addresses(daemon_factory):
     daemon_factory(args=("--metrics-port", str(mport), "--metrics-host", "0.0.0.0"))
     assert _listeners(mport) == {"0.0.0.0"}
     for host in ("127.0.0.1", "127.0.0.2"):
-        assert "tierckpt_build_info" in _scrape(host, mport)
+        assert "tierckpt_build_info" in scrape_text(mport, host=host)
 
 
 def test_sd_notify_ready_and_stopping(daemon_factory, scratch):

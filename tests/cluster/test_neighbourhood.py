@@ -4,20 +4,19 @@ rank's availability is answered from its node's neighbourhood."""
 from __future__ import annotations
 
 import re
-import urllib.request
 
 import pytest
 from tierckptd.cluster import ring
 
 from ..harness import Cluster, wait_until
+from ..metrics_scrape import scrape
 
 N = 16
 
 
 def _calls_by_peer(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^tierckpt_peer_calls_total\{peer="([^"]+)"\} (\S+)$', text, re.M)}
+    return {m.group(1): v for series, v in scrape(port).items()
+            if (m := re.fullmatch(r'tierckpt_peer_calls_total\{peer="([^"]+)"\}', series))}
 
 
 @pytest.mark.slow

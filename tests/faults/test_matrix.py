@@ -5,13 +5,11 @@ data, and that no corrupt byte is returned; the counts go to the ``matrix`` reco
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -22,6 +20,7 @@ from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckptd.testing import free_port
 
 from ..harness import Cluster, wait_until
+from ..metrics_scrape import value
 from ..threads import Checked, join_all
 from ._util import (
     Checker,
@@ -59,9 +58,7 @@ def never_partial(c: tierckpt.Client, job: str, step: int) -> None:
 
 
 def checksum_failures(port: int, tier: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    m = re.search(rf'tierckpt_checksum_failures_total{{tier="{tier}"}} ([0-9.e+]+)', text)
-    return float(m.group(1)) if m else 0.0
+    return value(port, f'tierckpt_checksum_failures_total{{tier="{tier}"}}')
 
 
 # ----------------------------------------------------------------------------- kill -9 of the daemon

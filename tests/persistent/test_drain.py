@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from tierckptd.persistent import (
 )
 
 from ..harness import free_port, wait_until
+from ..metrics_scrape import scrape as _metrics
 from ..threads import Checked
 
 MiB = 1 << 20
@@ -45,12 +45,6 @@ def _queued_or_drained(d, be, step: int, rank: int) -> bool:
 def _noise(nbytes: int, seed: int) -> np.ndarray:
     """Incompressible bytes, new per seed (stored as they are, never deduplicated)."""
     return np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
-
-
-def _metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
 
 
 def _until(predicate, timeout: float, what: str, interval: float = 0.05):
