@@ -7,6 +7,18 @@ from .harness import Daemon, scratch_dir
 pytest_plugins = ["tests.servers"]
 
 
+def pytest_sessionstart(session):
+    """Declared test dependencies are required (tests/deps.py): a broken install fails the run
+    here, naming what is missing, instead of skipping the tests that need it."""
+    from .deps import declared, unmet
+
+    missing = unmet(declared())
+    if missing:
+        raise pytest.UsageError("declared test dependencies missing or too old: " + ", ".join(missing)
+                                + " (make venv installs them: pip install -r requirements-test.txt -e "
+                                "'.[daemon,s3,gcs,torch,dev]')")
+
+
 @pytest.fixture(autouse=True)
 def _no_warm_pool_in_process():
     """In-process stores do not warm pool files in the background (their tests check the bytes

@@ -7,8 +7,9 @@ import time
 from tierckptd.testing import _BIN_DIR, Daemon, free_port, scratch_dir  # noqa: F401
 
 
-def wait_until(pred, timeout: float = 20.0, what: str = "condition", interval: float = 0.1):
-    """Poll ``pred()`` until it returns something truthy (returned), or fail after ``timeout`` seconds."""
+def wait_until(pred, timeout: float = 60.0, what: str = "condition", interval: float = 0.1):
+    """Poll ``pred()`` until it returns something truthy (returned), or fail after ``timeout`` seconds
+    (generous by default: a loaded 2-core machine runs the daemons behind)."""
     deadline = time.monotonic() + timeout
     while True:
         value = pred()

@@ -306,8 +306,7 @@ def test_restore_json(daemon, tmp_path):
 def test_restore_not_found_exits_4_and_creates_nothing(daemon, tmp_path, argv):
     out = tmp_path / "never"
     p = run("--address", daemon.address, "restore", *argv, "--out", str(out))
-    assert p.returncode in (4, 2), p.stderr  # rank >= world_size may be refused as bad input
-    assert p.returncode == 4 or "rank" in p.stderr
+    assert p.returncode == 4, p.stderr  # README: 4 = not in any reachable tier (2 = the daemon was not asked)
     assert len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
     assert not out.exists()
 
@@ -410,7 +409,6 @@ def test_every_argument_has_help_and_every_command_an_example():
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
 def test_completion_scripts(shell, tmp_path):
-    pytest.importorskip("shtab")
     p = run("completion", shell)
     assert p.returncode == 0, p.stderr
     for word in ("restore", "status", "latest", "--json", "--ranks", "--metrics-url"):

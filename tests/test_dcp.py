@@ -12,15 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import tierckpt
+import tierckpt.dcp as tdcp
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-torch = pytest.importorskip("torch")
-import tierckpt  # noqa: E402
-import tierckpt.dcp as tdcp  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
-
-from .harness import free_port  # noqa: E402
+from .harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import urllib.request
-
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tierckptd.metrics import Metrics
+
+from .metrics_scrape import scrape, scrape_text
 
 EXPECTED = {
     # name as exposed: (type, labels)
@@ -89,16 +90,10 @@ def test_http_server_serves_metrics_on_free_port() -> None:
     try:
         assert port > 0
         m.drain_backlog_bytes.set(123)
-        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5) as resp:
-            body = resp.read().decode()
-        assert resp.status == 200
-        assert "tierckpt_drain_backlog_bytes 123.0" in body
+        assert scrape(port)["tierckpt_drain_backlog_bytes"] == 123
+        assert "tierckpt_drain_backlog_bytes 123.0" in scrape_text(port)
     finally:
         m.stop()
     m.stop()  # idempotent
-    try:
-        urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=2)
-    except OSError:
-        pass
-    else:
-        raise AssertionError("server still answers after stop()")
+    with pytest.raises(OSError):  # the server no longer answers after stop()
+        scrape_text(port)

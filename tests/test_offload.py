@@ -16,7 +16,7 @@ def test_a_cancelled_caller_hands_the_result_to_undo() -> None:
 
     def acquire() -> str:
         started.set()
-        finish.wait(5)
+        finish.wait(60)
         return "staging-1"
 
     def undo(x: str) -> None:
@@ -25,13 +25,13 @@ def test_a_cancelled_caller_hands_the_result_to_undo() -> None:
 
     async def main() -> None:
         task = asyncio.create_task(run_owning(acquire, undo))
-        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 60)
         task.cancel()  # the RPC's caller went away while the thread still runs
         with pytest.raises(asyncio.CancelledError):
             await task
         assert undone == []  # not before the thread has a result
         finish.set()
-        assert await asyncio.get_running_loop().run_in_executor(None, released.wait, 5)
+        assert await asyncio.get_running_loop().run_in_executor(None, released.wait, 60)
 
     asyncio.run(main())
     assert undone == ["staging-1"]

@@ -25,3 +25,22 @@ def test_importing_the_client_loads_no_cloud_sdk_torch_or_daemon():
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+def test_declared_test_dependencies_are_required(monkeypatch):
+    """tests/deps.py: what make test installs is checked at session start; a missing or too old
+    package fails the run, named (tests import declared packages plainly: no skips)."""
+    import pytest
+    from packaging.requirements import Requirement
+
+    from . import conftest, deps
+
+    lines = deps.declared()
+    assert {"hypothesis", "torch", "jax", "transformers", "pytorch-lightning", "shtab", "cryptography", "pyyaml",
+            "kubernetes-validate", "boto3", "google-cloud-storage"} <= {Requirement(line).name for line in lines}
+    assert deps.unmet(lines) == []
+    assert deps.unmet(["tierckpt-no-such-package>=1", "pytest<1", "numpy"]) == [
+        f"pytest ({pytest.__version__} installed, <1 declared)", "tierckpt-no-such-package (not installed)"]
+    monkeypatch.setattr(deps, "unmet", lambda lines: ["jax (not installed)"])
+    with pytest.raises(pytest.UsageError, match=r"missing or too old: jax \(not installed\)"):
+        conftest.pytest_sessionstart(None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from tierckptd.peer import plan_pieces
 from tierckptd.peer.bulk import OrderedHasher, runs
 
 from .harness import Cluster, Daemon, free_port, wait_until
+from .threads import Checked, join_all
 
 # ------------------------------------------------------------------------------ planning (pure)
 
@@ -54,11 +54,10 @@ def test_ordered_hasher_matches_the_shard_checksum_whatever_the_arrival_order():
     data = os.urandom(10 * 4096 + 5)
     h = OrderedHasher(len(data))
     chunks = list(runs(0, 4096, 4096, len(data)))
-    threads = [threading.Thread(target=h.update, args=(o, data[o:o + n])) for o, n in reversed(chunks)]
+    threads = [Checked(h.update, o, data[o:o + n]) for o, n in reversed(chunks)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    join_all(threads)
     assert h.complete and h.hexdigest() == _checksum.digest(data)
     h.abort("broken")
     assert not h.complete
@@ -91,9 +90,7 @@ def test_node_replacement_restores_every_rank_byte_for_byte(daemon_factory):
         for rank, node in enumerate(cl.ids):  # rank i is saved on node i
             with cl.d[node].client() as c:
                 fut = c.save(job, step, rank, world, data[(step, rank)], metadata={"step": step})
-                t0 = time.monotonic()
                 fut.result(timeout=60)
-                assert time.monotonic() - t0 < 30
                 nxt = cl.ids[(rank + 1) % 4]
                 assert fut.wait("peer", timeout=60) == [nxt]  # placement: the next id on the ring
     # Catalog across nodes, from any node: every rank on its owner and its ring successor.
@@ -223,7 +220,7 @@ def test_dead_owner_ranks_are_re_replicated_after_the_grace_period(daemon_factor
         assert c.save(job, 5, 0, 1, arrs, metadata={"k": 1}).wait("peer", timeout=30) == ["n1"]
     cl.d["n0"].kill()
     t0 = time.monotonic()
-    wait_until(lambda: cl.holders("n3", job, 5) == {0: ("n1", "n2")}, timeout=OWNER_GRACE + 10,
+    wait_until(lambda: cl.holders("n3", job, 5) == {0: ("n1", "n2")}, timeout=OWNER_GRACE + 60,
                what="n1 copies the dead owner's rank to n2")
     assert time.monotonic() - t0 > OWNER_GRACE / 2  # not before the grace period
     cl.d["n1"].kill()
@@ -232,13 +229,13 @@ def test_dead_owner_ranks_are_re_replicated_after_the_grace_period(daemon_factor
         # n2 may already have pushed its copy to n3 (R + 1 live copies again): local or peer.
         assert (ck.step, ck.metadata) == (5, {"k": 1}) and ck.tier in ("peer", "local")
         assert all(np.array_equal(ck.shards[n], a) for n, a in arrs.items())
-    wait_until(lambda: cl.holders("n2", job, 5) == {0: ("n2", "n3")}, timeout=10, what="two live copies again")
+    wait_until(lambda: cl.holders("n2", job, 5) == {0: ("n2", "n3")}, timeout=60, what="two live copies again")
     # The owner comes back (a replacement) and restores its rank: placement is R again (n2), so
     # n3's extra copy is surplus and dropped, and nothing pushes it back (no ping-pong).
     cl.replace("n0")
     with cl.d["n0"].client() as c:
         ck = c.restore(job, 0)
         assert ck.tier == "peer" and all(np.array_equal(ck.shards[n], a) for n, a in arrs.items())
-    wait_until(lambda: cl.holders("n2", job, 5) == {0: ("n0", "n2")}, timeout=15, what="surplus copy dropped")
-    time.sleep(3)
+    wait_until(lambda: cl.holders("n2", job, 5) == {0: ("n0", "n2")}, timeout=60, what="surplus copy dropped")
+    time.sleep(3)  # not a wait: a window in which a push-back would show (load can only hide one)
     assert cl.holders("n3", job, 5) == {0: ("n0", "n2")}

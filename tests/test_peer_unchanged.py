@@ -13,7 +13,7 @@ from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 
 from .harness import Cluster
-from .local.test_unchanged import metrics
+from .metrics_scrape import scrape as metrics
 
 MIB = 1 << 20
 

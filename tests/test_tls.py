@@ -3,8 +3,6 @@ peer without a certificate signed by the cluster CA is refused on both channels.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import socket
 import ssl
@@ -14,61 +12,24 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 
+from .certs import LOOPBACK, make_pki, tls_args
 from .harness import free_port
 
 pytestmark = pytest.mark.slow
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _issue(subject: str, issuer_key, issuer_name: x509.Name | None, *, ca: bool):
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name or _name(subject))
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if not ca:
-        # One certificate for both test nodes: it names n0 and n1, so either may claim its id.
-        b = b.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.DNSName("n0"), x509.DNSName("n1"),
-             x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    cert = b.sign(issuer_key or key, hashes.SHA256())
-    return key, cert
-
-
-def _write(dir: Path, stem: str, key, cert) -> tuple[str, str]:
-    kp, cp = dir / f"{stem}.key", dir / f"{stem}.pem"
-    kp.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption()))
-    kp.chmod(0o600)  # the daemon refuses a key readable by group or others
-    cp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return str(kp), str(cp)
-
-
 @pytest.fixture
 def pki(tmp_path):
-    """A cluster CA with a node certificate, and a rogue CA with its own node certificate."""
-    out = {}
-    for label in ("good", "rogue"):
-        ca_key, ca = _issue(f"{label}-ca", None, None, ca=True)
-        _, ca_path = _write(tmp_path, f"{label}-ca", ca_key, ca)
-        key, cert = _issue(f"{label}-node", ca_key, ca.subject, ca=False)
-        kp, cp = _write(tmp_path, f"{label}-node", key, cert)
-        out[label] = {"ca": ca_path, "key": kp, "cert": cp}
-    return out
+    """A cluster CA with a node certificate, and a rogue CA with its own node certificate. One
+    certificate for both test nodes: it names n0 and n1, so either may claim its id."""
+    return {label: make_pki(tmp_path / label, ["n0"], sans=("n1", *LOOPBACK), ca_name=f"{label} CA")["n0"]
+            for label in ("good", "rogue")}
 
 
-def _read(p: str) -> bytes:
+def _read(p: str | Path) -> bytes:
     return Path(p).read_bytes()
 
 
@@ -93,7 +54,7 @@ def _bulk_probe(port: int, ctx: ssl.SSLContext | None) -> bytes:
 
 def test_peer_traffic_over_mtls_and_rogue_peers_refused(daemon_factory, pki):
     good = pki["good"]
-    tls = ("--tls-cert", good["cert"], "--tls-key", good["key"], "--tls-ca", good["ca"])
+    tls = tls_args(good)
     ports = {n: free_port() for n in ("n0", "n1")}
     args = ("--peers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "--replicas", "1", *tls)
     d = {n: daemon_factory(n, port=ports[n], args=args) for n in ports}
@@ -133,16 +94,12 @@ def test_peer_traffic_over_mtls_and_rogue_peers_refused(daemon_factory, pki):
     assert "refused" in d["n1"].log_tail(100)
 
 
-def _pair(root: Path, label: str) -> dict[str, str]:
+def _pair(root: Path, label: str) -> dict[str, Path]:
     """A CA and a node certificate for n0 (SANs localhost and 127.0.0.1), made by ``tierckpt certs``."""
-    from tierckpt.certs import make_ca, make_node_cert
-
-    make_ca(root / label / "ca", name=f"{label} CA")
-    files = make_node_cert(root / label / "ca", "n0", root / label / "node", sans=("localhost", "127.0.0.1"))
-    return {"cert": str(files.cert), "key": str(files.key), "ca": str(files.ca)}
+    return make_pki(root / label, ["n0"], ca_name=f"{label} CA")["n0"]
 
 
-def _install(src: dict[str, str], live: Path) -> None:
+def _install(src: dict[str, Path], live: Path) -> None:
     """Replace the live files the way an operator (or the kubelet) would: write aside, then rename."""
     import os
     import shutil

@@ -8,11 +8,9 @@ import sys
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-
-import tierckpt  # noqa: E402
-from tierckpt.torch import PACKED_SHARD, Checkpointer, RNGState  # noqa: E402
+import tierckpt
+import torch
+from tierckpt.torch import PACKED_SHARD, Checkpointer, RNGState
 
 
 class Tiny(torch.nn.Module):

@@ -6,10 +6,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
-from tierckpt.torch import Checkpointer  # noqa: E402
+import torch
+from tierckpt.torch import Checkpointer
 
 
 def _model() -> torch.nn.Module:

@@ -9,11 +9,8 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 from tierckpt.agree import newest_common_step
 from tierckptd.testing import free_port
-
-pytest.importorskip("torch")
 
 WORKER = textwrap.dedent("""
     import json, os, sys

@@ -4,21 +4,19 @@ rank's availability is answered from its node's neighbourhood."""
 from __future__ import annotations
 
 import re
-import time
-import urllib.request
 
 import pytest
 from tierckptd.cluster import ring
 
 from ..harness import Cluster, wait_until
+from ..metrics_scrape import scrape
 
 N = 16
 
 
 def _calls_by_peer(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^tierckpt_peer_calls_total\{peer="([^"]+)"\} (\S+)$', text, re.M)}
+    return {m.group(1): v for series, v in scrape(port).items()
+            if (m := re.fullmatch(r'tierckpt_peer_calls_total\{peer="([^"]+)"\}', series))}
 
 
 @pytest.mark.slow
@@ -32,14 +30,23 @@ def test_each_daemon_talks_only_to_its_neighbourhood(daemon_factory):
         with cl.d[node].client() as c:
             hood = set(ring.neighbourhood(node, cl.ids, replicas=1))
             wait_until(lambda: {p.node_id for p in c.status().peers if p.up} >= hood, what=f"{node} sees {hood}")
-    time.sleep(1)
-    before = {node: _calls_by_peer(cl.d[node].info["metrics_port"]) for node in cl.ids}
-    time.sleep(3)  # ten refresh rounds of background work
+    hoods = {node: set(ring.neighbourhood(node, cl.ids, replicas=1)) for node in cl.ids}
+
+    def calls() -> dict[str, dict[str, float]]:
+        return {node: _calls_by_peer(cl.d[node].info["metrics_port"]) for node in cl.ids}
+
+    def rounds_since(then: dict[str, dict[str, float]], n: int):
+        """Whether every node called each neighbour ``n`` more times since ``then`` (n refresh rounds)."""
+        now = calls()
+        return all(now[node].get(p, 0) >= then[node].get(p, 0) + n for node in cl.ids for p in hoods[node]) and now
+
+    # Settled: two refresh rounds everywhere since everyone was up (start-up calls are over).
+    start = calls()
+    before = wait_until(lambda: rounds_since(start, 2), what="two refresh rounds on every node", interval=0.5)
+    after = wait_until(lambda: rounds_since(before, 5), what="five refresh rounds on every node", interval=0.5)
     for node in cl.ids:
-        hood = set(ring.neighbourhood(node, cl.ids, replicas=1))
-        after = _calls_by_peer(cl.d[node].info["metrics_port"])
-        called = {p for p, n in after.items() if n > before[node].get(p, 0)}
-        assert called == hood, f"{node} called {sorted(called - hood)} outside {sorted(hood)}"
+        called = {p for p, n in after[node].items() if n > before[node].get(p, 0)}
+        assert called == hoods[node], f"{node} called {sorted(called - hoods[node])} outside {sorted(hoods[node])}"
     # A replacement for n5 finds its rank among its ring successors, without asking everyone.
     cl.replace("n5")
     with cl.d["n5"].client() as c:

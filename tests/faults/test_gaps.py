@@ -110,13 +110,15 @@ def test_gap2_drain_of_a_corrupt_local_copy_uses_a_peer_copy(daemon_factory, tmp
     store = tmp_path / "store"
     cl = Cluster(daemon_factory, 2, replicas=1,
                  extra=("--persistent", f"file://{store}", "--persist-every", "1",
-                        FAST + ",debug_drain_delay=2,failed_retry_seconds=1"))
+                        FAST + ",debug_drain_delay=15,failed_retry_seconds=1"))
     n0 = cl.d["n0"]
     with n0.client() as c:
         fut = save(c, "job", 1, 0, SIZES)
-        fut.wait("peer", timeout=30)
+        fut.wait("peer", timeout=60)
+        # The drain's first attempt waits debug_drain_delay after the commit: room for the
+        # replica and the flip on a loaded machine (the test only waits it out once).
         flip_bit(data_files(n0.local_dir, "job", 1, 0)[0], 100)
-        assert fut.wait("persistent", timeout=60)
+        assert fut.wait("persistent", timeout=90)
     assert stored_shards(store, "job", 1, 0) == shards_for("job", 1, 0, SIZES)  # the verified peer copy was drained
     assert "checksum" in n0.log_tail(200) and "peer copy" in n0.log_tail(200)
     matrix.record(committed=1)
@@ -198,7 +200,7 @@ def test_gap5_stale_upload_temporaries_are_swept(daemon_factory, tmp_path: Path)
     stale.write_bytes(b"partial")
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
     daemon_factory("n0", args=("--persistent", f"file://{store}"))
-    wait_until(lambda: not stale.exists(), 10, "the start-up sweep")
+    wait_until(lambda: not stale.exists(), 60, "the start-up sweep")
     assert fresh.exists()
 
 
@@ -272,9 +274,8 @@ def test_gap5_a_dead_senders_partial_replica_is_dropped(daemon_factory, how: str
         s.recv(64)
         s.sendall(b"\0" * 1000)
         s.close()  # the sender died mid-piece
-    t0 = time.monotonic()
-    wait_until(lambda: not any(staging.iterdir()), 10, "the partial replica to be dropped")
-    assert time.monotonic() - t0 < 8  # not the staging timeout (10 minutes)
+    # Dropped within a minute: not kept until the staging timeout (10 minutes).
+    wait_until(lambda: not any(staging.iterdir()), 60, "the partial replica to be dropped")
     assert d.alive()
 
 
@@ -282,7 +283,7 @@ def test_gap5_a_dead_senders_partial_replica_is_dropped(daemon_factory, how: str
 def test_gap5_a_caller_gone_while_staging_opens_leaves_nothing_staged(daemon_factory, rpc: str) -> None:
     """The caller's deadline passes (or it is killed) while the daemon creates the staging area:
     the area is dropped as soon as it exists, not kept until the staging timeout."""
-    d = _node_with_an_absent_peer(daemon_factory, "debug_begin_delay=1.5,inbound_idle_timeout=0")
+    d = _node_with_an_absent_peer(daemon_factory, "debug_begin_delay=5,inbound_idle_timeout=0")
     staging = d.local_dir / "staging"
     ch, stub, peer = stubs(d.tcp_address)
     with ch:
@@ -292,5 +293,6 @@ def test_gap5_a_caller_gone_while_staging_opens_leaves_nothing_staged(daemon_fac
         else:
             call = lambda: _prepare(peer, "n1", 4096, timeout=0.3)  # noqa: E731
         assert _code(call) == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: staging.exists() and any(staging.iterdir()), 5, "the staging area to be created")
-    wait_until(lambda: not any(staging.iterdir()), 8, "the orphaned staging area to be dropped")
+    wait_until(lambda: staging.exists() and any(staging.iterdir()), 60, "the staging area to be created")
+    # Dropped within a minute: not kept until the staging timeout (10 minutes).
+    wait_until(lambda: not any(staging.iterdir()), 60, "the orphaned staging area to be dropped")

@@ -6,11 +6,9 @@ import os
 import shutil
 
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from tierckpt.hf import TierckptCallback  # noqa: E402
+import torch
+import transformers
+from tierckpt.hf import TierckptCallback
 
 MAX_STEPS = 8
 

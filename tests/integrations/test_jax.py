@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
-
-import tierckpt  # noqa: E402
-from tierckpt import jax as tjax  # noqa: E402
+import tierckpt
+from tierckpt import jax as tjax
 
 
 class Adam(NamedTuple):

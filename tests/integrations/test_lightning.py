@@ -7,12 +7,10 @@ import os
 import pickle
 
 import pytest
-
-torch = pytest.importorskip("torch")
-pl = pytest.importorskip("pytorch_lightning")
-
-import tierckpt  # noqa: E402
-from tierckpt.lightning import TierckptCheckpointIO, read_pointer  # noqa: E402
+import pytorch_lightning as pl
+import tierckpt
+import torch
+from tierckpt.lightning import TierckptCheckpointIO, read_pointer
 
 STEPS_PER_EPOCH = 4
 

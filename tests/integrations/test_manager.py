@@ -73,7 +73,7 @@ def test_bad_state_is_the_callers_bug(daemon):
 
 
 def test_torch_state_in_place(daemon):
-    torch = pytest.importorskip("torch")
+    import torch
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -96,7 +96,6 @@ def test_torch_state_in_place(daemon):
 
 def test_two_ranks_agree_on_the_newest_common_step(daemon_factory):
     """Rank 1 lost its newest save: the ranks agree (gloo) on the newest step both hold."""
-    pytest.importorskip("torch")
     import os
     import subprocess
     import sys
@@ -129,7 +128,7 @@ def test_steps_due_in_the_persistent_tier_are_persisted(daemon_factory, tmp_path
 
 
 def test_raise_on_error_raises_at_once_for_torch_states_too(daemon):
-    torch = pytest.importorskip("torch")
+    import torch
     mgr = CheckpointManager("tdown", address=daemon.address, raise_on_error=True)
     daemon.kill()
     with pytest.raises(tierckpt.UnavailableError):

@@ -44,7 +44,9 @@ def test_failed_copy_never_writes_through_a_closed_fd(scratch, monkeypatch):
         try:
             if vfd != calls[0]:
                 os.dup2(vfd, calls[0])
-            time.sleep(0.8)  # any piece still queued would run now
+            # Any piece still queued runs now: the one io thread takes work in order, so once a
+            # task submitted after them has run, every piece has.
+            c._io.submit(lambda: None).result(60)
         finally:
             os.close(vfd)
             if vfd != calls[0]:

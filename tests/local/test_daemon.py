@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -15,6 +14,8 @@ import pytest
 import tierckpt
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
+
+from ..harness import wait_until
 
 
 def _arrays(seed: int = 0) -> dict[str, np.ndarray]:
@@ -193,9 +194,7 @@ def test_client_killed_mid_save_leaves_nothing(daemon_factory):
     p.send_signal(signal.SIGKILL)
     _, err = p.communicate()
     assert line.startswith(b"STAGED"), err.decode()
-    deadline = time.monotonic() + 30
-    while any((d.local_dir / "staging").iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not any((d.local_dir / "staging").iterdir()), 60, "the staging area to be reclaimed")
     leftovers = list((d.local_dir / "staging").rglob("*"))
     assert not leftovers, f"{leftovers}\n{d.log_tail()}"
     assert not _committed_manifests(d)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +11,8 @@ import pytest
 import tierckpt
 from tierckpt import _pack
 from tierckpt._buffers import as_buffer
+
+from ..harness import wait_until
 
 _DTYPES = [np.float32, np.float64, np.int8, np.int16, np.int64, np.uint8, np.bool_, np.complex128, np.float16]
 
@@ -212,7 +213,4 @@ def test_restored_pack_is_lent_until_its_last_view_is_gone(daemon_factory):
         assert int(arr[0]) == 5
         del arr, ck
         gc.collect()
-        deadline = time.monotonic() + 10
-        while not _begin_recycled(d, 5, size):
-            assert time.monotonic() < deadline, "the release never reached the daemon"
-            time.sleep(0.05)
+        wait_until(lambda: _begin_recycled(d, 5, size), 60, "the release to reach the daemon", 0.05)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gc
-import time
 
 import numpy as np
 import tierckpt
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
+
+from ..harness import wait_until
 
 
 def _begin_recycled(daemon, step: int, size: int) -> bool:
@@ -46,10 +47,8 @@ def test_a_live_array_keeps_the_file_out_of_the_pool_until_collected(daemon_fact
         assert int(arr[0]) == 1 and int(arr[-1]) == 1  # the reader's view never changes
         del arr, ck
         gc.collect()
-        deadline = time.monotonic() + 10
-        while not _begin_recycled(d, 4, 8192):  # released from the client's background thread
-            assert time.monotonic() < deadline, "the release never reached the daemon"
-            time.sleep(0.05)
+        # released from the client's background thread
+        wait_until(lambda: _begin_recycled(d, 4, 8192), 60, "the release to reach the daemon", 0.05)
 
 
 def test_streamed_restore_holds_no_loan(daemon_factory):

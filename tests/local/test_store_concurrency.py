@@ -16,6 +16,8 @@ from tierckptd.local.localfs import LocalDir
 from tierckptd.local.rules import charge_file, charge_rank
 from tierckptd.local.store import LocalStore
 
+from ..threads import Checked
+
 
 def test_bytes_being_committed_still_count_against_capacity(scratch, monkeypatch):
     """While commit renames/fsyncs files outside the lock, their bytes are neither staging nor
@@ -35,7 +37,7 @@ def test_bytes_being_committed_still_count_against_capacity(scratch, monkeypatch
         return real(self, dir_fd, name, payload, fsync=fsync)
 
     monkeypatch.setattr(LocalDir, "write_temp", slow_manifest)
-    t = threading.Thread(target=store.commit, args=(st.save_id, {"s": _checksum.digest(data)}))
+    t = Checked(store.commit, st.save_id, {"s": _checksum.digest(data)})
     t.start()
     try:
         assert entered.wait(10)
@@ -44,7 +46,7 @@ def test_bytes_being_committed_still_count_against_capacity(scratch, monkeypatch
             store.begin("b", 1, 0, 1, [("s", 10_000, "", ())])
     finally:
         release.set()
-        t.join(10)
+        t.join(30)  # the commit in the thread finished, and raised nothing
     usage = store.usage()
     assert usage.charged == charge_rank([6000]) and usage.used == 6000 and store.get("a", 1, 0) is not None
 
@@ -75,7 +77,7 @@ def test_concurrent_resaves_of_one_rank_keep_disk_and_catalog_in_agreement(scrat
         return tmp
 
     monkeypatch.setattr(Committer, "place", slow)
-    t = threading.Thread(target=store.commit, args=(a.save_id, {"s": _checksum.digest(b"A" * 100)}))
+    t = Checked(store.commit, a.save_id, {"s": _checksum.digest(b"A" * 100)})
     t.start()
     try:
         assert published.wait(10)
@@ -83,7 +85,7 @@ def test_concurrent_resaves_of_one_rank_keep_disk_and_catalog_in_agreement(scrat
         store.commit(b.save_id, {"s": _checksum.digest(b"B" * 100)})
     finally:
         release.set()
-        t.join(10)
+        t.join(30)  # the commit in the thread finished, and raised nothing
     monkeypatch.setattr(Committer, "place", real)
     man = store.get("j", 1, 0)
     on_disk = store_mod.Manifest.from_json((store._rank_dir("j", 1, 0) / "manifest.json").read_bytes())

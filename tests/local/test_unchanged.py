@@ -5,7 +5,6 @@ whenever it cannot link. Real daemons, real clients, files on tmpfs."""
 from __future__ import annotations
 
 import os
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -16,6 +15,7 @@ from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
 
 from ..harness import free_port
+from ..metrics_scrape import scrape as metrics
 
 MIB = 1 << 20
 
@@ -30,12 +30,6 @@ def _rand(seed: int, n: int = MIB) -> np.ndarray:
 def _file(d, job: str, step: int, shard: str) -> Path:
     (p,) = d.local_dir.glob(f"jobs/{job}/{step:020d}/rank-0000000/{shard}.*")
     return p
-
-
-def metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
 
 
 def _check(c, job: str, step: int, expect: dict[str, np.ndarray]) -> None:

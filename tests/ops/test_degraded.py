@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -15,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..harness import free_port
+from ..metrics_scrape import scrape as _metrics
 from ..servers import make_backend_target
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -24,12 +24,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 def _health(d, service: str) -> int:
     with grpc.insecure_channel(d.address) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
-
-
-def _metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
 
 
 def _start(daemon_factory, url: str, env: dict[str, str] | None = None):

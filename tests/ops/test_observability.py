@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import urllib.request
 import warnings
 
 import pytest
@@ -14,12 +13,7 @@ from tierckptd.logs import THIRD_PARTY, parse_ready_line, ready_line, setup_logg
 from tierckptd.metrics import Metrics
 
 from ..harness import Cluster
-
-
-def _values(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
+from ..metrics_scrape import scrape as _values
 
 
 def test_process_platform_and_gc_collectors() -> None:

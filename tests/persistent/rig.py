@@ -100,7 +100,7 @@ class Rig:
         return sorted(p.name for p in self.tier.queue.root.iterdir())
 
 
-async def until(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
+async def until(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
     """Poll ``predicate`` on the loop (each look is instant; no grace period is slept through)."""
     deadline = time.monotonic() + timeout
     while not (value := predicate()):

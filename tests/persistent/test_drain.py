@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,8 @@ from tierckptd.persistent import (
 )
 
 from ..harness import free_port, wait_until
+from ..metrics_scrape import scrape as _metrics
+from ..threads import Checked
 
 MiB = 1 << 20
 
@@ -44,12 +45,6 @@ def _queued_or_drained(d, be, step: int, rank: int) -> bool:
 def _noise(nbytes: int, seed: int) -> np.ndarray:
     """Incompressible bytes, new per seed (stored as they are, never deduplicated)."""
     return np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
-
-
-def _metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
 
 
 def _until(predicate, timeout: float, what: str, interval: float = 0.05):
@@ -162,6 +157,8 @@ def test_drain_then_restore_on_a_brand_new_cluster(daemon_factory, backend_targe
 def test_kill9_mid_drain_resumes_and_never_shows_a_partial_rank(daemon_factory, backend_target) -> None:
     url, world = backend_target.url, 4
     violations: list[str] = []
+    seen: set[str] = set()  # manifests the watcher found complete
+    rounds = [0]  # full passes over the bucket
     stop = threading.Event()
 
     def watch() -> None:  # a reader polling the bucket: every visible manifest must name stored shards
@@ -174,9 +171,11 @@ def test_kill9_mid_drain_resumes_and_never_shows_a_partial_rank(daemon_factory, 
                     missing = object_keys(man) - keys
                     if missing:
                         violations.append(f"{key} visible without {sorted(missing)}")
+                    seen.add(key)
+                rounds[0] += 1
                 time.sleep(0.01)
 
-    watcher = threading.Thread(target=watch, daemon=True)
+    watcher = Checked(watch)
     watcher.start()
     a = daemon_factory("a", args=_persistent(url, "--persist-every", "1"))
     killed_mid = False
@@ -202,11 +201,15 @@ def test_kill9_mid_drain_resumes_and_never_shows_a_partial_rank(daemon_factory, 
         a.start()  # the same node restarts: its drain queue resumes
         _until(lambda: _backlog(a) == 0, 60, "the resumed drain")
         with open_backend(url) as be:
-            assert len(be.list(f"job/manifests/{step:020d}/")) == world
+            final = set(be.list(f"job/manifests/{step:020d}/"))
+        assert len(final) == world
+        after = rounds[0]  # the watcher checks the finished bucket at least once in full
+        _until(lambda: rounds[0] > after + 1 or not watcher.is_alive(), 60, "a watcher pass over the drained step")
     finally:
         stop.set()
-        watcher.join(10)
+        watcher.join(60)  # re-raises what failed in the watcher
     assert violations == []
+    assert final <= seen, "the watcher never checked the drained step's manifests"
     b = daemon_factory("b", args=_persistent(url))
     with b.client() as c:
         assert c.latest("job") == step
@@ -231,13 +234,17 @@ def test_outage_delays_drains_and_the_backlog_drains_when_the_store_returns(daem
                 futs[0].wait("persistent", timeout=1.5)
             t0 = time.monotonic()
             assert c.latest("job") == 4  # the local tier answers; the unreachable store holds it up <= 5 s
-            assert time.monotonic() - t0 < 8
+            # README: a source that does not answer is left out; 30 s is room for a loaded machine,
+            # far below a wait on the stopped store (the SDK retries for minutes).
+            assert time.monotonic() - t0 < 30
             st = c.status()
             assert st.drain_backlog_steps == 3 and st.drain_oldest_age_seconds > 1
             assert _metrics(mport)["tierckpt_drain_backlog_bytes"] == st.drain_backlog_bytes > 0
             t0 = time.monotonic()
-            assert a.terminate(timeout=20) == 0  # a graceful stop during the outage keeps the queue
-            assert time.monotonic() - t0 < 10
+            assert a.terminate(timeout=90) == 0  # a graceful stop during the outage keeps the queue
+            # README: SIGTERM waits --shutdown-timeout (2 s here), not for the store; 30 s is room for
+            # a loaded machine, far below a stop that waited for the outage to end.
+            assert time.monotonic() - t0 < 30
             a.start()
             assert _backlog(a) == 3
             # The SDK's own retries give up after 15 s; then the daemon's backoff takes over.
@@ -300,7 +307,7 @@ def test_a_failing_drain_is_reported_and_capacity_eviction_fails_it_loudly(daemo
             first.wait("persistent", timeout=10)
         assert c.status().drain_backlog_steps == 3
         assert [i.step for i in c.list("job")] == [2, 3, 4]
-    values = _until(lambda: (v := _metrics(mport))["tierckpt_drain_failures_total"] >= 5 and v, 10,
+    values = _until(lambda: (v := _metrics(mport))["tierckpt_drain_failures_total"] >= 5 and v, 60,
                     "a failed attempt per step and the final failure of step 1")
     assert values['tierckpt_evictions_total{reason="capacity_undrained"}'] == 1
     assert values['tierckpt_saves_total{result="error",tier="persistent"}'] == 1
@@ -325,10 +332,10 @@ def test_keep_persistent_and_resave(daemon_factory, tmp_path: Path) -> None:
             mans = [Manifest.from_json(be.get_bytes(manifest_key("job", s, 0, 1))) for s in (3, 4)]
             return set().union(*(object_keys(m) for m in mans))
 
-    _until(lambda: steps() == [f"{3:020d}", f"{4:020d}"], 10, "retention of steps 1 and 2")
+    _until(lambda: steps() == [f"{3:020d}", f"{4:020d}"], 60, "retention of steps 1 and 2")
     with open_backend(root.as_uri()) as be:  # the re-save replaced the manifest; unnamed chunks are collected
         assert len(named()) == 3 and be.list("job/data/") == []
-        _until(lambda: set(be.list("job/content/")) == named(), 10, "the collection of steps 1 and 2 and v1-3")
+        _until(lambda: set(be.list("job/content/")) == named(), 60, "the collection of steps 1 and 2 and v1-3")
     d.kill()
     d.wipe()
     d.start()
@@ -397,13 +404,13 @@ def test_a_replica_holder_takes_over_the_drain_of_a_dead_owner(daemon_factory, t
     nodes["n0"].kill()
     with open_backend(url) as be:
         key = manifest_key("job", 2, 0, 2)
-        _until(lambda: be.exists(key), 40, "n1 to take over the drain of rank 0", 0.2)
+        _until(lambda: be.exists(key), 90, "n1 to take over the drain of rank 0", 0.2)
         assert time.monotonic() - t0 >= 10  # the grace period
         man = Manifest.from_json(be.get_bytes(key))
         assert man.node == "n0"  # the owner's manifest, unchanged
         assert _named(be, man) == object_keys(man) and be.list("job/data/") == []
         assert be.list("job/manifests/00000000000000000003/") == []
-    _until(lambda: _backlog(nodes["n1"]) == 0, 10, "n1's backlog")
+    _until(lambda: _backlog(nodes["n1"]) == 0, 60, "n1's backlog")
     assert "taking over the drain of job step 2 rank 0" in nodes["n1"].log_tail(400)
     assert "taking over" not in nodes["n2"].log_tail(400)  # n1's own rank: its owner is up
     for node in nodes.values():
@@ -437,10 +444,10 @@ def test_a_per_shard_bucket_restores_and_goes_on_in_the_content_layout(daemon_fa
         np.testing.assert_array_equal(ck.shards["model"], _shards(2, 0)["model"])
         c.save("job", 3, 0, 1, _shards(3, 0)).wait("persistent", timeout=30)
     with open_backend(url) as be:
-        _until(lambda: be.list("job/manifests/00000000000000000001/") == [], 10, "retention of step 1")
+        _until(lambda: be.list("job/manifests/00000000000000000001/") == [], 60, "retention of step 1")
         man = Manifest.from_json(be.get_bytes(manifest_key("job", 3, 0, 1)))
         assert _named(be, man) == object_keys(man) and all(s.chunks for s in man.shards)
-        _until(lambda: len(be.list("job/data/")) == 2, 10, "step 1's data objects deleted")
+        _until(lambda: len(be.list("job/data/")) == 2, 60, "step 1's data objects deleted")
     new.kill()
     new.wipe()
     new.start()

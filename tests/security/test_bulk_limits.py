@@ -30,7 +30,9 @@ def test_idle_connections_do_not_stall_replication_and_are_closed(daemon_factory
         t0 = time.monotonic()
         with cl.d["n0"].client() as c:
             assert c.save("flood", 1, 0, 1, {"w": b"x" * 100_000}).wait("peer", timeout=60) == ["n1"]
-        assert time.monotonic() - t0 < 20
+        # Not held up behind the idle connections (70 x bulk_first_request_timeout = 140 s if they
+        # were served one by one); 45 s is room for a loaded machine.
+        assert time.monotonic() - t0 < 45
         closed = 0
         for s in idle:  # every idle connection was closed by the daemon (EOF or reset)
             s.settimeout(15)

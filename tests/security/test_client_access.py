@@ -13,30 +13,20 @@ from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
 from tierckptd.config import ConfigError, load_config
 
+from ..certs import make_pki, tls_args
 from ._util import snapshot
-
-pytest.importorskip("cryptography")
 
 CLIENTS = ["trainer-a", "trainer-b", "ops"]
 
 
 @pytest.fixture
 def pki(tmp_path: Path) -> dict[str, dict[str, Path]]:
-    from tierckpt.certs import make_ca, make_node_cert
-
-    make_ca(tmp_path / "ca")
-    out = {}
-    for n in ["n0", *CLIENTS]:
-        f = make_node_cert(tmp_path / "ca", n, tmp_path / n, sans=("localhost",))
-        out[n] = {"cert": f.cert, "key": f.key, "ca": f.ca}
-    return out
+    return make_pki(tmp_path, ["n0", *CLIENTS], sans=("localhost",))
 
 
 @pytest.fixture
 def node(daemon_factory, pki):
-    f = pki["n0"]
-    return daemon_factory("n0", args=("--tls-cert", str(f["cert"]), "--tls-key", str(f["key"]), "--tls-ca",
-                                      str(f["ca"]), "--client-jobs", "trainer-a=alpha-*,ops=*",
+    return daemon_factory("n0", args=(*tls_args(pki["n0"]), "--client-jobs", "trainer-a=alpha-*,ops=*",
                                       "--max-open-saves-per-client", "2"))
 
 
@@ -112,9 +102,7 @@ def test_client_jobs_needs_mtls():
 def test_a_restricted_client_makes_room_only_among_its_own_jobs(daemon_factory, pki):
     """A reservation by a client that client_jobs restricts never evicts another job's steps:
     it gets RESOURCE_EXHAUSTED instead (an unrestricted caller would evict the older step)."""
-    f = pki["n0"]
-    node = daemon_factory("n0", args=("--tls-cert", str(f["cert"]), "--tls-key", str(f["key"]), "--tls-ca",
-                                      str(f["ca"]), "--client-jobs", "trainer-a=alpha-*,ops=*",
+    node = daemon_factory("n0", args=(*tls_args(pki["n0"]), "--client-jobs", "trainer-a=alpha-*,ops=*",
                                       "--local-capacity", str(1 << 20), "--keep-local", "2"))
     with node.client() as local:
         for step in (1, 2):

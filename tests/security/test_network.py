@@ -11,29 +11,22 @@ import logging
 import os
 import socket
 import ssl
-import threading
 from pathlib import Path
 
 import pytest
 from tierckptd import tls
 from tierckptd.config import ConfigError, is_loopback_host, load_config
 
+from ..certs import issue, make_pki
+from ..certs import tls_args as _tls_args
+from ..threads import Checked
 from ._util import run_daemon, snapshot
-
-pytest.importorskip("cryptography")
 
 
 @pytest.fixture
 def pki(tmp_path: Path) -> dict[str, Path]:
-    from tierckpt.certs import make_ca, make_node_cert
-
-    make_ca(tmp_path / "ca")
-    f = make_node_cert(tmp_path / "ca", "n0", tmp_path / "tls", sans=("localhost", "127.0.0.1"))
-    return {"cert": f.cert, "key": f.key, "ca": f.ca}
-
-
-def _tls_args(pki: dict[str, Path]) -> tuple[str, ...]:
-    return ("--tls-cert", str(pki["cert"]), "--tls-key", str(pki["key"]), "--tls-ca", str(pki["ca"]))
+    """n0's files, its CA in tmp_path / "ca"."""
+    return make_pki(tmp_path, ["n0"])["n0"]
 
 
 def _one_line(stderr: str) -> str:
@@ -127,13 +120,11 @@ def test_group_readable_key_only_when_told_and_never_for_the_socket_group(tmp_pa
 
 
 def test_missing_or_mismatched_tls_files_stop_start_up_before_the_disk(tmp_path: Path, pki) -> None:
-    from tierckpt.certs import make_node_cert
-
-    other = make_node_cert(tmp_path / "ca", "n1", tmp_path / "other")
+    other = issue(tmp_path, "n1")
     before = snapshot(tmp_path)
     for args, key in ((("--tls-cert", str(pki["cert"]), "--tls-key", str(tmp_path / "nope.key"),
                         "--tls-ca", str(pki["ca"])), "tls_key"),
-                      (("--tls-cert", str(pki["cert"]), "--tls-key", str(other.key), "--tls-ca", str(pki["ca"])),
+                      (("--tls-cert", str(pki["cert"]), "--tls-key", str(other["key"]), "--tls-ca", str(pki["ca"])),
                        "tls_cert/tls_key/tls_ca")):
         p = run_daemon(tmp_path, "--listen", "127.0.0.1:0", *args)
         assert p.returncode == 2 and _one_line(p.stderr).startswith(f"tierckptd: config error: {key}")
@@ -150,40 +141,33 @@ def _replace(src: Path, dst: Path, mode: int) -> None:
 
 
 def test_reloader_takes_up_a_good_change_and_keeps_the_old_files_on_a_bad_one(tmp_path: Path, caplog) -> None:
-    from tierckpt.certs import make_ca, make_node_cert
-
-    files = {}
-    for label in ("a", "b"):
-        make_ca(tmp_path / label / "ca")
-        files[label] = make_node_cert(tmp_path / label / "ca", "n0", tmp_path / label / "n")
+    files = {label: make_pki(tmp_path / label, ["n0"])["n0"] for label in ("a", "b")}
     live = tmp_path / "live"
     live.mkdir()
     for name, mode in (("cert", 0o644), ("key", 0o600), ("ca", 0o644)):
-        _replace(getattr(files["a"], name), live / name, mode)
+        _replace(files["a"][name], live / name, mode)
     r = tls.TlsReloader(load_config({}, {"tls_cert": str(live / "cert"), "tls_key": str(live / "key"),
                                          "tls_ca": str(live / "ca")}))
-    assert r.generation == 1 and r.files().cert == files["a"].cert.read_bytes()
+    assert r.generation == 1 and r.files().cert == files["a"]["cert"].read_bytes()
     ctx1 = r.server_ssl_context()
     assert r.server_ssl_context() is ctx1 and r.generation == 1  # no change, no rebuild
 
-    _replace(files["b"].cert, live / "cert", 0o644)  # half-way: b's cert with a's key
+    _replace(files["b"]["cert"], live / "cert", 0o644)  # half-way: b's cert with a's key
     with caplog.at_level(logging.ERROR, logger="tierckptd.tls"):
         assert r.generation == 1 and r.generation == 1
     assert len([rec for rec in caplog.records if "not loaded" in rec.getMessage()]) == 1  # logged once
-    assert r.files().cert == files["a"].cert.read_bytes()  # still the old pair
+    assert r.files().cert == files["a"]["cert"].read_bytes()  # still the old pair
 
-    _replace(files["b"].key, live / "key", 0o600)
-    _replace(files["b"].ca, live / "ca", 0o644)
-    assert r.generation == 2 and r.files().key == files["b"].key.read_bytes()
+    _replace(files["b"]["key"], live / "key", 0o600)
+    _replace(files["b"]["ca"], live / "ca", 0o644)
+    assert r.generation == 2 and r.files().key == files["b"]["key"].read_bytes()
     assert r.server_ssl_context() is not ctx1 and r.client_ssl_context().check_hostname
 
 
 # -- identity -------------------------------------------------------------------------------------
 
 def test_ssl_peer_identity_and_node_binding(tmp_path: Path, pki) -> None:
-    from tierckpt.certs import make_node_cert
-
-    client = make_node_cert(tmp_path / "ca", "gpu-7", tmp_path / "c", sans=("gpu-7.example", "10.0.0.7"))
+    client = issue(tmp_path, "gpu-7", sans=("gpu-7.example", "10.0.0.7"))
     cfg = load_config({}, {"tls_cert": str(pki["cert"]), "tls_key": str(pki["key"]), "tls_ca": str(pki["ca"])})
     r = tls.TlsReloader(cfg)
     got: list[set[str]] = []
@@ -194,15 +178,15 @@ def test_ssl_peer_identity_and_node_binding(tmp_path: Path, pki) -> None:
                 got.append(tls.ssl_peer_identity(s))
                 s.sendall(b"k")
 
-        t = threading.Thread(target=serve)
+        t = Checked(serve)
         t.start()
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.load_verify_locations(str(pki["ca"]))
-        ctx.load_cert_chain(str(client.cert), str(client.key))
+        ctx.load_cert_chain(str(client["cert"]), str(client["key"]))
         with ctx.wrap_socket(socket.create_connection(srv.getsockname()), server_hostname="localhost") as s:
             assert s.recv(1) == b"k"
             assert tls.ssl_peer_identity(s) == {"n0", "localhost"}
-        t.join(10)
+        t.join(30)
     assert got == [{"gpu-7", "gpu-7.example"}]  # CN and DNS SANs; IP SANs are not names
     assert tls.check_peer_node(got[0], "gpu-7", cfg) is None
     refusal = tls.check_peer_node(got[0], "gpu-8", cfg)

@@ -13,24 +13,16 @@ from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 from tierckptd.local.manifest import Manifest, ShardEntry
 from tierckptd.testing import free_port
 
+from ..certs import make_pki, tls_args
 from ..harness import wait_until
 from ._util import snapshot
-
-pytest.importorskip("cryptography")
 
 NODES = ["n0", "n1", "n2", "n3", "n4"]
 
 
 @pytest.fixture
 def pki(tmp_path: Path) -> dict[str, dict[str, Path]]:
-    from tierckpt.certs import make_ca, make_node_cert
-
-    make_ca(tmp_path / "ca")
-    out = {}
-    for n in [*NODES, "intruder"]:
-        f = make_node_cert(tmp_path / "ca", n, tmp_path / n, sans=("localhost", "127.0.0.1"))
-        out[n] = {"cert": f.cert, "key": f.key, "ca": f.ca}
-    return out
+    return make_pki(tmp_path, [*NODES, "intruder"])
 
 
 @pytest.fixture
@@ -40,10 +32,8 @@ def n1(daemon_factory, pki):
     peers = ",".join(f"{n}=127.0.0.1:{ports[n]}" for n in NODES)
     started = {}
     for n in ("n1", "n3", "n4"):
-        f = pki[n]
         started[n] = daemon_factory(n, port=ports[n], args=(
-            "--peers", peers, "--replicas", "1", "--knobs", "refresh_interval=0.2", "--tls-cert", str(f["cert"]),
-            "--tls-key", str(f["key"]), "--tls-ca", str(f["ca"])))
+            "--peers", peers, "--replicas", "1", "--knobs", "refresh_interval=0.2", *tls_args(pki[n])))
     with started["n1"].client() as c:
         wait_until(lambda: {p.node_id for p in c.status().peers if p.up} >= {"n3", "n4"}, what="n1 sees n3, n4")
     return started["n1"]

@@ -71,7 +71,6 @@ def test_redact_text_masks_urls_and_credential_pairs_in_prose() -> None:
 
 
 def test_s3_backend_reports_a_redacted_url() -> None:
-    pytest.importorskip("boto3")
     from tierckptd.backends.s3 import S3Backend
 
     b = S3Backend("bucket", "ckpt/", url=f"s3://AK:{SECRET}@bucket/ckpt/")
@@ -84,7 +83,6 @@ def test_s3_backend_reports_a_redacted_url() -> None:
 # -- tierckpt certs: private keys stay private -----------------------------------------------------
 
 def test_certs_modes_and_no_silent_key_replacement(tmp_path: Path) -> None:
-    pytest.importorskip("cryptography")
     from tierckpt.certs import make_ca, make_node_cert
 
     ca = make_ca(tmp_path / "ca", days=30)

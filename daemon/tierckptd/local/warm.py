@@ -261,6 +261,8 @@ class Warmer:
         self._stopped = False
         self._threads: list[threading.Thread] = []
         self.disabled = False  # the filesystem cannot fallocate
+        self._active = 0  # threads between taking work and finishing it (see :meth:`idle`)
+        self._held = 0  # of those, threads waiting for the node to become idle (see :meth:`_wait_idle`)
         self.prefaulted = 0  # bytes allocated ahead of a writer
         self.warmed = 0  # bytes allocated in pool files
 
@@ -289,6 +291,15 @@ class Warmer:
             self._start_locked()
             self._urgent.append((fd, offset, size))
             self._cv.notify_all()
+
+    def idle(self) -> bool:
+        """Nothing to do until something happens: no kick or prefault pending, and no thread
+        working except one held while the node is busy (for tests; a commit, the end of a save or
+        a prefault after this answer starts work again)."""
+        with self._cv:
+            if self._kicked or self._urgent:
+                return False
+            return not self._active or (self._active == self._held and self._busy())
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop both threads (each finishes its current chunk) and close every queued descriptor."""
@@ -320,10 +331,13 @@ class Warmer:
                 if self._stopped:
                     return
                 fd, off, end = self._urgent.popleft()
+                self._active += 1
             try:
                 self.prefaulted += self._fill(fd, off, end, None)[1]
             finally:
                 os.close(fd)
+                with self._cv:
+                    self._active -= 1
 
     def _pool_loop(self) -> None:
         try:  # this thread only (Linux: a thread id is a process id for setpriority)
@@ -337,25 +351,34 @@ class Warmer:
                 if self._stopped:
                     return
                 self._kicked = False
-            while not self._stopped and not self.disabled:
-                try:
-                    got = self._next_file()
-                except Exception:  # thread boundary: warming is an optimisation, never fatal
-                    log.exception("warming the recycle pool failed")
-                    break
-                if got is None:
-                    break
-                fd, name, size = got
-                try:
-                    touched = self._touching()
-                    reached, allocated, failed = self._fill(fd, 0, size, name)
-                    self.warmed += allocated
-                    if failed:
-                        break
-                    if touched and reached >= size and not self.touch_failed:
-                        self._filled(name)
-                finally:
-                    os.close(fd)
+                self._active += 1
+            try:
+                self._pool_pass()
+            finally:
+                with self._cv:
+                    self._active -= 1
+
+    def _pool_pass(self) -> None:
+        """Warm pool files until there is none to warm (or on stop, or an error)."""
+        while not self._stopped and not self.disabled:
+            try:
+                got = self._next_file()
+            except Exception:  # thread boundary: warming is an optimisation, never fatal
+                log.exception("warming the recycle pool failed")
+                return
+            if got is None:
+                return
+            fd, name, size = got
+            try:
+                touched = self._touching()
+                reached, allocated, failed = self._fill(fd, 0, size, name)
+                self.warmed += allocated
+                if failed:
+                    return
+                if touched and reached >= size and not self.touch_failed:
+                    self._filled(name)
+            finally:
+                os.close(fd)
 
     def _wait_idle(self, pooled: str) -> bool:
         """Wait while the node is busy (woken by :meth:`poke` and :meth:`kick`, re-checked every
@@ -363,7 +386,11 @@ class Warmer:
         was taken or on stop."""
         while self._busy() and not self._stopped and self._still_pooled(pooled):
             with self._cv:
-                self._cv.wait(KNOBS.warm_idle_poll)
+                self._held += 1
+                try:
+                    self._cv.wait(KNOBS.warm_idle_poll)
+                finally:
+                    self._held -= 1
         return self._still_pooled(pooled) and not self._stopped
 
     def _touching(self) -> bool:

@@ -1,0 +1,35 @@
+"""Test certificates: one helper for every mTLS test, made the way operators make them
+(``tierckpt certs``: :func:`tierckpt.certs.make_ca` and :func:`tierckpt.certs.make_node_cert`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["LOOPBACK", "issue", "make_pki", "tls_args"]
+
+LOOPBACK = ("localhost", "127.0.0.1")  # what a client on this machine dials
+
+
+def make_pki(root: Path, nodes: Iterable[str], *, sans: Iterable[str] = LOOPBACK,
+             ca_name: str = "tierckpt test CA") -> dict[str, dict[str, Path]]:
+    """A CA in ``root/ca`` and, for each node id, a certificate it signed in ``root/<node>`` (CN and
+    first DNS SAN the node id, then ``sans``): ``{node: {"cert", "key", "ca"}}``, the files of
+    ``--tls-cert``, ``--tls-key`` and ``--tls-ca``."""
+    from tierckpt.certs import make_ca
+
+    make_ca(Path(root) / "ca", name=ca_name)
+    return {node: issue(root, node, sans=sans) for node in nodes}
+
+
+def issue(root: Path, node: str, *, sans: Iterable[str] = LOOPBACK) -> dict[str, Path]:
+    """One more certificate from the CA of :func:`make_pki` at ``root``, in ``root/<node>``."""
+    from tierckpt.certs import make_node_cert
+
+    f = make_node_cert(Path(root) / "ca", node, Path(root) / node, sans=tuple(sans))
+    return {"cert": f.cert, "key": f.key, "ca": f.ca}
+
+
+def tls_args(files: dict[str, Path]) -> tuple[str, ...]:
+    """The daemon flags for one node's files from :func:`make_pki`."""
+    return ("--tls-cert", str(files["cert"]), "--tls-key", str(files["key"]), "--tls-ca", str(files["ca"]))
