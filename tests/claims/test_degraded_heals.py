@@ -44,11 +44,13 @@ def test_a_tier_that_fails_while_running_shows_degraded_and_heals_without_a_rest
 
             proxy.cut()  # the object store is unreachable
             why = wait_until(lambda: c.status().persistent_error, 30, "the tier to show degraded")
-            assert health(d.address, "tierckpt.persistent") == NOT_SERVING
+            wait_until(lambda: health(d.address, "tierckpt.persistent") == NOT_SERVING, 10, "NOT_SERVING")
             assert health(d.address, "") == SERVING and health(d.address, "tierckpt.local") == SERVING
             assert metrics(mport)[UP] == 0
-            text = _cli_status(d.address)
-            assert f"DEGRADED: {why}" in text, text
+            assert proxy.url in why, why  # the error names the endpoint it could not reach
+            text = _cli_status(d.address)  # (each probe's message names its own probe key)
+            assert f"persistent tier: {s3.url}: DEGRADED: put {s3.url}/.tierckpt-probe/" in text, text
+            assert proxy.url in text, text
             fut = c.save("job", 2, 0, 1, {"x": noise(50_000, 2)})  # local saves go on
             fut.result(30)
             assert bytes(c.restore("job", 0, step=2).shards["x"]) == noise(50_000, 2)
@@ -56,7 +58,8 @@ def test_a_tier_that_fails_while_running_shows_degraded_and_heals_without_a_rest
 
             proxy.heal()  # the store is back: up again, no restart
             wait_until(lambda: c.status().persistent_error == "", 30, "the tier to show up again")
-            assert health(d.address, "tierckpt.persistent") == SERVING and metrics(mport)[UP] == 1
+            wait_until(lambda: health(d.address, "tierckpt.persistent") == SERVING, 10, "SERVING again")
+            assert metrics(mport)[UP] == 1
             assert "DEGRADED" not in _cli_status(d.address)
             fut.wait("persistent", timeout=60)  # the queued drain completes
             wait_until(lambda: c.status().drain_backlog_steps == 0, 30, "an empty backlog")
