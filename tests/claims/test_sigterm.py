@@ -43,9 +43,9 @@ def test_sigterm_finishes_commits_and_replicas_keeps_the_drain_queue_and_exits_0
              "--keep-local", "5")  # every step stays local
     n1 = daemon_factory("n1", port=ports["n1"], args=peers)
     # n0's commits wait 1.5 s before their manifest, and its drains wait before theirs: both
-    # are in flight when the signal comes
+    # are in flight when the signal comes (a long rpc_timeout: the frozen peer is not given up on)
     stopping = (*peers, "--persistent", s3.url, "--shutdown-timeout", str(GRACE),
-                "--knobs", "debug_commit_delay=1.5,debug_manifest_delay=600")
+                "--knobs", "debug_commit_delay=1.5,debug_manifest_delay=600,rpc_timeout=30")
     n0 = daemon_factory("n0", port=ports["n0"], env=s3.env, args=stopping)
     queued = n0.local_dir / "drain-queue" / f"job.{2:020d}.{0:07d}.json"
     c = n0.client()
