@@ -1,10 +1,12 @@
 """Helpers of the claim tests: deterministic incompressible payloads, the keys of a moto bucket
 (listed with boto3's paginator, so more than one page of 1,000), the health service and metrics
-of a daemon, files of the local tier, and a TCP proxy that can cut a daemon off its object store."""
+of a daemon, files of the local tier, and a TCP proxy that can cut a daemon off its object store
+and shows the requests it forwarded (moto, unlike S3, takes more than 1,000 keys per delete)."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import urllib.request
@@ -64,7 +66,7 @@ def flip_bit(path: Path, offset: int = 0) -> None:
 
 class Proxy:
     """A TCP proxy on loopback: ``cut()`` resets every connection and refuses new ones,
-    ``heal()`` forwards again."""
+    ``heal()`` forwards again; ``requests`` keeps what each client sent."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
@@ -72,6 +74,7 @@ class Proxy:
         self._lsock = socket.create_server(("127.0.0.1", 0))
         self.port = self._lsock.getsockname()[1]
         self._conns: list[socket.socket] = []
+        self.requests: list[bytearray] = []  # what each client connection sent, in order
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -94,16 +97,20 @@ class Proxy:
             except OSError:
                 c.close()
                 continue
+            sent = bytearray()
             with self._lock:
                 self._conns += [c, u]
-            for a, b in ((c, u), (u, c)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                self.requests.append(sent)
+            threading.Thread(target=self._pipe, args=(c, u, sent), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c, None), daemon=True).start()
 
-    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+    def _pipe(self, a: socket.socket, b: socket.socket, record: bytearray | None) -> None:
         try:
             while data := a.recv(1 << 16):
                 if not self.up:
                     break
+                if record is not None:
+                    record += data
                 b.sendall(data)
         except OSError:
             pass
@@ -130,3 +137,20 @@ class Proxy:
     def close(self) -> None:
         self.cut()
         self._lsock.close()
+
+
+_REQUEST_LINE = re.compile(rb"(GET|PUT|POST|DELETE|HEAD) (\S+) HTTP/1\.1\r\n")
+
+
+def delete_batches(proxy: Proxy) -> list[int]:
+    """The number of keys in each S3 DeleteObjects request that went through ``proxy`` (the
+    request line ``POST /...?delete``; its XML body names each key in a ``<Key>`` element)."""
+    batches = []
+    with proxy._lock:
+        streams = [bytes(r) for r in proxy.requests]
+    for stream in streams:
+        lines = list(_REQUEST_LINE.finditer(stream))
+        for m, nxt in zip(lines, [*lines[1:], None]):
+            if m.group(1) == b"POST" and b"?delete" in m.group(2):
+                batches.append(stream[m.end():nxt.start() if nxt else len(stream)].count(b"<Key>"))
+    return batches

@@ -2,8 +2,9 @@
 or ``file://``: the content layout stores a chunk once per job (an unchanged shard's chunks are
 not stored again by later steps); ``--keep-persistent`` deletes old steps, manifests first, and
 the collection then deletes exactly the chunks no kept manifest names; a job with more than
-1,000 objects (moto, like S3, lists 1,000 keys per page and deletes at most 1,000 per request) is
-listed and collected whole. Every restore is from a wiped node and byte for byte."""
+1,000 objects (moto, like S3, lists 1,000 keys per page) is listed and collected whole, never
+asking to delete more than S3's 1,000 keys in one request (moto would accept more: the requests
+are counted on their way). Every restore is from a wiped node and byte for byte."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tierckptd.persistent.layout import chunk_keys
 
 from ..harness import wait_until
 from ..servers import make_backend_target
-from ._util import bucket_keys, noise
+from ._util import Proxy, bucket_keys, delete_batches, noise
 
 CHUNK = 64 << 10  # small chunks: a few hundred KiB make several
 
@@ -26,8 +27,8 @@ def s3(request, tmp_path, monkeypatch):
     return make_backend_target("s3", request, tmp_path, monkeypatch)
 
 
-def _daemon(daemon_factory, target, *more: str):
-    return daemon_factory("n0", env=target.env, args=(
+def _daemon(daemon_factory, target, *more: str, env: dict[str, str] | None = None):
+    return daemon_factory("n0", env=env or target.env, args=(
         "--persistent", target.url, "--persist-every", "1", f"--knobs=chunk_bytes={CHUNK},gc_interval=0.5", *more))
 
 
@@ -95,7 +96,19 @@ def test_retention_deletes_old_steps_and_collects_only_their_chunks(daemon_facto
 def test_more_than_1000_objects_are_listed_and_collected(daemon_factory, s3) -> None:
     n = 1100  # one rank of 1,100 small distinct shards: 1,100 chunk objects
     shards = {f"s{i:04d}": noise(64, 1, i) for i in range(n)}
-    d = _daemon(daemon_factory, s3, "--keep-persistent", "1")
+    proxy = Proxy(("127.0.0.1", s3.server.port))  # the daemon's S3 requests, to count keys per delete
+    try:
+        _listed_and_collected(daemon_factory, s3, proxy, shards)
+        batches = delete_batches(proxy)
+        print("DeleteObjects batches:", batches)
+        assert sum(batches) >= n and max(batches) <= 1000  # S3's limit per request (moto does not enforce it)
+    finally:
+        proxy.close()
+
+
+def _listed_and_collected(daemon_factory, s3, proxy: Proxy, shards: dict[str, bytes]) -> None:
+    n = len(shards)
+    d = _daemon(daemon_factory, s3, "--keep-persistent", "1", env={**s3.env, "AWS_ENDPOINT_URL": proxy.url})
     with d.client(pack_below=0) as c:  # no packing: every shard is its own chunk
         c.save("job", 1, 0, 1, shards).wait("persistent", timeout=180)
         assert len(_keys(s3, "content")) == n  # two pages of ListObjectsV2
