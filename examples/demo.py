@@ -15,10 +15,15 @@ locally every 10 steps and persistently every 40.
 
 Per phase and rank it prints the step and tier each restore came from, the restore time and the
 save blocking / commit times.
+
+Options (``make demo`` passes none): ``--dir DIR`` keeps the state under DIR instead of ``.demo/``;
+``--short`` runs the same four phases five times shorter (24 steps, saving every 2, persisting
+every 8, the crashes after steps 11, 17 and 19): ``tests/claims/test_demo.py`` runs it that way.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import statistics
@@ -31,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / ".demo"
 STEPS, SAVE_EVERY, PERSIST_EVERY = 120, 10, 40
+CRASH_AFTER = (55, 85, 95)  # phases 1-3; the persisted step phase 4 resumes from is 2 * PERSIST_EVERY
 NODES = ("n0", "n1", "n2")
 WORLD = 4
 
@@ -127,27 +133,60 @@ def persisted(cluster: Cluster, step: int) -> bool:
         return any(i.step == step and "persistent" in i.tiers for i in c.list("demo"))
 
 
-def main() -> int:
+def settle(cluster: Cluster) -> None:
+    """Wait until the job's complete steps stop changing. A trainer killed just after a save may
+    leave its commit in flight at its daemon, and these ranks each ask ``latest()`` (there is no
+    torch.distributed process group to agree through): started too early, they could resume from
+    different steps."""
+    import tierckpt
+
+    seen: list = []
+    since = time.monotonic()
+    with tierckpt.Client(cluster.daemons["n0"].address) as c:
+        while time.monotonic() - since < 1.0:
+            now = [(i.step, i.complete) for i in c.list("demo")]
+            if now != seen:
+                seen, since = now, time.monotonic()
+            time.sleep(0.2)
+
+
+def shown(path: Path) -> Path:
+    """``path`` relative to the checkout when it is inside it."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def main(argv: list[str] | None = None) -> int:
+    global DEMO, STEPS, SAVE_EVERY, PERSIST_EVERY, CRASH_AFTER  # noqa: PLW0603 (the module's settings)
+    p = argparse.ArgumentParser(description="a three-node tierckpt cluster on loopback surviving every failure")
+    p.add_argument("--dir", type=Path, default=DEMO, help="where the state and logs go (default: .demo/)")
+    p.add_argument("--short", action="store_true", help="the same phases, five times fewer steps")
+    args = p.parse_args(argv)
+    DEMO = args.dir.resolve()
+    if args.short:
+        STEPS, SAVE_EVERY, PERSIST_EVERY, CRASH_AFTER = 24, 2, 8, (11, 17, 19)
     shutil.rmtree(DEMO, ignore_errors=True)
     (DEMO / "logs").mkdir(parents=True)
     cluster = Cluster()
     try:
         say(f"starting 3 daemons on loopback ({', '.join(f'{n}:{p}' for n, p in cluster.ports.items())}), "
-            f"state under {DEMO.relative_to(ROOT)}/")
+            f"state under {shown(DEMO)}/")
         cluster.start()
-        say("phase 1: train 4 ranks; they crash after step 55")
-        report("1", train(cluster, "p1", stop_after=55))
+        say(f"phase 1: train 4 ranks; they crash after step {CRASH_AFTER[0]}")
+        report("1", train(cluster, "p1", stop_after=CRASH_AFTER[0]))
+        settle(cluster)
 
         say("phase 2: restart the trainers; they resume from the local tier")
-        report("2", train(cluster, "p2", stop_after=85))
+        report("2", train(cluster, "p2", stop_after=CRASH_AFTER[1]))
+        settle(cluster)
 
         say("phase 3: kill -9 node n1 and wipe its local dir; start a replacement n1 with an empty dir")
         cluster.daemons["n1"].kill()
         cluster.daemons["n1"].wipe()
         cluster.start("n1")
-        report("3", train(cluster, "p3", stop_after=95))
+        report("3", train(cluster, "p3", stop_after=CRASH_AFTER[2]))
 
-        wait_for(lambda: persisted(cluster, 80), "step 80 to reach the persistent tier")
+        kept = 2 * PERSIST_EVERY  # the newest persisted step: the whole cluster resumes from it
+        wait_for(lambda: persisted(cluster, kept), f"step {kept} to reach the persistent tier")
         say("phase 4: lose the whole cluster: kill -9 every daemon and wipe every local dir; start 3 fresh daemons")
         for d in cluster.daemons.values():
             d.kill()
@@ -161,7 +200,7 @@ def main() -> int:
             say(f"done: latest complete step {c.latest('demo')}; tierckpt ls demo:")
         subprocess.run([sys.executable, "-m", "tierckpt.cli", "--address", cluster.daemons["n0"].address,
                         "ls", "demo"], check=True)
-        print(f"\nlogs: {(DEMO / 'logs').relative_to(ROOT)}/  (daemon logs n0.log n1.log n2.log, trainer JSON lines)")
+        print(f"\nlogs: {shown(DEMO / 'logs')}/  (daemon logs n0.log n1.log n2.log, trainer JSON lines)")
     finally:
         cluster.stop()
     return 0

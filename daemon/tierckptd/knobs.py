@@ -136,6 +136,9 @@ class Knobs:
     """Seconds a newly queued rank waits before its first upload attempt."""
     debug_manifest_delay: float = 0.0
     """Seconds a drain waits after its last shard upload, before the manifest."""
+    debug_probe_interval: float = 0.0
+    """Seconds between two probes of a tier, working or degraded, instead of
+    ``tierhealth.RECHECK_SECONDS`` / ``RETRY_SECONDS`` (a test sees a tier go degraded and heal)."""
 
     # -- local tier
     warm_pool: int = 1

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .knobs import KNOBS
 from .redact import redact_text
 
 __all__ = ["TierHealth", "probe_loop", "RETRY_SECONDS", "RECHECK_SECONDS", "FIRST_PROBE_WAIT"]
@@ -112,4 +113,4 @@ async def probe_loop(health: TierHealth, tier: str, probe: Callable[[], Awaitabl
         ok = await probe_once(health, tier, probe, timeout)
         if first is not None and not first.done():
             first.set_result(ok)
-        await asyncio.sleep(RECHECK_SECONDS if ok else RETRY_SECONDS)
+        await asyncio.sleep(KNOBS.debug_probe_interval or (RECHECK_SECONDS if ok else RETRY_SECONDS))

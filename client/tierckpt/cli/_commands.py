@@ -51,7 +51,8 @@ def status_doc(st: Any) -> dict[str, Any]:
                        "staging_bytes": st.staging_bytes, "recycle_bytes": st.recycle_bytes},
         "peer_tier": {"configured": len(st.peers) > 0, "replicas": st.replicas,
                       "peers": [{"node_id": p.node_id, "address": p.address, "up": p.up,
-                                 "last_seen_unix": p.last_seen_unix, "last_error": p.last_error}
+                                 # absent values are null (never seen: not 1970; no error: not "")
+                                 "last_seen_unix": p.last_seen_unix or None, "last_error": p.last_error or None}
                                 for p in st.peers]},
         "persistent_tier": {"configured": bool(st.persistent_url), "url": st.persistent_url,
                             "backlog_ranks": st.drain_backlog_steps, "backlog_bytes": st.drain_backlog_bytes,

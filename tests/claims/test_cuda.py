@@ -1,0 +1,141 @@
+"""The CUDA paths of ``tierckpt.torch`` (README, "Known limitations": the GPU paths — pinned-memory
+staging, CUDA RNG state — have not run on a GPU). Marked ``cuda`` and skipped, with the reason,
+where ``torch.cuda.is_available()`` is False; on a GPU machine they save CUDA tensors through a
+real daemon and check what comes back, on the device, byte for byte:
+
+- a training state on the GPU (module, AdamW state, a bfloat16 and a strided tensor) is restored
+  onto the GPU in place, equal to what was saved;
+- the pinned host buffers that stage device-to-host copies are reused by the next save of the
+  same layout, and a tensor changed right after ``save()`` returns does not change the saved
+  bytes (the copy completed before the call returned), nor does the reuse change older steps;
+- the CUDA RNG state round-trips (the same random numbers after a load);
+- ``map_location="cpu"`` loads a GPU checkpoint into host tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tierckpt.torch import Checkpointer, RNGState  # noqa: E402
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.is_available() is False"),
+]
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 64)
+        self.mid = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 50)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.mid(self.emb(x))))
+
+
+def _trained(seed: int):
+    torch.manual_seed(seed)
+    model = Tiny().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, 50, (4, 9), device="cuda")
+    loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, 50), x[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    return model, opt
+
+
+class _Was(NamedTuple):
+    """A tensor as it was: its device and a CPU copy of its values."""
+
+    device: torch.device
+    values: torch.Tensor
+
+
+def _host(obj):
+    """Every tensor of a nested state as it is now (the live ones change later)."""
+    if isinstance(obj, torch.Tensor):
+        return _Was(obj.device, obj.detach().cpu().clone())
+    if isinstance(obj, dict):
+        return {k: _host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host(v) for v in obj)
+    return obj
+
+
+def _assert_restored(got, want) -> None:
+    """``got`` holds the values of ``want`` on the devices they were saved from."""
+    if isinstance(want, _Was):
+        assert isinstance(got, torch.Tensor) and got.device == want.device, (got.device, want.device)
+        assert got.dtype == want.values.dtype and torch.equal(got.detach().cpu(), want.values)
+    elif isinstance(want, dict):
+        assert set(got) == set(want)
+        for k in want:
+            _assert_restored(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            _assert_restored(g, w)
+    else:
+        assert got == want
+
+
+def test_a_gpu_training_state_is_restored_onto_the_gpu(daemon) -> None:
+    model, opt = _trained(0)
+    extra = {"bf16": torch.randn(3, 5, device="cuda").to(torch.bfloat16),
+             "strided": torch.arange(24.0, device="cuda").reshape(4, 6)[:, ::2]}
+    want = {"model": _host(model.state_dict()), "optim": _host(opt.state_dict()), "extra": _host(extra)}
+    with Checkpointer("gpu", address=daemon.address) as ck:
+        ck.save(1, {"model": model, "optim": opt, "extra": extra}).result(60)
+        model2, opt2 = _trained(1)  # other values, same layout
+        extra2: dict = {}
+        got = ck.load({"model": model2, "optim": opt2, "extra": extra2})
+    assert got is not None and got.step == 1 and got.tier == "local"
+    _assert_restored(model2.state_dict(), want["model"])  # on the GPU, as saved
+    _assert_restored(opt2.state_dict()["state"], want["optim"]["state"])  # (AdamW's step stays on the host)
+    _assert_restored(extra2, want["extra"])
+    assert all(p.is_cuda for p in model2.parameters()) and extra2["bf16"].is_cuda
+
+
+def test_pinned_staging_buffers_are_reused_and_never_stale(daemon) -> None:
+    w = torch.arange(1 << 16, dtype=torch.float32, device="cuda")
+    first = w.cpu().clone()
+    with Checkpointer("pinned", address=daemon.address) as ck:
+        fut = ck.save(1, {"w": w})
+        w.add_(1)  # the trainer goes on at once: the saved bytes are the ones before
+        fut.result(60)
+        bufs = {k: b.data_ptr() for k, b in ck._pinned.items()}
+        assert bufs and all(b.is_pinned() for b in ck._pinned.values())
+        ck.save(2, {"w": w}).result(60)
+        assert {k: b.data_ptr() for k, b in ck._pinned.items()} == bufs  # the same pinned pages again
+        one, two = ck.read(1), ck.read(2)
+        assert one is not None and two is not None
+        assert torch.equal(one.state["w"], first) and torch.equal(two.state["w"], first + 1)
+
+
+def test_cuda_rng_state_round_trips(daemon) -> None:
+    torch.zeros(1, device="cuda")  # CUDA initialised: RNGState includes every device's generator
+    torch.cuda.manual_seed_all(3)
+    with Checkpointer("rng", address=daemon.address) as ck:
+        ck.save(1, {"rng": RNGState()}).result(60)
+        a = torch.rand(8, device="cuda")
+        torch.cuda.manual_seed_all(99)
+        ck.load({"rng": RNGState()})
+        b = torch.rand(8, device="cuda")
+    assert torch.equal(a, b)
+
+
+def test_map_location_cpu_loads_a_gpu_checkpoint_into_host_tensors(daemon) -> None:
+    t = torch.randn(64, 64, device="cuda")
+    with Checkpointer("maploc", address=daemon.address) as ck:
+        ck.save(1, {"t": t, "nested": {"u": t[:, :3]}}).result(60)
+    with Checkpointer("maploc", address=daemon.address, map_location="cpu") as ck:
+        state: dict = {"t": None, "nested": {}}
+        ck.load(state)
+    assert state["t"].device.type == "cpu" and torch.equal(state["t"], t.cpu())
+    assert state["nested"]["u"].device.type == "cpu" and torch.equal(state["nested"]["u"], t[:, :3].cpu())
