@@ -32,7 +32,7 @@ import numpy as np
 from ._buffers import ShardBuffer, torch_dtype_numpy
 from .common import checksum as _checksum
 from .common.names import SHARD_RE
-from .errors import DataLossError, InvalidArgumentError, TierckptError
+from .errors import DataLossError, InternalError, InvalidArgumentError
 
 __all__ = ["RESERVED_PREFIX", "PACK", "INDEX", "ALIGN", "Entry", "Layout", "check_name", "plan", "encode_index",
            "decode_index", "fill", "digest_pack", "finish_staged", "stream_pieces", "unpack"]
@@ -112,7 +112,7 @@ def encode_index(layout: Layout, digests: Sequence[str]) -> bytes:
     data = json.dumps(doc, separators=(",", ":")).encode()
     if layout.index_size:
         if len(data) > layout.index_size:  # checksums are fixed-width: cannot happen
-            raise TierckptError(f"pack index is {len(data)} bytes, {layout.index_size} were reserved")
+            raise InternalError(f"pack index is {len(data)} bytes, {layout.index_size} were reserved")
         data += b" " * (layout.index_size - len(data))
     return data
 

@@ -39,7 +39,7 @@ from transformers import TrainerCallback
 from .agree import agree_restore_step
 from .client import Client, SaveFuture
 from .common.names import check_job
-from .errors import InvalidArgumentError, TierckptError
+from .errors import FailedPreconditionError, InvalidArgumentError, TierckptError
 
 __all__ = ["TierckptCallback", "FORMAT"]
 
@@ -81,7 +81,7 @@ def _safe_rel(rel: str) -> str:
     """``rel`` if it stays inside the folder (a manifest is data, not a path to trust)."""
     norm = os.path.normpath(rel)
     if os.path.isabs(norm) or norm.startswith(".."):
-        raise TierckptError(f"checkpoint file name {rel!r} leaves the checkpoint folder")
+        raise InvalidArgumentError(f"file name: {rel!r} leaves the checkpoint folder")
     return norm
 
 
@@ -224,7 +224,8 @@ class TierckptCallback(TrainerCallback):
                 return None
         ck = self.client.restore(self.job, rank, step)
         if ck.metadata.get("tierckpt.format") != FORMAT:
-            raise TierckptError(f"{self.job} step {ck.step}: not a Trainer checkpoint saved by TierckptCallback")
+            raise FailedPreconditionError(f"{self.job} step {ck.step}: not a Trainer checkpoint saved by "
+                                          "TierckptCallback")
         folder = os.path.join(output_dir, f"{PREFIX}{ck.step}")
         for name, rel in ck.metadata["files"].items():
             _write_file(os.path.join(folder, _safe_rel(rel)), ck.shards[name])

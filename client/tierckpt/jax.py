@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .client import Checkpoint, Client, SaveFuture
-from .errors import InvalidArgumentError, TierckptError
+from .errors import FailedPreconditionError, InvalidArgumentError
 
 __all__ = ["FORMAT", "INDEX_SHARD", "encode", "decode", "save_pytree", "restore_pytree", "is_pytree_of_arrays"]
 
@@ -145,14 +145,14 @@ def decode(ck: Checkpoint, target: Any = None) -> Any:
     """The pytree stored in ``ck`` (see the module docstring for ``target``).
 
     Raises:
-        TierckptError: ``ck`` is not a checkpoint written by :func:`encode`.
+        FailedPreconditionError: ``ck`` is not a checkpoint written by :func:`encode`.
         InvalidArgumentError: ``target`` does not match the stored structure, shapes or dtypes.
     """
     if INDEX_SHARD not in ck.shards:
-        raise TierckptError(f"{ck.job} step {ck.step} rank {ck.rank}: not a {FORMAT} checkpoint")
+        raise FailedPreconditionError(f"{ck.job} step {ck.step} rank {ck.rank}: not a {FORMAT} checkpoint")
     index = json.loads(np.asarray(ck.shards[INDEX_SHARD]).tobytes())
     if index.get("format") != FORMAT:
-        raise TierckptError(f"{ck.job} step {ck.step}: unknown pytree format {index.get('format')!r}")
+        raise FailedPreconditionError(f"{ck.job} step {ck.step}: unknown pytree format {index.get('format')!r}")
     by_path = {json.dumps(e["path"]): e for e in index["leaves"]}
     if target is None:
         root: dict = {}

@@ -37,7 +37,7 @@ import numpy as np
 
 from .client import Client, SaveFuture
 from .common.names import check_job
-from .errors import InvalidArgumentError, TierckptError
+from .errors import FailedPreconditionError, InvalidArgumentError, TierckptError
 from .goodput import Policy
 
 __all__ = ["CheckpointManager", "ManagerStats", "Restored", "FORMATS"]
@@ -370,7 +370,8 @@ class CheckpointManager:
         elif stored == RAW_FORMAT:
             out = _fill_raw(state, ck.shards, ck.metadata.get("kinds", {}))
         else:
-            raise TierckptError(f"{self.job} step {ck.step}: not written by CheckpointManager (format {stored!r})")
+            raise FailedPreconditionError(f"{self.job} step {ck.step}: not written by CheckpointManager "
+                                          f"(format {stored!r})")
         return Restored(ck.step, ck.tier, ck.metadata.get("user", {}), out, time.perf_counter() - t0)
 
     def _restore_torch(self, state: Any, step: int, t0: float) -> Restored:

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from .agree import agree_restore_step
 from .client import Checkpoint, Client, SaveFuture
 from .common.names import check_job
-from .errors import InvalidArgumentError, TierckptError
+from .errors import FailedPreconditionError, InvalidArgumentError, TierckptError
 
 __all__ = ["Checkpointer", "RNGState", "Restored", "SaveStats"]
 
@@ -565,11 +565,11 @@ class Checkpointer:
                 return None
         ck = self.client.restore(self.job, self.rank, step)
         if OBJECTS_SHARD not in ck.shards:
-            raise TierckptError(f"{self.job} step {ck.step} rank {self.rank}: not a tierckpt.torch checkpoint "
-                                f"(no {OBJECTS_SHARD} shard)")
+            raise FailedPreconditionError(f"{self.job} step {ck.step} rank {self.rank}: not a tierckpt.torch "
+                                          f"checkpoint (no {OBJECTS_SHARD} shard)")
         doc = pickle.loads(ck.shards[OBJECTS_SHARD].tobytes())
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise TierckptError(f"{self.job} step {ck.step} rank {self.rank}: unknown checkpoint format")
+            raise FailedPreconditionError(f"{self.job} step {ck.step} rank {self.rank}: unknown checkpoint format")
         raws = {s: bytes_of(ck, s) for s in {loc.shard for loc in doc["tensors"]}}
         table = [view_tensor(raws[loc.shard], loc) for loc in doc["tensors"]]
         state = {k: _join(v, table) for k, v in doc["state"].items()}

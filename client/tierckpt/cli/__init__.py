@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
 from .. import __version__
-from ..errors import InvalidArgumentError, NotFoundError, TierckptError, UnavailableError
+from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, TierckptError, UnavailableError
 from ._commands import cmd_latest, cmd_ls, cmd_restore, cmd_status
 from ._daemon import DaemonUnreachable, Session
 from ._manage import EXAMPLES as _MANAGE_EXAMPLES
@@ -180,7 +180,7 @@ def _completion(shell: str, out: TextIO) -> int:
     try:
         import shtab
     except ImportError:
-        raise TierckptError("completion needs the shtab package: pip install shtab") from None
+        raise FailedPreconditionError("completion needs the shtab package: pip install shtab") from None
     out.write(shtab.complete(build_parser(), shell=shell))
     return EXIT_OK
 
