@@ -23,6 +23,12 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from .harness import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def worker_path() -> str:
+    """PYTHONPATH for worker processes: the repository (for ``tests``), then this process's own
+    path, so that a checkout run with PYTHONPATH=client:daemon tests its own code in workers too."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
@@ -79,7 +85,7 @@ def _worker(address: str, job: str) -> None:
 
 def _run_ranks(address: str, job: str, world: int = 2, timeout: float = 50) -> None:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")
+               OMP_NUM_THREADS="1", PYTHONPATH=worker_path(), PYTHONFAULTHANDLER="1")
     procs = [subprocess.Popen([sys.executable, "-m", "tests.test_dcp", "--worker", address, job], cwd=REPO,
                               env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(world)]
