@@ -345,6 +345,7 @@ class Reader(_Connected, StorageReader):
         self.group = group
         self.storage_data: dict[Any, ItemLoc] = {}
         self.tier = ""  # where the metadata came from, for logs
+        self.tiers: dict[int, str] = {}  # saved tierckpt rank -> the tier its last restore came from
         self.world_size = 0  # the step's tierckpt world size (saved DCP ranks + 1)
         self._save_id = ""
 
@@ -376,7 +377,7 @@ class Reader(_Connected, StorageReader):
         if not self.job:
             raise InvalidArgumentError("job: empty (give Reader a job, or dcp.load a checkpoint_id)")
         ck = self._resolve()
-        self.tier = ck.tier
+        self.tier = self.tiers[ck.rank] = ck.tier
         self._save_id = str(ck.metadata.get("dcp_save_id", ""))
         metadata: Metadata = pickle.loads(ck.shards[METADATA_SHARD].tobytes())
         ck.close()
@@ -463,6 +464,7 @@ class Reader(_Connected, StorageReader):
         for rank in sorted(by_rank):
             ck: Checkpoint = self.client.restore(self.job, rank, self.step)
             self._check_same_save(ck)
+            self.tiers[rank] = ck.tier
             raws: dict[str, torch.Tensor] = {}
             for req in by_rank[rank]:
                 loc = self.storage_data[req.storage_index]

@@ -55,7 +55,7 @@ def full_state(version: int) -> dict:
 # ------------------------------------------------------------------------------------ one rank
 
 
-def _worker(ctl: Path, addresses: list[str], job: str, fsdir: Path) -> None:
+def _worker(ctl: Path, addresses: list[str], job: str, fsdir: Path, full: bool) -> None:
     import datetime
 
     import tierckpt
@@ -67,8 +67,9 @@ def _worker(ctl: Path, addresses: list[str], job: str, fsdir: Path) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=240))
     me = dist.get_rank()
     address = addresses[(me // 2) % 2]  # processes 0-1, 4-5 on n0; 2-3, 6-7 on n1
-    groups = {4: dist.new_group(list(range(4))), 2: dist.new_group([0, 1]), 1: dist.new_group([0]),
-              8: dist.group.WORLD}
+    world = dist.get_world_size()
+    groups = {n: dist.group.WORLD if n == world else dist.new_group(list(range(n))) for n in (8, 4, 2, 1)
+              if n <= world}
     meshes = {n: DeviceMesh.from_group(g, "cpu") for n, g in groups.items() if me < n}
     asked = [0]
     report: dict = {"rank": me, "tiers": {}}
@@ -162,16 +163,20 @@ def _worker(ctl: Path, addresses: list[str], job: str, fsdir: Path) -> None:
                 got = {k: raw(v) for k, v in target.items() if k != "extra"}
                 assert got == expected[n], (name, n, [k for k in got if got[k] != expected[n][k]])
                 assert target["extra"] == full_state(1)["extra"], (name, n)
-                tiers.add(reader.tier)
+                tiers.update(reader.tiers.values())
             dist.barrier()
         report["tiers"][name] = sorted(tiers)
 
-    load_round("local")  # 4 -> 2, 4 -> 1, 4 -> 8, the incomplete steps 2 and 3 skipped
-    load_round("explicit", shapes=(8,), step=1)
-    ask("replace-n1")  # n1's local dir lost: ranks 2-3 come from their replicas on n0
-    load_round("peer", shapes=(2, 8))
-    ask("replace-all")  # every local dir lost: the persistent tier
-    load_round("persistent", shapes=(8, 1))
+    if not full:  # 4 -> 2 and 4 -> 1 from the local tier
+        load_round("local", shapes=(2, 1))
+        load_round("explicit", shapes=(2,), step=1)
+    else:
+        load_round("local")  # 4 -> 2, 4 -> 1, 4 -> 8, the incomplete steps 2 and 3 skipped
+        load_round("explicit", shapes=(8,), step=1)
+        ask("replace-n1")  # n1's local dir lost: ranks 2-3 come from their replicas on n0
+        load_round("peer", shapes=(2, 8))
+        ask("replace-all")  # every local dir lost: the persistent tier
+        load_round("persistent", shapes=(8, 1))
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(report), flush=True)
@@ -210,20 +215,22 @@ def _serve(cluster: Cluster, ctl: Path, procs: list[subprocess.Popen], deadline:
     return done
 
 
-@pytest.mark.long
-def test_restart_in_any_shape_from_every_tier(daemon_factory, scratch):
+def _run(daemon_factory, scratch: Path, world: int) -> tuple[list[str], dict[str, set[str]]]:
+    """The workers on a 2-node cluster; returns the daemon actions taken and the tiers the
+    readers' metadata came from, per round."""
     persistent = scratch / "persistent"
     persistent.mkdir()
     cluster = Cluster(daemon_factory, 2, replicas=1, extra=("--persistent", f"file://{persistent}"))
     ctl, fsdir = scratch / "ctl", scratch / "fs-control"
     ctl.mkdir()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), WORLD_SIZE=str(WORLD),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), WORLD_SIZE=str(world),
                OMP_NUM_THREADS="1", PYTHONPATH=worker_path(), PYTHONFAULTHANDLER="1")
-    args = [str(ctl), cluster.d["n0"].address, cluster.d["n1"].address, "elastic", str(fsdir)]
-    logs = [open(scratch / f"rank{r}.out", "w+b") for r in range(WORLD)]
+    args = [str(ctl), cluster.d["n0"].address, cluster.d["n1"].address, "elastic", str(fsdir),
+            "full" if world == WORLD else "quick"]
+    logs = [open(scratch / f"rank{r}.out", "w+b") for r in range(world)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.dcp.test_elastic", "--worker", *args], cwd=REPO,
                               env=dict(env, RANK=str(r)), stdout=logs[r], stderr=subprocess.STDOUT)
-             for r in range(WORLD)]
+             for r in range(world)]
     try:
         actions = _serve(cluster, ctl, procs, time.monotonic() + 540)
         for p in procs:
@@ -239,15 +246,29 @@ def test_restart_in_any_shape_from_every_tier(daemon_factory, scratch):
         log.close()
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"rank {r} ok" in out, f"rank {r} failed:\n{out[-6000:]}"
-    assert actions == ["kill-n1", "start-n1", "replace-n1", "replace-all"]
     reports = [json.loads(next(line for line in out.splitlines() if line.startswith("{"))) for out in outs]
     tiers = {name: set().union(*(set(rep["tiers"].get(name, ())) for rep in reports))
-             for name in ("local", "peer", "persistent")}
+             for name in ("local", "explicit", "peer", "persistent")}
+    with cluster.d["n0"].client() as c:  # step 1 is what is left complete; 2 and 3 never were
+        wait_until(lambda: [i.step for i in c.list("elastic") if i.complete] == [1], what="only step 1 complete")
+    return actions, tiers
+
+
+def test_restart_on_fewer_ranks_after_a_failed_save(daemon_factory, scratch):
+    """4 -> 2 and 4 -> 1 from the local tier, after a failed metadata commit and a dead node."""
+    actions, tiers = _run(daemon_factory, scratch, SAVED)
+    assert actions == ["kill-n1", "start-n1"]
+    assert "local" in tiers["local"] and "persistent" not in tiers["local"], tiers
+
+
+@pytest.mark.long
+def test_restart_in_any_shape_from_every_tier(daemon_factory, scratch):
+    """4 -> 2, 1 and 8 from the local tier, then the peer tier, then the persistent tier."""
+    actions, tiers = _run(daemon_factory, scratch, WORLD)
+    assert actions == ["kill-n1", "start-n1", "replace-n1", "replace-all"]
     assert "local" in tiers["local"] and "persistent" not in tiers["local"], tiers
     assert "peer" in tiers["peer"], tiers  # readers on the replaced n1 took the metadata from n0
     assert "persistent" in tiers["persistent"], tiers
-    with cluster.d["n0"].client() as c:  # what is left: step 1 only, complete, again in the local tiers
-        wait_until(lambda: [i.step for i in c.list("elastic") if i.complete] == [1], what="step 1 listed")
 
 
 def _port() -> int:
@@ -257,5 +278,5 @@ def _port() -> int:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker(Path(sys.argv[2]), sys.argv[3:5], sys.argv[5], Path(sys.argv[6]))
+    _worker(Path(sys.argv[2]), sys.argv[3:5], sys.argv[5], Path(sys.argv[6]), sys.argv[7] == "full")
     os._exit(0)  # checked and destroyed: skip finalization, where torch's C++ threads rarely abort
