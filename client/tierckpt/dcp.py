@@ -25,13 +25,19 @@ counts the step complete (``latest``, retention, replication, persistence) only 
 is there: a reader never sees metadata without every rank's data. A failed save leaves an
 incomplete step that ``latest`` skips and retention reclaims.
 
-Loading: every rank reads the metadata (rank ``W``, found from the step's world size in
-``Client.list``), then restores each saved rank that holds items it needs, maps its shards and
-copies byte ranges into the destination tensors, so any load world size DCP supports works
+Loading: the readers agree on the step (see :class:`Reader`: the newest step whose metadata and
+every saved rank are restorable in some tier, for any reader world size), every rank reads the
+metadata (rank ``W``), then restores each saved rank that holds items it needs, maps its shards
+and copies byte ranges into the destination tensors, so any load world size DCP supports works
 (resharding with DTensor, a different rank count). All restores go through the reader's own node's
 daemon: on one machine every rank is local; across nodes a rank saved on another node is served
 from the peer or persistent tier, so loading on a different world size across nodes needs
 ``replicas >= 1`` or a persistent tier holding the step.
+
+A step saved again (``overwrite=True``, DCP's default) from fewer ranks still holds the earlier
+save's extra ranks until retention reclaims them; the daemon's catalog takes one save's ranks per
+step (the complete one, else the newest), and every rank records the coordinator's save id, so a
+load never mixes two saves (a rank of another save is a ``DataLossError``).
 
 ``use_collectives=False`` (rank-local metadata) is not supported.
 """
