@@ -337,15 +337,21 @@ class Reader(_Connected, StorageReader):
         address: this node's daemon (default ``$TIERCKPT_ADDRESS``); ignored when ``client`` is given.
         group: the process group that loads (default: the world); give the group passed to
             ``dcp.load`` when it is not the world.
+        collective: whether ``read_metadata`` agrees through ``group``; default: when
+            torch.distributed is initialised. False: this process resolves the step alone (a
+            load on some ranks only, e.g. ``dcp.load(..., no_dist=True)`` under a group).
     """
 
     def __init__(self, job: str = "", step: int | None = None, *, address: str | None = None,
-                 client: Client | None = None, group: Any = None) -> None:
+                 client: Client | None = None, group: Any = None, collective: bool | None = None) -> None:
         super().__init__()
         if job:
             check_job(job)
         if step is not None:
             check_step(step)
+        if collective not in (None, True, False):
+            raise InvalidArgumentError(f"collective: {collective!r} must be True, False or None")
+        self.collective = collective
         self.job, self.step = job, step
         self._connect(address, client)
         self.group = group
@@ -394,7 +400,10 @@ class Reader(_Connected, StorageReader):
 
     def _place(self) -> tuple[int, int, bool]:
         """(this reader's rank, the number of readers, whether they are a process group)."""
-        if dist.is_available() and dist.is_initialized():
+        up = dist.is_available() and dist.is_initialized()
+        if self.collective and not up:
+            raise FailedPreconditionError("collective: True but torch.distributed is not initialised")
+        if up and self.collective is not False:
             return dist.get_rank(self.group), dist.get_world_size(self.group), True
         return 0, 1, False
 

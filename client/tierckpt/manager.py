@@ -350,6 +350,8 @@ class CheckpointManager:
 
         Raises:
             NotFoundError: an explicit ``step`` is not held by any tier.
+            FailedPreconditionError: the step (or the newest one, collectively) was saved with
+                another world size (the message names both).
         """
         t0 = time.perf_counter()
         if step is None:

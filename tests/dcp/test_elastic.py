@@ -167,6 +167,13 @@ def _worker(ctl: Path, addresses: list[str], job: str, fsdir: Path, full: bool) 
             dist.barrier()
         report["tiers"][name] = sorted(tiers)
 
+    if me == 0:  # one process alone under the group (no_dist): it resolves the step by itself
+        alone = {k: torch.zeros_like(v) for k, v in full_state(0).items() if isinstance(v, torch.Tensor)}
+        alone["extra"] = {}
+        reader = tdcp.Reader(job, address=address, collective=False)
+        dcp.load(alone, storage_reader=reader, no_dist=True)
+        assert reader.step == 1 and all(torch.equal(alone[k], v) for k, v in full_state(1).items() if k != "extra")
+    dist.barrier()
     if not full:  # 4 -> 2 and 4 -> 1 from the local tier
         load_round("local", shapes=(2, 1))
         load_round("explicit", shapes=(2,), step=1)

@@ -116,6 +116,8 @@ def test_reader_and_writer_refuse_bad_input_naming_the_field():
         tdcp.Writer("j", 1, address="unix:///nowhere", overwrite="no")  # type: ignore[arg-type]
     with pytest.raises(tierckpt.InvalidArgumentError, match="^client"):
         tdcp.Writer("j", 1, client=object())  # type: ignore[arg-type]
+    with pytest.raises(tierckpt.InvalidArgumentError, match="^collective"):
+        tdcp.Reader("j", address="unix:///nowhere", collective="yes")  # type: ignore[arg-type]
     with pytest.raises(tierckpt.InvalidArgumentError, match="^pack_below"):
         tdcp.Writer("j", 1, address="unix:///nowhere", pack_below=-1)
 
