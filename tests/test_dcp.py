@@ -22,6 +22,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def worker_path() -> str:
+    """PYTHONPATH for worker processes: the repository (for ``tests``), then this process's own
+    path, so that a checkout run with PYTHONPATH=client:daemon tests its own code in workers too."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
@@ -76,10 +82,60 @@ def _worker(address: str, job: str) -> None:
     print(f"rank {rank} ok", flush=True)
 
 
-def _run_ranks(address: str, job: str, world: int = 2, timeout: float = 50) -> None:
+def _worker_shapes(address: str, job: str) -> None:
+    """One rank: process-based async save, overwrite=False, and a step re-saved from fewer ranks."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    alone = dist.new_group([0])  # the job restarted on fewer ranks
+
+    def sharded(full: dict) -> dict:
+        return {"big": distribute_tensor(full["big"], mesh, [Shard(0)]),
+                "small": distribute_tensor(full["small"], mesh, [Shard(1)]),
+                "half": distribute_tensor(full["half"], mesh, [Shard(0)]),
+                "bias": full["bias"].clone(), "extra": dict(full["extra"])}
+
+    def check(step, version: int) -> None:
+        target = sharded(_zeros_like_full())
+        reader = tdcp.Reader(job, step, address=address)
+        dcp.load(target, storage_reader=reader)
+        expect = sharded(full_state(version))
+        for k in ("big", "small", "half"):
+            assert torch.equal(target[k].to_local(), expect[k].to_local()), (rank, step, k)
+        assert torch.equal(target["bias"], expect["bias"]) and target["extra"] == expect["extra"], (rank, step)
+
+    # The writer is pickled to a checkpoint process (which connects to the daemon itself).
+    fut = dcp.async_save(sharded(full_state(1)), storage_writer=tdcp.Writer(job, 1, address=address),
+                         async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    fut = getattr(fut, "upload_completion", fut)
+    fut.result()
+    check(1, 1)
+    try:
+        dcp.save(sharded(full_state(9)), storage_writer=tdcp.Writer(job, 1, address=address, overwrite=False))
+        raise AssertionError("overwrite=False replaced a step")
+    except CheckpointException as e:
+        assert "Checkpoint already exists" in str(e), e
+    check(1, 1)
+    # Step 2 saved by both ranks, then re-saved by rank 0 alone: a load reads only the re-save.
+    dcp.save(sharded(full_state(2)), storage_writer=tdcp.Writer(job, 2, address=address))
+    if rank == 0:
+        dcp.save(full_state(3), storage_writer=tdcp.Writer(job, 2, address=address), process_group=alone)
+    dist.barrier()
+    check(None, 3)
+    check(2, 3)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank} ok", flush=True)
+
+
+def _run_ranks(address: str, job: str, world: int = 2, timeout: float = 50, mode: str = "--worker") -> None:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_dcp", "--worker", address, job], cwd=REPO,
+               OMP_NUM_THREADS="1", PYTHONPATH=worker_path(), PYTHONFAULTHANDLER="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_dcp", mode, address, job], cwd=REPO,
                               env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(world)]
     outs = []
@@ -113,6 +169,16 @@ def test_two_rank_save_async_save_load_and_reshard_to_one(daemon):
             for k in ("big", "small", "half", "bias"):
                 assert torch.equal(target[k], expect[k]), (step, k)
             assert target["extra"] == expect["extra"]
+
+
+def test_process_async_save_overwrite_false_and_resave_from_fewer_ranks(daemon):
+    """Issue 24: the Writer pickles into DCP's checkpoint process; overwrite=False raises on
+    every rank; a step re-saved from 1 of 2 ranks loads exactly the re-save, at 2 ranks."""
+    _run_ranks(daemon.address, "shapes", timeout=120, mode="--worker-shapes")
+    with daemon.client() as c:
+        infos = {i.step: i for i in c.list("shapes")}
+        assert (infos[1].world_size, infos[2].world_size) == (3, 2) and infos[2].complete
+        assert c.restore("shapes", rank=1, step=2).metadata["dcp_world_size"] == 1  # the re-save's metadata
 
 
 def test_single_process_round_trip_and_checkpoint_id(daemon):
@@ -152,8 +218,8 @@ def test_save_failure_surfaces_through_dcp(daemon):
             dcp.save({"x": torch.ones(3)}, storage_writer=tdcp.Writer("down", 1, client=c))
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker(sys.argv[2], sys.argv[3])
+if __name__ == "__main__" and sys.argv[1:2] in (["--worker"], ["--worker-shapes"]):
+    (_worker if sys.argv[1] == "--worker" else _worker_shapes)(sys.argv[2], sys.argv[3])
     # Everything is checked and the group destroyed: skip interpreter finalization, where torch's
     # C++ threads rarely abort ("terminate called without an active exception", seen once in CI).
     os._exit(0)

@@ -327,7 +327,7 @@ class CheckpointManager:
         if _dist_place() is not None:
             from .agree import agree_restore_step
 
-            return agree_restore_step(self.client, self.job, self.rank, group=self.group)
+            return agree_restore_step(self.client, self.job, self.rank, group=self.group, world_size=self.world_size)
         return self.client.latest(self.job)
 
     def all_steps(self) -> list[int]:
@@ -350,6 +350,8 @@ class CheckpointManager:
 
         Raises:
             NotFoundError: an explicit ``step`` is not held by any tier.
+            FailedPreconditionError: the step (or the newest one, collectively) was saved with
+                another world size (the message names both).
         """
         t0 = time.perf_counter()
         if step is None:
@@ -359,7 +361,9 @@ class CheckpointManager:
         fmt = self.format if self.format != "auto" or state is None else _detect(state)
         if fmt == "torch":
             return self._restore_torch(state, step, t0)
-        ck = self.client.restore(self.job, self.rank, step)
+        from .agree import restore_same_world
+
+        ck = restore_same_world(self.client, self.job, self.rank, self.world_size, step)
         stored = ck.metadata.get("tierckpt.format") or ("torch" if "tierckpt.torch" in ck.metadata else "")
         if stored == "torch":
             return self._restore_torch(None, ck.step, t0)

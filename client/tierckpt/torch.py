@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .agree import agree_restore_step
+from .agree import agree_restore_step, restore_same_world
 from .client import Checkpoint, Client, SaveFuture
 from .common.names import check_job
 from .errors import FailedPreconditionError, InvalidArgumentError, TierckptError
@@ -349,6 +349,10 @@ def _fingerprint(t: torch.Tensor) -> _Print | None:
 class Checkpointer:
     """Saves and restores one rank's training state under ``job``.
 
+    A step restores only at the world size it was saved with (rank ``r`` loads what rank ``r``
+    saved): another world size raises :class:`FailedPreconditionError` naming both, from
+    :meth:`latest` (collective) as from :meth:`read` / :meth:`load`. ``tierckpt.dcp`` reshards.
+
     Args:
         job: the tierckpt job name.
         client: a :class:`tierckpt.Client`; default: a new one for ``address``.
@@ -538,7 +542,7 @@ class Checkpointer:
         the daemon's cluster-wide ``latest``.
         """
         if dist.is_available() and dist.is_initialized():
-            return agree_restore_step(self.client, self.job, self.rank)
+            return agree_restore_step(self.client, self.job, self.rank, world_size=self.world_size)
         return self.client.latest(self.job)
 
     def read(self, step: int | None = None) -> Restored | None:
@@ -563,7 +567,7 @@ class Checkpointer:
             step = self.latest()
             if step is None:
                 return None
-        ck = self.client.restore(self.job, self.rank, step)
+        ck = restore_same_world(self.client, self.job, self.rank, self.world_size, step)
         if OBJECTS_SHARD not in ck.shards:
             raise FailedPreconditionError(f"{self.job} step {ck.step} rank {self.rank}: not a tierckpt.torch "
                                           f"checkpoint (no {OBJECTS_SHARD} shard)")

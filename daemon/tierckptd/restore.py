@@ -9,6 +9,7 @@ after, so retention cannot evict it before the client has mapped it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -56,6 +57,9 @@ class NodeRestore:
         self.metrics = metrics
         self._spawn = spawn
         self._accepting = accepting
+        # (job, step, rank) -> the fetch in flight: concurrent restores of one rank share it
+        # (two fetches would stage the same rank twice and the second would void the first's).
+        self._fetching: dict[tuple[str, int, int], asyncio.Task] = {}
 
     async def restore(self, job: str, rank: int, step: int | None, *, local_corrupt: bool = False,
                       corrupt_generation: str = "", lend: bool = True) -> RestoreResult:
@@ -89,7 +93,16 @@ class NodeRestore:
         return RestoreResult(man, tier, paths, source)
 
     async def _fetch(self, job: str, step: int, rank: int, errors: list[str]) -> tuple[Manifest, str, str]:
-        """The rank fetched from the nearest remote tier holding it: (manifest, tier, source node)."""
+        """The rank fetched from the nearest remote tier holding it: (manifest, tier, source node).
+        Restores of a rank that is being fetched wait for that fetch and share its outcome."""
+        key = (job, step, rank)
+        task = self._fetching.get(key)
+        if task is None:
+            task = self._fetching[key] = self._spawn(self._fetch_once(job, step, rank, list(errors)))
+            task.add_done_callback(lambda t: self._fetching.pop(key, None) if self._fetching.get(key) is t else None)
+        return await asyncio.shield(task)
+
+    async def _fetch_once(self, job: str, step: int, rank: int, errors: list[str]) -> tuple[Manifest, str, str]:
         # A fetched copy may be older than the newest keep_local complete steps: pin the step
         # (a reason of its own per restore) so the fetch's commit and retention soon after
         # cannot evict it before the client has mapped it; mapped files stay valid after.
@@ -98,16 +111,19 @@ class NodeRestore:
         man = None
         lost: list[bool] = []
         try:
-            for t in self.tiers:
-                try:
-                    man = await t.fetch(job, step, rank)
-                except NotFoundError:
-                    continue
-                except (DataLossError, UnavailableError) as e:
-                    errors.append(f"{t.name}: {e}")
-                    lost.append(isinstance(e, DataLossError))
-                    continue
-                return man, t.name, man.node
+            with contextlib.ExitStack() as marks:
+                for t in self.tiers:
+                    marks.enter_context(t.restoring(job, step, rank))
+                for t in self.tiers:
+                    try:
+                        man = await t.fetch(job, step, rank)
+                    except NotFoundError:
+                        continue
+                    except (DataLossError, UnavailableError) as e:
+                        errors.append(f"{t.name}: {e}")
+                        lost.append(isinstance(e, DataLossError))
+                        continue
+                    return man, t.name, man.node
         finally:
             self._spawn(self._unpin_later(job, step, reason, KNOBS.restore_pin_seconds if man else 0.0))
         if errors:

@@ -27,6 +27,7 @@ contract too, so :mod:`tierckptd.datamgmt` loops over tiers and never reaches in
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -152,6 +153,11 @@ class RemoteTier(Tier):
 
     def on_evict(self, eviction: Eviction) -> None:
         """Local retention or capacity evicted a step. Non-blocking."""
+
+    def restoring(self, job: str, step: int, rank: int) -> contextlib.AbstractContextManager:
+        """Held while a restore brings the rank into the local store from any tier: a tier that
+        stages ranks there on its own (the peer tier's inbound replicas) holds off meanwhile."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     async def catalog(self, job: str) -> dict[int, dict[int, RankCopy]]:

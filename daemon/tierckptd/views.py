@@ -40,6 +40,7 @@ class StepView:
     world_size: int
     ranks: dict[int, RankView] = field(default_factory=dict)
     created: float = 0.0
+    newest: float = 0.0  # the newest rank copy's creation time (0: unknown, e.g. a bare listing)
 
     @property
     def complete(self) -> bool:
@@ -64,7 +65,7 @@ class CatalogViews:
     async def views_with_gaps(self, job: str) -> tuple[dict[int, StepView], list[str]]:
         """:meth:`views` plus the sources (peers, tiers) that did not answer within the deadline."""
         check_job(job)
-        views: dict[int, StepView] = {}
+        views: _Candidates = {}
         for step, ranks in self.store.steps(job).items():
             for rank, man in ranks.items():
                 _add(views, job, step, rank, "local", RankCopy(man.world_size, (self.node_id,), man.nbytes,
@@ -81,7 +82,7 @@ class CatalogViews:
             for step, held in copies.items():
                 for rank, copy in held.items():
                     _add(views, job, step, rank, t.name, copy)
-        return views, gaps
+        return _pick(views, job), gaps
 
     async def _tier_catalog(self, t: RemoteTier, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
         try:
@@ -102,7 +103,7 @@ class CatalogViews:
         """Steps that ``rank`` can restore: from the local tier, each remote tier's cheapest
         answer for one rank (the peer tier: the ring neighbourhood), nearest tier first."""
         check_job(job)
-        views: dict[int, StepView] = {}
+        views: _Candidates = {}
         for step, local in self.store.steps(job).items():
             man = local.get(rank)
             if man is not None:
@@ -119,18 +120,39 @@ class CatalogViews:
                 continue
             for step, copy in res.items():
                 _add(views, job, step, rank, t.name, copy)
-        return [views[s] for s in sorted(views)], gaps
+        picked = _pick(views, job)
+        return [picked[s] for s in sorted(picked)], gaps
 
 
-def _add(views: dict[int, StepView], job: str, step: int, rank: int, tier: str, copy: RankCopy) -> None:
-    v = views.get(step)
+_Candidates = dict[int, dict[int, StepView]]
+"""step -> world size -> the ranks held with that world size"""
+
+
+def _add(views: _Candidates, job: str, step: int, rank: int, tier: str, copy: RankCopy) -> None:
+    by_world = views.setdefault(step, {})
+    v = by_world.get(copy.world_size)
     if v is None:
-        v = views[step] = StepView(step, copy.world_size, created=copy.created)
-    if copy.world_size != v.world_size:
-        log.warning("%s step %d: rank %d has world_size %d, others %d", job, step, rank, copy.world_size, v.world_size)
-        return
+        v = by_world[copy.world_size] = StepView(step, copy.world_size, created=copy.created)
     r = v.ranks.setdefault(rank, RankView(rank))
     r.tiers.add(tier)
     r.nodes.update(copy.nodes)
     r.nbytes = max(r.nbytes, copy.nbytes)
     v.created = min(v.created, copy.created) if v.created else copy.created
+    v.newest = max(v.newest, copy.created)
+
+
+def _pick(views: _Candidates, job: str) -> dict[int, StepView]:
+    """One view per step. A step re-saved with another world size (a job restarted on fewer
+    ranks) can still hold ranks of the earlier save, in some tier or on some node: the step is
+    what one save wrote, never a mix. The complete one wins, then the newest, then the one with
+    more ranks held, then the first seen (the nearest tier); the others' ranks are ignored."""
+    out: dict[int, StepView] = {}
+    for step, by_world in views.items():
+        cands = list(by_world.values())
+        best = max(cands, key=lambda v: (v.complete, v.newest, len(v.ranks)))
+        if len(cands) > 1:
+            log.info("%s step %d: ranks saved with world sizes %s; using world size %d (ignoring %s)", job, step,
+                     sorted(by_world), best.world_size,
+                     {v.world_size: sorted(v.ranks) for v in cands if v is not best})
+        out[step] = best
+    return out

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 import tierckpt
-from tierckpt.errors import CapacityError, DeadlineExceededError, NotFoundError, TierckptError, UnavailableError
+from tierckpt.errors import CapacityError, DeadlineExceededError, NotFoundError, TierckptError
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckptd.testing import free_port
 

@@ -56,11 +56,10 @@ class Fetcher:
         cands.sort(key=lambda c: (-c[1].created_unix, c[0].node_id != owner,
                                   order.index(c[0].node_id) if c[0].node_id in order else len(order)))
         self.receiver.restore_begun(1)
-        self.receiver.fetching.add((job, step, rank))
         try:
-            return await self._first_good([p for p, _ in cands], job, step, rank)
+            with self.receiver.fetching_rank((job, step, rank)):
+                return await self._first_good([p for p, _ in cands], job, step, rank)
         finally:
-            self.receiver.fetching.discard((job, step, rank))
             self.receiver.restore_begun(-1)
 
     async def _candidates(self, job: str, step: int, rank: int, nodes: set[str] | None) -> list[tuple[PeerInfo, Any]]:

@@ -9,6 +9,8 @@ while this node restores (a replacement node's trainers wait on the restore).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import logging
 import os
@@ -16,7 +18,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,8 +100,21 @@ class Receiver:
         self._lock = threading.Lock()  # guards _inbound and _readers (bulk threads use them)
         self._restoring = 0  # fetches in progress: inbound replicas give way to them
         self._restore_cv = threading.Condition()
-        self.fetching: set[tuple[str, int, int]] = set()  # ranks being fetched (not to be staged twice)
+        # ranks a restore is bringing in, from any tier (not to be staged twice): key -> restores
+        self.fetching: collections.Counter[tuple[str, int, int]] = collections.Counter()
         self.check_identity = check_identity  # under mTLS: the connection's certificate names the ticket's node
+
+    @contextlib.contextmanager
+    def fetching_rank(self, key: tuple[str, int, int]) -> Iterator[None]:
+        """While a restore brings ``key`` into the local store, inbound replicas of it are refused
+        (the owner retries): both would stage the same rank and one would void the other."""
+        self.fetching[key] += 1
+        try:
+            yield
+        finally:
+            self.fetching[key] -= 1
+            if self.fetching[key] <= 0:
+                del self.fetching[key]
 
     # ------------------------------------------------------------------------------ replicas
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import logging
 import secrets
 import time
@@ -190,6 +191,9 @@ class PeerTier(RemoteTier):
             self.cluster.note_own(manifest.job, manifest.rank)
             if self.replicator.replicas_for(manifest):
                 self.replicator.ensure(manifest)
+
+    def restoring(self, job: str, step: int, rank: int) -> contextlib.AbstractContextManager:
+        return self.receiver.fetching_rank((job, step, rank))
 
     def on_evict(self, eviction: Eviction) -> None:
         self.replicator.forget(eviction.job, eviction.step, eviction.ranks, eviction.reason)
