@@ -34,7 +34,7 @@ def _shards(seed: int, mib: int) -> dict[str, np.ndarray]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mib", type=int, default=16, help="MiB of fp32 per job (plus a quarter of that each in f16 and bf16)")
+    p.add_argument("--mib", type=int, default=16, help="MiB of fp32 per job (+ a quarter each in f16, bf16)")
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
     work = scratch_dir("tck-first-restore-")
