@@ -5,6 +5,7 @@ names written by older daemons)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures as cf
 import contextlib
 import json
@@ -185,6 +186,90 @@ def test_a_zipnn_stream_announcing_another_size_is_refused_before_decoding() -> 
     forged = b"\x01" + xxhash.xxh3_64_intdigest(bytes(stream)).to_bytes(8, "little") + bytes(stream)
     with pytest.raises(DataLossError, match="announce"):
         compress.decode("zipnn-f32", forged, len(data))
+
+
+def _wrapper_encode(codec: str, data: bytes) -> bytes:
+    """A chunk as the codec stored it through the zipnn wrapper (compress.py up to 8d8af13)."""
+    zipnn = pytest.importorskip("zipnn")  # imports torch: fine here, the test process is no daemon
+    dtype = {"zipnn-bf16": "bfloat16", "zipnn-f16": "float16", "zipnn-f32": "float32"}[codec]
+    n = len(data) - len(data) % (4 if dtype == "float32" else 2)
+    if n == 0:
+        return b"\x00" + data
+    stream = bytes(zipnn.ZipNN(bytearray_dtype=dtype, threads=1, input_format="byte").compress(bytearray(data[:n])))
+    parts = [xxhash.xxh3_64_intdigest(stream + data[n:]).to_bytes(8, "little"), stream, data[n:]]
+    return b"\x00" + data if sum(map(len, parts)) >= len(data) else b"".join([b"\x01", *parts])
+
+
+@pytest.mark.parametrize("codec", ["zipnn-bf16", "zipnn-f16", "zipnn-f32"])
+def test_zipnn_chunks_are_byte_for_byte_those_of_the_zipnn_wrapper(codec: str) -> None:
+    """The torch-free coder (zipnn_core called directly) writes what the wrapper wrote: older
+    daemons read new chunks, and the object names (content hash + codec) stay the same."""
+    dtype = {"zipnn-bf16": "bfloat16", "zipnn-f16": "float16", "zipnn-f32": "float32"}[codec]
+    rng = np.random.default_rng(28)
+    for count in (0, 1, 2, 3, 1000, 65_536, 65_537, 200_000):
+        weights = _tensor(dtype, count, seed=count)
+        for data in (weights, weights + b"\x07", weights + b"\x07\x08\x09", rng.bytes(len(weights) + 1),
+                     weights[: len(weights) // 2] + rng.bytes(len(weights) // 2)):
+            assert compress.encode(codec, data) == _wrapper_encode(codec, data), (count, len(data))
+            assert compress.decode(codec, _wrapper_encode(codec, data), len(data)) == data
+
+
+_WRAPPER = json.loads((Path(__file__).parent / "data" / "zipnn_wrapper_chunks.json").read_text())["chunks"]
+
+
+def _wrapper_plain(kind: str, count: int, modulus: int, tail: bytes) -> bytes:
+    """The plain bytes of data/zipnn_wrapper_chunks.json (integer arithmetic: the same everywhere)."""
+    x = (((np.arange(count, dtype=np.int64) * 2654435761) % modulus - modulus // 2).astype(np.float32)
+         * np.float32(1e-5))
+    return {"f32": x.tobytes(), "f16": x.astype(np.float16).tobytes(),
+            "bf16": (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()}[kind] + tail
+
+
+@pytest.mark.parametrize("chunk", _WRAPPER, ids=lambda c: f"{c['codec']}-{c['size']}")
+def test_chunks_stored_through_the_zipnn_wrapper_decode_without_it(chunk: dict) -> None:
+    """Chunks the wrapper-based codec stored (bf16, f16, f32; tails; two 256 KiB ZipNN chunks)."""
+    plain = _wrapper_plain(chunk["kind"], chunk["count"], chunk["modulus"], bytes.fromhex(chunk["tail"]))
+    assert (len(plain), xxhash.xxh3_64_hexdigest(plain)) == (chunk["size"], chunk["plain_xxh3"])
+    stored = base64.b64decode(chunk["stored"])
+    assert bytes(compress.decode(chunk["codec"], stored, len(plain))) == plain
+    assert compress.encode(chunk["codec"], plain) == stored  # and the same bytes are written today
+
+
+def _forged(stored: bytes, edit: Callable[[bytearray], None], tail: int = 0) -> bytes:
+    """``stored`` with its ZipNN stream edited and the digest recomputed (it passes the digest)."""
+    end = len(stored) - tail
+    stream = bytearray(stored[9:end])
+    edit(stream)
+    return b"\x01" + xxhash.xxh3_64_intdigest(bytes(stream) + stored[end:]).to_bytes(8, "little") + bytes(stream) \
+        + stored[end:]
+
+
+@pytest.mark.parametrize("codec", ["zipnn-bf16", "zipnn-f16", "zipnn-f32"])
+def test_a_zipnn_stream_whose_header_or_index_lies_is_refused_before_decoding(codec: str) -> None:
+    """With a matching digest (a forged or buggy writer), nothing the C decoder would trust
+    unchecked reaches it: header fields, chunk types, chunk ends, the stream's own length."""
+    dtype = {"zipnn-bf16": "bfloat16", "zipnn-f16": "float16", "zipnn-f32": "float32"}[codec]
+    data = _tensor(dtype, 150_000)  # two or three ZipNN chunks of 256 KiB
+    stored = compress.encode(codec, data)
+    groups, chunks = (4 if dtype == "float32" else 2), -(-len(data) // (1 << 18))
+    ends = 32 + groups * chunks
+
+    def put(pos: int, value: int, width: int = 1) -> Callable[[bytearray], None]:
+        return lambda s: s.__setitem__(slice(pos, pos + width), value.to_bytes(width, "little"))
+
+    def cut(s: bytearray) -> None:
+        del s[-5:]
+        s[24:32] = len(s).to_bytes(8, "little")
+
+    edits = [put(2, 1), put(3, 4), put(5, 9), put(6, 1 - compress._ZN_PARAMS[codec][2]), put(7, 2), put(8, 2),
+             put(9, 1), put(10, 1), put(13, 130), put(14, 17), put(15, 1 if codec != "zipnn-f32" else 6),
+             put(16, len(data) // 2, 8), put(24, 1 << 40, 8), put(32, 2), put(33, 7),
+             put(ends, 1 << 62, 8), put(ends, 0, 8), put(ends + 8 * (groups * chunks - 1), 3, 8), cut]
+    for edit in edits:
+        with pytest.raises(DataLossError, match="ZipNN"):
+            compress.decode(codec, _forged(stored, edit), len(data))
+    assert compress.decode(codec, _forged(stored, lambda s: None), len(data)) == data
+    assert compress.decode(codec, _forged(stored, put(4, 9)), len(data)) == data  # any 0.5.x writer
 
 
 def test_codecs_are_safe_from_concurrent_threads() -> None:

@@ -9,14 +9,19 @@ A shard is stored as chunks; every chunk of a shard goes through the codec its m
   (https://github.com/zipnn/zipnn; byte grouping with the exponent in a byte of its own, each
   byte group Huffman-coded per 256 KiB, in C). The stored body is an xxh3-64 (8 bytes, little
   endian) of what follows it: the ZipNN stream, then the tail shorter than an element as it is.
-  The digest is checked, and the stream's header must announce the expected plain size and
-  its own length, before the stream reaches ZipNN's decoder: corrupt bytes never reach C code
-  that trusts its input, and the output is bounded by the chunk's size. ZipNN rewrites the
-  buffer it compresses, so it is given a private copy (or the caller's buffer, when the caller
-  says it is done with it). Chosen against the alternatives measured in bench/README.md
-  ("Incremental and compressed persistent checkpoints"): blosc2 shuffle/bitshuffle/bytedelta +
-  zstd/lz4, pcodec, byte planes + zstd or deflate lose ratio (zstd's match finder codes the
-  exponent plane 10-13% above its entropy) or decode at a fraction of ZipNN's speed;
+  The stream is the one zipnn 0.5.4's wrapper (``ZipNN(input_format="byte", bytearray_dtype=...,
+  threads=1)``) writes, byte for byte, but made here without the wrapper (which imports torch):
+  the 32-byte header is written and parsed in Python and only ZipNN's C coder, the module
+  ``zipnn_core``, is called. Before any byte reaches ``zipnn_core.combine_dtype`` (which trusts
+  its input) the digest is checked, the header must be the one this codec writes (any 0.5.x
+  version) announcing the expected plain size and the stream's own length, and its chunk index
+  (a type and an end per byte group per 256 KiB) must describe the stream exactly; the output is
+  bounded by the chunk's size. ZipNN rewrites the buffer it compresses, so it is given a private
+  copy (or the caller's buffer, when the caller says it is done with it). Chosen against the
+  alternatives measured in bench/README.md ("Incremental and compressed persistent
+  checkpoints"): blosc2 shuffle/bitshuffle/bytedelta + zstd/lz4, pcodec, byte planes + zstd or
+  deflate lose ratio (zstd's match finder codes the exponent plane 10-13% above its entropy) or
+  decode at a fraction of ZipNN's speed;
 - ``bg2-zstd`` / ``bg4-zstd`` (written before the ZipNN codecs, still read; also the
   ``bg-zstd`` setting): byte grouping, then zstd per byte plane. Each element (2 bytes:
   float16, bfloat16; 4 bytes: float32) is rotated left by one bit, so that its top byte holds the
@@ -35,9 +40,9 @@ Each codec is a :class:`~.codec.ChunkCodec` registered in the one registry of :m
 import; :func:`encode` and :func:`decode` find them there (so does a codec a test registers).
 Everything here is blocking; the tier calls it from worker threads. zstd and numpy release the
 GIL; ZipNN holds it for the whole call (~2 ms per MiB compressing on one core here, less
-decoding), so float chunks are coded one at a time per daemon. Each thread has its own coder
-objects (a ZipNN object shared between threads crashes the process). ZipNN imports torch: the
-first float chunk a daemon encodes or decodes pays that import once (~2 s).
+decoding), so float chunks are coded one at a time per daemon. ``zipnn_core`` keeps no state
+between calls (threads share nothing); zstd coders are per thread. Nothing here imports torch:
+``zipnn_core`` needs only libc and Python (tests/persistent/test_torchfree.py).
 """
 
 from __future__ import annotations
@@ -111,19 +116,42 @@ def _zstd(level: int = LEVEL) -> tuple[Any, Any]:
 _UINT = {2: "<u2", 4: "<u4"}
 _ZIPNN_DTYPE = {codec: dtype for dtype, codec in ZIPNN.items()}
 _DIGEST = 8  # xxh3-64 of the ZipNN stream and the tail, ahead of them
-_ZN_HEADER = 32  # a ZipNN stream's header: b"ZN", ..., plain size at [16:24], own size at [24:32] (little endian)
+
+# The ZipNN stream (zipnn 0.5.4's ``ZipNN(input_format="byte", bytearray_dtype=..., threads=1)``,
+# written here without its wrapper, which imports torch): a 32-byte header, then what
+# ``zipnn_core.zipnn_core`` appends to it (and reads back in ``zipnn_core.combine_dtype``).
+_ZN_HEADER = 32
+_ZN_VERSION = (0, 5, 4)  # written; a reader takes any 0.5.x (the layout below is checked, not trusted)
+_ZN_CHUNK_LOG2 = 18  # ZipNN codes each 256 KiB of plain bytes apart
+_ZN_CHUNK = 1 << _ZN_CHUNK_LOG2
+_ZN_THRESHOLD, _ZN_CHECK_AFTER_PERCENT = 0.95, 10  # a byte group coding above 95% is stored as it is
+# codec: (ZipNN dtype code, byte groups (= element width), bit reorder, byte reorder); the wrapper's
+# choices for these dtypes: bit reorder moves the sign bit next to the mantissa (bfloat16,
+# float32), byte reorder 10 (0b01_010) is 2 groups, 220 (0b1_10_11_100) 4 groups.
+_ZN_PARAMS = {
+    "zipnn-bf16": (6, 2, 1, 10),
+    "zipnn-f16": (4, 2, 0, 10),
+    "zipnn-f32": (1, 4, 1, 220),
+}
 
 
-def _zipnn(codec: str) -> Any:
-    """This thread's ZipNN coder of a codec (the object keeps per-call state: not shared)."""
-    coders = getattr(_local, "zipnn", None)
-    if coders is None:
-        coders = _local.zipnn = {}
-    if codec not in coders:
-        import zipnn  # the [daemon] extra; imports torch, so only on first use
+def _zn_fields(codec: str) -> bytes:
+    """Bytes [5:16] of the stream header of a codec: byte reorder, bit reorder, method (0: auto),
+    input format (1: bytes), delta (0), lossy type, factor, is-int (0), streaming (0), log2 of
+    the chunk, dtype code."""
+    code, _, bits, byte_order = _ZN_PARAMS[codec]
+    return bytes((byte_order, bits, 0, 1, 0, 0, 0, 0, 0, _ZN_CHUNK_LOG2, code))
 
-        coders[codec] = zipnn.ZipNN(bytearray_dtype=_ZIPNN_DTYPE[codec], threads=1, input_format="byte")
-    return coders[codec]
+
+def _zn_header(codec: str, plain: int) -> bytearray:
+    """The header ZipNN's wrapper writes; ``zipnn_core`` fills the stream's length in [24:32]."""
+    return bytearray(b"ZN" + bytes(_ZN_VERSION) + _zn_fields(codec) + plain.to_bytes(8, "little") + bytes(8))
+
+
+def _zipnn_core() -> Any:
+    import zipnn_core  # ZipNN's C coder alone (the zipnn distribution); no torch, imported on first use
+
+    return zipnn_core
 
 
 def _digest(stream: bytes | memoryview, tail: bytes | memoryview) -> bytes:
@@ -134,26 +162,56 @@ def _digest(stream: bytes | memoryview, tail: bytes | memoryview) -> bytes:
 
 def _pack_zipnn(data: bytes | bytearray | memoryview, codec: str, consume: bool) -> list[bytes] | None:
     """The ZipNN body of a chunk (module docstring), or None when it has no whole element."""
-    width = _WIDTH[_ZIPNN_DTYPE[codec]]
-    n = len(data) - len(data) % width
+    _, groups, bits, byte_order = _ZN_PARAMS[codec]
+    n = len(data) - len(data) % groups
     if n == 0:
         return None
     tail = bytes(data[n:])
     mine = data if consume and isinstance(data, bytearray) and n == len(data) else bytearray(data[:n])
-    stream = _zipnn(codec).compress(mine)  # ZipNN rewrites the buffer it is given
+    stream = _zipnn_core().zipnn_core(  # rewrites the buffer it is given (the bit reorder)
+        _zn_header(codec, n), mine, groups, bits, byte_order, 0, _ZN_CHUNK, _ZN_THRESHOLD,
+        _ZN_CHECK_AFTER_PERCENT, 1)
     return [_digest(stream, tail), stream, tail]
 
 
+def _check_zn_stream(stream: memoryview, codec: str, plain: int) -> None:
+    """Raise DataLossError unless ``stream`` is a ZipNN stream of ``plain`` bytes of this codec
+    whose chunk index stays inside it: the header as written, every byte group of every 256 KiB
+    chunk stored as it is (type 0, exactly its plain length) or Huffman-coded (type 1, 1 byte up
+    to its plain length), the groups ending where the stream ends. ``combine_dtype`` trusts all
+    of it (it reads the index without knowing the stream's length)."""
+    import numpy as np
+
+    groups = _ZN_PARAMS[codec][1]
+    announced = (int.from_bytes(stream[16:24], "little"), int.from_bytes(stream[24:32], "little"))
+    if (bytes(stream[:4]) != b"ZN" + bytes(_ZN_VERSION[:2]) or bytes(stream[5:16]) != _zn_fields(codec)
+            or announced != (plain, len(stream))):
+        raise DataLossError(f"ZipNN stream header does not announce {codec}, {plain} bytes in {len(stream)}")
+    chunks = -(-plain // _ZN_CHUNK)
+    index = _ZN_HEADER + 9 * groups * chunks
+    if len(stream) < index:
+        raise DataLossError("ZipNN stream shorter than its chunk index")
+    types = np.frombuffer(stream, np.uint8, groups * chunks, _ZN_HEADER).reshape(groups, chunks)
+    ends = np.frombuffer(stream, "<u8", groups * chunks, _ZN_HEADER + groups * chunks).reshape(groups, chunks)
+    if int(ends.max()) > len(stream):
+        raise DataLossError("ZipNN chunk index points past the stream")
+    lengths = np.diff(ends.astype(np.int64), axis=1, prepend=0)
+    want = np.full(chunks, _ZN_CHUNK // groups, np.int64)
+    want[-1] = (plain - _ZN_CHUNK * (chunks - 1)) // groups
+    ok = np.where(types == 0, lengths == want, (types == 1) & (lengths > 0) & (lengths <= want))
+    if not ok.all() or index + int(ends[:, -1].sum()) != len(stream):
+        raise DataLossError("ZipNN chunk index does not describe the stream")
+
+
 def _unpack_zipnn(body: memoryview, size: int, codec: str) -> bytes | bytearray:
-    tail = size % _WIDTH[_ZIPNN_DTYPE[codec]]
+    _, groups, bits, byte_order = _ZN_PARAMS[codec]
+    tail = size % groups
     end = len(body) - tail
     stream = memoryview(body)[_DIGEST:end]
     if end < _DIGEST + _ZN_HEADER or _digest(stream, body[end:]) != bytes(body[:_DIGEST]):
         raise DataLossError("ZipNN stream does not match its digest")
-    announced = (int.from_bytes(stream[16:24], "little"), int.from_bytes(stream[24:32], "little"))
-    if bytes(stream[:2]) != b"ZN" or announced != (size - tail, len(stream)):
-        raise DataLossError(f"ZipNN stream header does not announce {size - tail} bytes in {len(stream)}")
-    out = _zipnn(codec).decompress(stream)
+    _check_zn_stream(stream, codec, size - tail)
+    out = _zipnn_core().combine_dtype(stream[_ZN_HEADER:], groups, bits, byte_order, _ZN_CHUNK, size - tail, 1)
     return out + body[end:] if tail else out
 
 
