@@ -15,6 +15,9 @@ from .storage import ADDRESS_ENV
 
 @pytest.fixture(scope="module", autouse=True)
 def upstream_daemon():
+    if not os.environ.get("TIERCKPT_PYTORCH_TESTS"):
+        yield None  # the tests skip, saying why
+        return
     root = scratch_dir("tck-up-")
     d = Daemon(root, "up0").start()
     before = os.environ.get(ADDRESS_ENV)
