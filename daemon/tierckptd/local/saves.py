@@ -193,7 +193,7 @@ class OpenSaves:
             raise InvalidArgumentError(f"shard: {shard!r} is not part of save {save_id}")
         try:
             return self._layout.open_staged(st, f, flags)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, FailedPreconditionError) as e:
             raise self._vanished(save_id, e) from None
 
     def write_chunk(self, save_id: str, shard: str, offset: int, data: bytes | memoryview, fd_cache: dict) -> None:
@@ -208,7 +208,7 @@ class OpenSaves:
         if fd is None:
             try:
                 fd = fd_cache[f.path] = self._layout.open_staged(st, f, os.O_WRONLY)
-            except FileNotFoundError as e:
+            except (FileNotFoundError, FailedPreconditionError) as e:
                 raise self._vanished(save_id, e) from None
         pwrite_all(fd, memoryview(data), offset)
         f.written += len(data)
