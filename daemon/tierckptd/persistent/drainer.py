@@ -167,21 +167,14 @@ class Drainer:
 
     def cancel(self, e: Entry, reason: str) -> None:
         """Stop draining a rank whose step was deleted: not a failure (``wait`` names ``reason``)."""
-        man = e.man
-        if self.ledger.pending.get(man.key) is not e:
-            return
-        e.cancelled = True
-        del self.ledger.pending[man.key]
-        self.ledger.failed[man.key] = (man.generation, reason)
-        self.queue.remove(*man.key)
-        log.info("drain of %s step %d rank %d to %s cancelled: %s", man.job, man.step, man.rank, self.url, reason)
-        self.update_gauges()
-        self.ledger.broadcast()
-        self._spawn(self._unpin(man.job, man.step))
-        self._spawn(self.uploader.forget_orphans(man))
+        self._drop(e, reason, failed=False)
 
     def fail(self, e: Entry, reason: str) -> None:
         """Give up on a queued rank for good (evicted or superseded): log, count, forget."""
+        self._drop(e, reason, failed=True)
+
+    def _drop(self, e: Entry, reason: str, *, failed: bool) -> None:
+        """Forget a queued rank (``wait`` names ``reason``), unpin its step, delete its partial upload."""
         man = e.man
         if self.ledger.pending.get(man.key) is not e:
             return
@@ -189,8 +182,10 @@ class Drainer:
         del self.ledger.pending[man.key]
         self.ledger.failed[man.key] = (man.generation, reason)
         self.queue.remove(*man.key)
-        self.count_failure(final=True)
-        log.error("drain of %s step %d rank %d to %s failed: %s", man.job, man.step, man.rank, self.url, reason)
+        if failed:
+            self.count_failure(final=True)
+        log.log(logging.ERROR if failed else logging.INFO, "drain of %s step %d rank %d to %s %s: %s", man.job,
+                man.step, man.rank, self.url, "failed" if failed else "cancelled", reason)
         self.update_gauges()
         self.ledger.broadcast()
         self._spawn(self._unpin(man.job, man.step))
