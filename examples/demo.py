@@ -7,7 +7,8 @@ trainer ranks of ``examples/train.py`` spread over them (rank r talks to node r 
 locally every 10 steps and persistently every 40.
 
 1. Train; the trainers crash (SIGKILL-like exit) after step 55.
-2. Restart the trainers: they resume from the latest complete step, from the local tier.
+2. Restart the trainers: they resume from the latest complete step, from the local tier (the four
+   ranks form a gloo process group, as a real job would, and agree on that step before any saves).
 3. Kill -9 node n1 and wipe its local dir; start a replacement with the same id and an empty
    dir; the trainers resume — rank 1 (on n1) from its peer copy.
 4. Lose the whole cluster (every daemon killed, every local dir wiped); start three fresh
@@ -79,12 +80,14 @@ class Cluster:
 def train(cluster: Cluster, phase: str, stop_after: int = 0) -> list[dict]:
     """Run the four ranks to ``stop_after`` (a simulated crash) or to the end; return stats per rank."""
     procs = []
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"  # the ranks' gloo process group: they agree on latest()
     for rank in range(WORLD):
         log = DEMO / "logs" / f"{phase}-rank{rank}.jsonl"
         cmd = [sys.executable, str(ROOT / "examples" / "train.py"), "--address", cluster.node_of(rank).address,
                "--job", "demo", "--rank", str(rank), "--world-size", str(WORLD), "--steps", str(STEPS),
                "--save-every", str(SAVE_EVERY), "--persist-every", str(PERSIST_EVERY), "--log-json", str(log),
-               "--log-every", "1000", "--step-delay", "0.01"]
+               "--log-every", "1000", "--step-delay", "0.01",
+               "--dist-init", rendezvous]
         if stop_after:
             cmd += ["--stop-after", str(stop_after)]
         out = open(DEMO / "logs" / f"{phase}-rank{rank}.out", "w")
@@ -135,9 +138,8 @@ def persisted(cluster: Cluster, step: int) -> bool:
 
 def settle(cluster: Cluster) -> None:
     """Wait until the job's complete steps stop changing. A trainer killed just after a save may
-    leave its commit in flight at its daemon, and these ranks each ask ``latest()`` (there is no
-    torch.distributed process group to agree through): started too early, they could resume from
-    different steps."""
+    leave its commit in flight at its daemon. The ranks agree on one step through their process
+    group whatever lands meanwhile; waiting makes the step they pick the same from run to run."""
     import tierckpt
 
     seen: list = []

@@ -20,6 +20,7 @@ checkpoint of step s holds the state after s steps, and resuming from it runs st
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import os
@@ -168,6 +169,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")))
     p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dist-init", default=None, metavar="URL",
+                   help="join a gloo process group (e.g. tcp://127.0.0.1:29500) so the ranks agree on the step "
+                        "to resume from before any of them saves")
     p.add_argument("--activation-checkpointing", action="store_true", help="torch.utils.checkpoint per block")
     p.add_argument("--raise-on-save-error", action="store_true", help="a failed save stops training")
     p.add_argument("--log-json", default=None, metavar="FILE", help="append JSON lines of events to FILE")
@@ -223,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     state = {"model": model, "optim": opt, "sched": sched, "rng": RNGState(), "data": data,
              "extra": {"tokens_seen": 0}}
 
+    if args.dist_init:
+        # With a process group, latest() is a collective (tierckpt.agree): every rank gets the same
+        # step, and none saves before all have asked. Without one, a rank that starts late could see
+        # a step completed by the other ranks' new saves plus its own crashed run's save.
+        torch.distributed.init_process_group("gloo", init_method=args.dist_init, rank=args.rank,
+                                             world_size=args.world_size, timeout=datetime.timedelta(minutes=5))
     ckpt = Checkpointer(args.job, address=args.address, rank=args.rank, world_size=args.world_size,
                         raise_on_error=args.raise_on_save_error)
     latest = ckpt.latest()
@@ -260,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         jlog("end", started=stats.started, committed=stats.committed, failed=stats.failed)
         say(args.rank, f"done: {stats.committed} saves committed, {stats.failed} failed")
         ckpt.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     return 0
 
 
