@@ -4,9 +4,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-long faults lint typecheck demo proto bench clean
+.PHONY: venv demo-venv test test-long faults lint typecheck demo proto bench clean
 
 venv: $(VENV)/.installed
+demo-venv: $(VENV)/.demo-installed
+
+# What the demo needs and nothing more: the daemon and torch (the CPU build pinned in
+# requirements-test.txt), ~1 minute and ~1 GB on a fresh machine; pip shows what it fetches.
+$(VENV)/.demo-installed: pyproject.toml requirements-test.txt
+	@echo "== make demo: installing the daemon, the client and torch into $(VENV)/ (about a minute) =="
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q --upgrade pip
+	$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements-test.txt -e '.[daemon,torch]'
+	touch $@
 
 $(VENV)/.installed: pyproject.toml requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +46,8 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy
 
-demo: venv
+demo: demo-venv
+	@echo "== make demo: three daemons and four trainers on loopback, four failures (a few minutes) =="
 	$(PY) examples/demo.py
 
 # Regenerate the committed gRPC code from protos/ (a test fails if it is stale).
