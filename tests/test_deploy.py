@@ -355,8 +355,12 @@ def test_prometheus_rules_use_exported_metrics(k8s: dict[str, dict[str, Any]]) -
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     names = {r["alert"] for r in rules}
-    for want in ("DrainBacklog", "ReplicationFailing", "LocalTier", "Checksum", "PeerDown", "Degraded"):
+    for want in ("DrainBacklog", "ReplicationFailing", "LocalTier", "Checksum", "PeerDown", "Degraded",
+                 "UndrainedEviction", "SavesFailing"):
         assert any(want in n for n in names), want
+    by_name = {r["alert"]: r["expr"] for r in rules}
+    assert 'reason="capacity_undrained"' in by_name["TierckptUndrainedEviction"]
+    assert 'result!="ok"' in by_name["TierckptSavesFailing"]
     text = Metrics().render().decode()
     exported = set(re.findall(r"^# (?:HELP|TYPE) (\S+)", text, re.M))
     for r in rules:
@@ -516,6 +520,8 @@ def test_grafana_dashboard_uses_only_exported_metrics() -> None:
     assert used and used <= exported, "unknown metrics: %s" % sorted(used - exported)
     quantiles = [e for e in exprs if "histogram_quantile" in e]
     assert any("0.5" in e for e in quantiles) and any("0.99" in e for e in quantiles)
+    for operators_look_at in ("tierckpt_tier_up", "tierckpt_local_warm_bytes", "tierckpt_shared_bytes_total"):
+        assert any(operators_look_at in e for e in exprs), operators_look_at
 
 
 def test_systemd_install_steps_in_the_readme_match_the_unit() -> None:
