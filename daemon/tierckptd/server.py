@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -241,6 +242,7 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
             node_id=st["node_id"], version=__version__, local_dir=self.node.local_dir,
             capacity_bytes=u.capacity, used_bytes=u.used, staging_bytes=u.staging, recycle_bytes=u.recycle,
             replicas=self.config.replicas, persistent_url=self.config.persistent, uptime_seconds=st["uptime"],
+            fs_token=self.node.fs_token, now_unix=time.time(),
         )
         for j in st["jobs"]:
             if self.access is not None and not self.access.visible(context, j["job"]):

@@ -1,4 +1,4 @@
-"""The ``tierckpt`` command line: status, ls, latest, restore, policy, rm, verify, persist, plan, completion.
+"""The ``tierckpt`` command line: status, ls, latest, restore, policy, rm, verify, persist, doctor, plan, completion.
 
 Error contract (every sub-command; tests/test_cli.py checks each case):
 
@@ -33,6 +33,8 @@ from ._commands import cmd_latest, cmd_ls, cmd_restore, cmd_status
 from ._daemon import DaemonUnreachable, Session
 from ._manage import EXAMPLES as _MANAGE_EXAMPLES
 from ._manage import register as _register_manage
+from .doctor import EXAMPLES as _DOCTOR_EXAMPLES
+from .doctor import register as _register_doctor
 from .plan import add_plan_arguments, run_plan
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_UNREACHABLE", "EXIT_NOT_FOUND"]
@@ -109,6 +111,7 @@ _EXAMPLES = {
     "completion": "examples:\n  tierckpt completion bash > ~/.local/share/bash-completion/completions/tierckpt\n"
                   "  tierckpt completion zsh > \"${fpath[1]}/_tierckpt\"",
     **_MANAGE_EXAMPLES,
+    **_DOCTOR_EXAMPLES,
 }
 
 
@@ -160,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     s._actions[[a.dest for a in s._actions].index("out")].complete = _DIRECTORY  # type: ignore[attr-defined]
 
     _register_manage(command, _add_connection)
+    _register_doctor(command, _add_connection)
 
     s = command("plan", "checkpoint interval per tier that maximises goodput (no daemon needed)")
     add_plan_arguments(s)

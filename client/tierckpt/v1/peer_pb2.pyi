@@ -67,7 +67,7 @@ class CatalogEntry(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owner: _Optional[str] = ..., generation: _Optional[str] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
 
 class CatalogResponse(_message.Message):
-    __slots__ = ("node_id", "instance", "bulk_port", "entries", "version", "delta", "removed")
+    __slots__ = ("node_id", "instance", "bulk_port", "entries", "version", "delta", "removed", "now_unix")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class CatalogResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    NOW_UNIX_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     instance: str
     bulk_port: int
@@ -82,7 +83,8 @@ class CatalogResponse(_message.Message):
     version: int
     delta: bool
     removed: _containers.RepeatedCompositeFieldContainer[RankKey]
-    def __init__(self, node_id: _Optional[str] = ..., instance: _Optional[str] = ..., bulk_port: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[CatalogEntry, _Mapping]]] = ..., version: _Optional[int] = ..., delta: _Optional[bool] = ..., removed: _Optional[_Iterable[_Union[RankKey, _Mapping]]] = ...) -> None: ...
+    now_unix: float
+    def __init__(self, node_id: _Optional[str] = ..., instance: _Optional[str] = ..., bulk_port: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[CatalogEntry, _Mapping]]] = ..., version: _Optional[int] = ..., delta: _Optional[bool] = ..., removed: _Optional[_Iterable[_Union[RankKey, _Mapping]]] = ..., now_unix: _Optional[float] = ...) -> None: ...
 
 class PrepareReplicaRequest(_message.Message):
     __slots__ = ("sender", "manifest_json", "skips_linked")

@@ -371,21 +371,25 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., has_latest: _Optional[bool] = ..., latest: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("node_id", "address", "up", "last_seen_unix", "last_error")
+    __slots__ = ("node_id", "address", "up", "last_seen_unix", "last_error", "clock_skew_seconds", "clock_skew_known")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_SKEW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_SKEW_KNOWN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     up: bool
     last_seen_unix: float
     last_error: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., up: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., last_error: _Optional[str] = ...) -> None: ...
+    clock_skew_seconds: float
+    clock_skew_known: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., up: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., last_error: _Optional[str] = ..., clock_skew_seconds: _Optional[float] = ..., clock_skew_known: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "version", "local_dir", "capacity_bytes", "used_bytes", "staging_bytes", "recycle_bytes", "jobs", "peers", "persistent_url", "drain_backlog_bytes", "drain_backlog_steps", "drain_oldest_age_seconds", "replicas", "uptime_seconds", "persistent_error")
+    __slots__ = ("node_id", "version", "local_dir", "capacity_bytes", "used_bytes", "staging_bytes", "recycle_bytes", "jobs", "peers", "persistent_url", "drain_backlog_bytes", "drain_backlog_steps", "drain_oldest_age_seconds", "replicas", "uptime_seconds", "persistent_error", "now_unix", "fs_token")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +406,8 @@ class StatusResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NOW_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     local_dir: str
@@ -418,7 +424,9 @@ class StatusResponse(_message.Message):
     replicas: int
     uptime_seconds: float
     persistent_error: str
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., local_dir: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., recycle_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., persistent_url: _Optional[str] = ..., drain_backlog_bytes: _Optional[int] = ..., drain_backlog_steps: _Optional[int] = ..., drain_oldest_age_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., persistent_error: _Optional[str] = ...) -> None: ...
+    now_unix: float
+    fs_token: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., local_dir: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., recycle_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., persistent_url: _Optional[str] = ..., drain_backlog_bytes: _Optional[int] = ..., drain_backlog_steps: _Optional[int] = ..., drain_oldest_age_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., persistent_error: _Optional[str] = ..., now_unix: _Optional[float] = ..., fs_token: _Optional[str] = ...) -> None: ...
 
 class JobPolicy(_message.Message):
     __slots__ = ("keep_local", "keep_persistent", "persist_every")

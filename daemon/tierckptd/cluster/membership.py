@@ -73,6 +73,7 @@ class PeerInfo:
     contacted: bool = False  # answered or failed at least once
     failures: int = 0  # consecutive failed health checks
     next_try: float = 0.0  # monotonic time before which a down peer is not asked again
+    clock_skew: float | None = None  # its wall clock minus ours at the last health check (None: unknown)
 
     @property
     def address(self) -> str:
@@ -184,11 +185,14 @@ class Membership:
         back or restarted."""
         req = ppb.CatalogRequest(node_id=self.node_id, since_version=p.version if p.up else 0,
                                  since_instance=p.instance if p.up else "")
+        sent = time.time()
         try:
             resp = await self.call(p, "Catalog", req)
         except TierckptError as e:
             self.mark_down(p, e)
             return False
+        if resp.now_unix:  # an older peer leaves it 0
+            p.clock_skew = resp.now_unix - (sent + time.time()) / 2
         if resp.node_id != p.node_id:
             self.mark_down(p, FailedPreconditionError(f"{p.address} answers as node {resp.node_id!r}"))
             return False
@@ -346,5 +350,6 @@ class Membership:
         """The watched neighbourhood's health (the other peers are not contacted in the background)."""
         watched = self.watched()
         return [{"node_id": p.node_id, "address": p.address, "up": p.up, "last_seen_unix": p.last_seen,
-                 "last_error": p.last_error} for p in sorted(self.peers.values(), key=lambda p: p.node_id)
-                if p.node_id in watched]
+                 "last_error": p.last_error, "clock_skew_seconds": p.clock_skew or 0.0,
+                 "clock_skew_known": p.clock_skew is not None}
+                for p in sorted(self.peers.values(), key=lambda p: p.node_id) if p.node_id in watched]

@@ -273,7 +273,8 @@ class PeerTier(RemoteTier):
     def local_catalog(self, job: str, since_version: int = 0, since_instance: str = "") -> ppb.CatalogResponse:
         """Committed ranks held here, own and replicas, for ``job`` or every job (Catalog RPC);
         for every job, a delta since ``since_version`` of this instance when it can be given."""
-        resp = ppb.CatalogResponse(node_id=self.node_id, instance=self.instance, bulk_port=self._bulk.port)
+        resp = ppb.CatalogResponse(node_id=self.node_id, instance=self.instance, bulk_port=self._bulk.port,
+                                   now_unix=time.time())
         if job:
             resp.entries.extend(self._entries(job).values())
             return resp
