@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -54,11 +55,16 @@ class Cluster:
         self.sock_dir = DEMO if len(str(DEMO)) < 60 else Path(tempfile.mkdtemp(prefix="tck-demo-"))
         self.ports = {n: free_port() for n in NODES}
         peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in self.ports.items())
+        # The cluster's manifest key: every manifest is signed with it (kept beside, never in, the
+        # persistent tier; a real cluster distributes it like the certificates).
+        key = DEMO / "manifest.key"
+        key.write_bytes(secrets.token_hex(32).encode())
+        key.chmod(0o600)
         self.daemons = {
             n: Daemon(self.sock_dir, n, port=self.ports[n], log_name=f"{n}.log", args=(
                 "--peers", peers, "--replicas", "1", "--keep-local", "2",
                 "--persistent", f"file://{DEMO / 'persistent'}", "--persist-every", str(PERSIST_EVERY),
-                "--staging-timeout", "30", "--shutdown-timeout", "10"))
+                "--staging-timeout", "30", "--shutdown-timeout", "10", "--manifest-key-file", str(key)))
             for n in NODES
         }
         for d in self.daemons.values():

@@ -106,6 +106,14 @@ class DaemonConfig:
     float16/bfloat16/float32, its byte groups Huffman-coded; zstd for the rest), "none", "zstd"
     (every shard) or "bg-zstd" (the older byte planes + zstd, by element size where the dtype has
     one); a chunk that does not shrink is stored raw. Chunks are read whatever the setting."""
+    manifest_key_file: str = ""
+    """File holding the cluster's manifest key (>= 32 bytes; not readable by others), the same on every node and never
+    in the bucket: every manifest written (local, replica, persistent) carries an HMAC-SHA256 of all its fields, and
+    a manifest read without a matching one (forged, edited) is data loss. Empty: manifests are unsigned (warned at
+    start-up). Make one with: head -c 32 /dev/urandom | base64 > manifest.key."""
+    accept_unsigned_manifests: bool = False
+    """With manifest_key_file: still read manifests that carry no MAC (steps written before signing was turned on;
+    tierckpt verify lists them). A forged manifest without a MAC is read too while this is on."""
     s3_endpoint: str = ""
     """S3 endpoint URL for MinIO, Ceph RGW or another S3-compatible store, e.g.
     "https://minio.example:9000" (empty: AWS_ENDPOINT_URL or AWS's own)."""

@@ -68,6 +68,7 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
 
     notifier = Notifier.from_env(os.environ)
     metrics = Metrics()
+    signing_warning = _configure_signing(config)
     try:
         node, grpc_side, metrics_port = await _start(config, metrics)
     except ConfigError:
@@ -79,6 +80,8 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
     info = {"node_id": config.node_id, "tcp_port": grpc_side.listening.tcp_port,
             "socket": grpc_side.listening.socket_path, "metrics_port": metrics_port, "pid": os.getpid(),
             "local_dir": node.local_dir}
+    if signing_warning:  # once started: a refused start-up stays one line
+        log.warning("%s", signing_warning)
     stop = _stop_event()  # before READY: a SIGTERM right after it must start the staged shutdown
     log.info("tierckptd %s ready: %s", config.node_id, json.dumps(info))
     from .logs import ready_line
@@ -104,6 +107,26 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
     metrics.stop()
     log.info("shutdown complete")
     return 0
+
+
+def _configure_signing(config: DaemonConfig) -> str | None:
+    """Load the cluster's manifest key (every manifest written is signed, every one read checked);
+    returns the warning to log once started, if any."""
+    from .local import signing
+
+    if not config.manifest_key_file:
+        signing.configure(signing.ManifestKey())
+        return ("manifests are not signed (manifest_key_file is not set): anyone who can write the object store or "
+                "the local dir can forge or edit a step; checksums catch corruption only")
+    try:
+        key = signing.load_key(config.manifest_key_file)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    signing.configure(signing.ManifestKey(key, accept_unsigned=config.accept_unsigned_manifests))
+    if config.accept_unsigned_manifests:
+        return ("accept_unsigned_manifests: steps written before manifest signing are read (tierckpt verify lists "
+                "them); forged unsigned manifests are read too until this is turned off")
+    return None
 
 
 async def _start(config: DaemonConfig, metrics):

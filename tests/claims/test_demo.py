@@ -7,6 +7,7 @@ about a minute, so it is a ``long`` test (``make test-long``, which CI runs)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -60,4 +61,6 @@ def test_demo_short_form_survives_every_failure_and_says_where_each_restore_came
     assert "done: latest complete step 24" in out, out
     assert re.search(r"^\s*24\s", out, re.M), out  # `tierckpt ls demo` lists step 24
     assert (state / "persistent" / "demo").is_dir()  # the state stays under --dir
+    manifests = list((state / "persistent" / "demo" / "manifests").rglob("rank-*.json"))
+    assert manifests and all(len(json.loads(m.read_bytes())["mac"]) == 64 for m in manifests)  # every one signed
     assert (state / "logs" / "p4-rank0.jsonl").is_file()

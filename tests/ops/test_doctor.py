@@ -16,6 +16,9 @@ from tierckpt.v1 import tierckpt_pb2 as pb
 
 from ..harness import Cluster, free_port, wait_until
 
+# A capacity the machine can hold (the default, the whole tmpfs, may exceed the memory available on
+# a loaded machine, which doctor rightly reports): the tests of later checks pass this one.
+CAP = ("--local-capacity", str(2**30))
 CHECKS = ["socket", "daemon", "clock", "fast path", "capacity", "persistent tier", "peers"]
 
 
@@ -35,7 +38,7 @@ def lines(p: subprocess.CompletedProcess) -> dict[str, str]:
 
 
 def test_a_healthy_cluster_passes_every_check(daemon_factory, scratch: Path) -> None:
-    cl = Cluster(daemon_factory, 2, extra=("--persistent", (scratch / "store").as_uri()))
+    cl = Cluster(daemon_factory, 2, extra=("--persistent", (scratch / "store").as_uri(), *CAP))
     d = cl.d["n0"]
     with d.client() as c:
         wait_until(lambda: all(p.clock_skew_known for p in c.status().peers), what="n0 measured n1's clock")
@@ -99,7 +102,7 @@ def test_capacity_beyond_the_file_system_is_a_problem(daemon_factory, scratch: P
 
 def test_a_degraded_persistent_tier_is_a_problem(daemon_factory, scratch: Path) -> None:
     (scratch / "plain-file").write_text("")
-    d = daemon_factory("n0", args=("--persistent", (scratch / "plain-file" / "store").as_uri()))
+    d = daemon_factory("n0", args=("--persistent", (scratch / "plain-file" / "store").as_uri(), *CAP))
     p = doctor(d.address)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "FAIL  persistent tier:" in p.stdout and "plain-file" in p.stdout and "hint: check the daemon's" \
@@ -109,7 +112,7 @@ def test_a_degraded_persistent_tier_is_a_problem(daemon_factory, scratch: Path) 
 def test_a_down_peer_is_named(daemon_factory) -> None:
     port = free_port()
     d = daemon_factory("n0", port=port, args=("--peers", f"n0=127.0.0.1:{port},n1=127.0.0.1:{free_port()}",
-                                              "--replicas", "1"))
+                                              "--replicas", "1", *CAP))
     p = doctor(d.address)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "FAIL  peers: 1 of 1 peers down: n1 at 127.0.0.1:" in p.stdout, p.stdout
@@ -127,3 +130,17 @@ def test_peer_clock_skew_beyond_the_limit_is_a_problem() -> None:
     assert _check_peers(st, 5.0) == "2 up, clocks within 3.500 s"
     st.peers[1].clock_skew_known = False  # an older peer: not judged
     assert _check_peers(st, 1.0) == "2 up, clocks within 0.200 s"
+
+
+def test_a_ram_disk_larger_than_the_memory_available_is_a_problem(monkeypatch, scratch: Path) -> None:
+    """The memory side of the capacity check, on the real local dir but a stated amount of memory
+    (how much a machine has free cannot be arranged in a test)."""
+    from tierckpt.cli import doctor as doc
+
+    monkeypatch.setattr(doc, "_fstype", lambda path: "tmpfs")
+    monkeypatch.setattr(doc, "_mem_available", lambda: 2**30)
+    st = pb.StatusResponse(local_dir=str(scratch), used_bytes=0, capacity_bytes=2**20)
+    assert "RAM disk with 1.0 GiB of memory available" in doc._check_capacity(st, True)
+    st.capacity_bytes = min(2 * 2**30, shutil.disk_usage(scratch).free)
+    with pytest.raises(Problem, match="only 1.0 GiB of memory is available"):
+        doc._check_capacity(st, True)

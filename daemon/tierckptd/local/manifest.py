@@ -1,7 +1,8 @@
 """The per-rank manifest: the commit marker of every tier.
 
 A manifest lists one rank's shards of one step (name, size, checksum, dtype/shape, data file),
-the world size, the owning node and user metadata. It is written last, by rename (local and peer
+the world size, the owning node and user metadata, and its MAC when the cluster has a manifest
+key (:mod:`.signing`: a forged or edited manifest is data loss). It is written last, by rename (local and peer
 tiers) or uploaded after every shard (persistent tier); readers ignore data without one.
 Manifests also arrive from peers and the object store, so parsing validates every field,
 including that a shard's dtype and shape account for exactly its size (:func:`.staging.check_layout`).
@@ -20,9 +21,10 @@ from tierckpt.common import checksum as _checksum
 from tierckpt.common.names import check_job, check_node, check_rank, check_shard, check_size, check_step
 from tierckpt.errors import DataLossError, InvalidArgumentError
 
+from . import signing
 from .staging import check_layout
 
-__all__ = ["FORMAT", "ShardEntry", "Manifest", "MANIFEST_NAME"]
+__all__ = ["FORMAT", "ShardEntry", "Manifest", "MANIFEST_NAME", "unsigned_note"]
 
 FORMAT = 1
 MANIFEST_NAME = "manifest.json"
@@ -53,6 +55,8 @@ class Manifest:
     metadata_json: str = "{}"
     created: float = field(default_factory=time.time)
     persist: bool = False
+    # Read without a MAC while this node signs (accept_unsigned_manifests); never written (to_json signs).
+    unsigned: bool = field(default=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -72,19 +76,29 @@ class Manifest:
         return {s.name: s for s in self.shards}
 
     def to_json(self) -> bytes:
-        doc: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        """The manifest as canonical JSON, with its MAC when this process has a manifest key
+        (:mod:`.signing`)."""
+        doc: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "unsigned"}
         doc["format"] = FORMAT
         doc["checksum_algorithm"] = _checksum.ALGORITHM
         doc["shards"] = [_shard_doc(s) for s in self.shards]
-        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+        body = _canonical(doc)
+        key = signing.active()
+        if not key.signing:
+            return body
+        doc[signing.MAC_FIELD] = key.mac(body)
+        return _canonical(doc)
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Manifest:
-        """Parse and validate a manifest. Raises DataLossError if it is malformed."""
+        """Parse and validate a manifest, and check its MAC (:mod:`.signing`). Raises
+        DataLossError if it is malformed, forged or edited (or unsigned where that is refused)."""
         try:
             doc = json.loads(data)
             if not isinstance(doc, dict) or not isinstance(doc.get("shards"), list):
                 raise ValueError("a manifest is a JSON object with a list of shards")
+            key = signing.active()
+            unsigned = not key.check(doc.pop(signing.MAC_FIELD, None), _canonical(doc)) and key.signing
             if doc.get("format") != FORMAT or doc.get("checksum_algorithm") != _checksum.ALGORITHM:
                 raise ValueError("unsupported manifest format or checksum algorithm")
             shards = []
@@ -113,11 +127,23 @@ class Manifest:
                 metadata_json=meta,
                 created=float(doc.get("created", 0.0)),
                 persist=bool(doc.get("persist", False)),
+                unsigned=unsigned,
             )
         except (ValueError, KeyError, TypeError, AttributeError, InvalidArgumentError) as e:
             raise DataLossError(f"malformed manifest: {e}") from e
         except RecursionError:
             raise DataLossError("malformed manifest: nested too deeply") from None
+
+
+def unsigned_note(man: Manifest, detail: str = "") -> str:
+    """``detail`` of a ``verify`` check, saying so when the copy's manifest carries no MAC."""
+    if not man.unsigned:
+        return detail
+    return (f"{detail}; " if detail else "") + "unsigned manifest (read only under accept_unsigned_manifests)"
+
+
+def _canonical(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
 
 def _shard_doc(s: ShardEntry) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from tierckpt.errors import DataLossError, NotFoundError
 
 from ..tiers import MISMATCH, MISSING, OK, Check
 from .localfs import digest_fd
-from .manifest import Manifest, ShardEntry
+from .manifest import Manifest, ShardEntry, unsigned_note
 from .store import LocalStore
 
 __all__ = ["check_rank", "corrupt_shards", "verify_local"]
@@ -59,5 +59,5 @@ def verify_local(store: LocalStore, job: str, step: int | None) -> list[Check]:
             continue
         for rank, man in sorted(ranks.items()):
             state, detail = check_rank(store, man)
-            out.append(Check(s, rank, "local", store.node_id, state, detail))
+            out.append(Check(s, rank, "local", store.node_id, state, unsigned_note(man, detail)))
     return out

@@ -16,7 +16,7 @@ from tierckpt.errors import DataLossError, NotFoundError
 
 from ..backends import BackendError
 from ..local.localfs import digest_fd
-from ..local.manifest import Manifest, ShardEntry
+from ..local.manifest import Manifest, ShardEntry, unsigned_note
 from ..local.store import LocalStore
 from ..offload import run_blocking
 from ..tiers import MISMATCH, MISSING, OK, Check
@@ -91,7 +91,7 @@ class Auditor:
         Raises:
             BackendError / UnavailableError: the store could not be listed.
         """
-        cat = await self.catalog.list_steps(job)
+        cat = await self.catalog.list_steps(job, checked=False)  # forged manifests are reported, not hidden
         tmpdir = self.store.root / "staging" / f"verify-{secrets.token_hex(6)}"
         await run_blocking(functools.partial(os.makedirs, tmpdir, 0o750))
         out = []
@@ -104,8 +104,11 @@ class Auditor:
                         man = await self.catalog.read_manifest(job, s, rank)
                     except NotFoundError:
                         continue  # deleted since the listing
+                    except DataLossError as err:  # malformed, forged or edited: never restored
+                        out.append(Check(s, rank, "persistent", self.url, MISMATCH, str(err)))
+                        continue
                     state, detail = await self._check_object(man, tmpdir)
-                    out.append(Check(s, rank, "persistent", self.url, state, detail))
+                    out.append(Check(s, rank, "persistent", self.url, state, unsigned_note(man, detail)))
         finally:
             await run_blocking(functools.partial(_rmtree, tmpdir))
         return out

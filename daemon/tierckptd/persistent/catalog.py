@@ -22,6 +22,7 @@ from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
 
 from ..backends import BackendError
 from ..knobs import KNOBS
+from ..local import signing
 from ..local.manifest import Manifest
 from ..retry import RetryPolicy
 from ..tiers import RankCopy
@@ -86,11 +87,13 @@ class Catalog:
         for k in [k for k in self.known if k[0] == job and k[1] == step]:
             del self.known[k]
 
-    async def list_steps(self, job: str, policy: RetryPolicy | None = None) -> Steps:
-        """step -> rank -> world size from one listing of the job's manifests."""
+    async def list_steps(self, job: str, policy: RetryPolicy | None = None, *, checked: bool = True) -> Steps:
+        """step -> rank -> world size from one listing of the job's manifests; with ``checked`` (and
+        a manifest key) only the ranks whose manifest passes its checks (``verify`` lists all)."""
         keys = await self.calls.read(functools.partial(self.calls.be.list, job_manifests_prefix(job)), policy)
         out: Steps = {}
         deleted: set[int] = set()
+        objects: dict[tuple[int, int], str] = {}
         for key in keys:
             parsed = parse_manifest_key(job, key)
             if parsed is None:
@@ -98,10 +101,40 @@ class Catalog:
                     deleted.add(tomb)
                 continue
             step, rank, world = parsed
-            out.setdefault(step, {}).setdefault(rank, world)  # two worlds for a rank: a re-save mid-cleanup
+            if rank not in out.setdefault(step, {}):  # two worlds for a rank: a re-save mid-cleanup
+                out[step][rank] = world
+                objects[(step, rank)] = key
         for step in deleted & out.keys():  # rare: a save after `rm`, or a drain that raced it
             await self._drop_deleted(job, step, out)
+        if checked and signing.active().signing:
+            await self._drop_unverified(job, out, objects, policy)
         return out
+
+    async def _drop_unverified(self, job: str, out: Steps, objects: dict[tuple[int, int], str],
+                               policy: RetryPolicy | None) -> None:
+        """Read and check (MAC, fields) each listed manifest this process has not seen yet, and
+        drop the ranks whose manifest fails: a manifest forged in the bucket never makes a step
+        complete. One GET per new manifest, ``KNOBS.fanout`` at a time; the ranks seen are
+        remembered in :attr:`known` (with their size, which ``ls`` shows)."""
+        todo = [(step, rank) for step, ranks in out.items() for rank in ranks if (job, step, rank) not in self.known]
+        sem = asyncio.Semaphore(max(1, KNOBS.fanout))
+
+        async def check(step: int, rank: int) -> None:
+            key = objects.get((step, rank))
+            if key is None:
+                return
+            async with sem:
+                try:
+                    data = await self.calls.read(functools.partial(self.calls.be.get_bytes, key), policy)
+                    self.note(self._check_manifest(key, data, (job, step, rank), out[step][rank]))
+                except NotFoundError:  # deleted since the listing
+                    out[step].pop(rank, None)
+                except DataLossError:  # logged and counted by _check_manifest
+                    out[step].pop(rank, None)
+
+        await asyncio.gather(*(check(step, rank) for step, rank in todo))
+        for step in [s for s, ranks in out.items() if not ranks]:
+            del out[step]
 
     async def _drop_deleted(self, job: str, step: int, out: Steps) -> None:
         """Drop the ranks of ``step`` whose manifest its tombstone covers (:mod:`.tombstone`)."""
