@@ -47,12 +47,12 @@ class DaemonConfig:
 
     node_id: str = "node0"
     """Identity of this node among its peers; a replacement node reuses the id of the node it replaces."""
-    listen: str = "127.0.0.1:7070"
-    """TCP listener HOST:PORT for remote clients and peers (port 0 picks a free port). Empty disables it. A
-    non-loopback address needs tls_cert/tls_key/tls_ca or insecure_listen."""
+    listen: str = ""
+    """TCP listener HOST:PORT for remote clients and peers (port 0 picks a free port). Empty (the default): none; local
+    tools use the Unix socket. Any TCP listener, loopback included, needs tls_cert/tls_key/tls_ca or insecure_listen."""
     insecure_listen: bool = False
-    """Accept a non-loopback listen address without mTLS: anyone who can reach it may read and write checkpoints and
-    act as a peer. Logged as a warning at start-up."""
+    """Serve the TCP listener and the bulk channel without mTLS (loopback included): anyone who can reach them may
+    read, write and delete checkpoints and act as a peer. Logged as a warning at start-up."""
     socket: str = "/run/tierckpt/tierckptd.sock"
     """Unix socket for clients on this node. Empty disables it."""
     socket_mode: int = 0o660
@@ -349,10 +349,10 @@ def _validate_network(cfg: DaemonConfig) -> None:
     if any(tls) and not all(tls):
         raise ConfigError("tls_cert/tls_key/tls_ca: give all three or none")
     if cfg.listen and not cfg.tls_enabled and not cfg.insecure_listen:
-        host = cfg.listen.rpartition(":")[0]
-        if not is_loopback_host(host):
-            raise ConfigError(f"listen: {cfg.listen!r} refuses to listen on a non-loopback address without mTLS; "
-                              "set tls_cert/tls_key/tls_ca, or insecure_listen to accept the risk")
+        where = "a loopback" if is_loopback_host(cfg.listen.rpartition(":")[0]) else "a non-loopback"
+        raise ConfigError(f"listen: {cfg.listen!r} refuses to serve TCP without mTLS ({where} address included: any "
+                          "local user could reach it); set tls_cert/tls_key/tls_ca, or insecure_listen to accept "
+                          "the risk; local tools use the Unix socket")
 
 
 def _validate_persistent(cfg: DaemonConfig) -> None:

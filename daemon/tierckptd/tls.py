@@ -376,11 +376,10 @@ def insecure_warning(config: DaemonConfig) -> str | None:
     """The warning to log at start-up when ``insecure_listen`` opens a network listener without mTLS.
 
     Returns:
-        The message, or None when the TCP listener is loopback-only, TLS is on, or there is none.
+        The message, or None when TLS is on, insecure_listen is off, or there is no TCP listener.
     """
     if not config.insecure_listen or not config.listen or config.tls_enabled:
         return None
-    if is_loopback_host(config.listen.rpartition(":")[0]):
-        return None
-    return (f"insecure_listen: serving {config.listen} WITHOUT mTLS: anyone who can reach this address can read, "
+    who = "any local user" if is_loopback_host(config.listen.rpartition(":")[0]) else "anyone who can reach this address"
+    return (f"insecure_listen: serving {config.listen} WITHOUT mTLS: {who} can read, "
             "overwrite and delete checkpoints and pose as a peer; set tls_cert/tls_key/tls_ca")
