@@ -137,6 +137,9 @@ class DaemonConfig:
     tls_key_group_readable: bool = False
     """Accept a tls_key readable by its group (never by others): for Kubernetes Secret volumes, which the kubelet makes
     0440 for the pod's fsGroup. Refused when that group is socket_group."""
+    tls_deny: str = ""
+    """File of certificate names refused on the TCP listener and the bulk channel, one per line (CN, DNS SAN, node id
+    or client name; # comments). Re-read when it changes: takes effect without a restart, on open connections too."""
     tls_bind_node_id: bool = True
     """Require a peer's certificate to name the node id it claims (CN or DNS SAN). False only where every node shares
     one certificate (see SECURITY.md)."""
@@ -348,6 +351,8 @@ def _validate_network(cfg: DaemonConfig) -> None:
     tls = [cfg.tls_cert, cfg.tls_key, cfg.tls_ca]
     if any(tls) and not all(tls):
         raise ConfigError("tls_cert/tls_key/tls_ca: give all three or none")
+    if cfg.tls_deny and not cfg.tls_enabled:
+        raise ConfigError("tls_deny: needs tls_cert/tls_key/tls_ca (it names certificates)")
     if cfg.listen and not cfg.tls_enabled and not cfg.insecure_listen:
         where = "a loopback" if is_loopback_host(cfg.listen.rpartition(":")[0]) else "a non-loopback"
         raise ConfigError(f"listen: {cfg.listen!r} refuses to serve TCP without mTLS ({where} address included: any "
@@ -446,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "max_open_saves_per_client": "N", "client_jobs": "NAME=GLOB,...",
                 "max_message_bytes": "BYTES",
                 "peers": "ID=HOST:PORT,...", "peers_dns": "NAME:PORT", "persistent": "URL", "metrics_port": "PORT",
-                "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem",
+                "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem", "tls_deny": "FILE",
                 "log_level": "LEVEL", "log_format": "plain|json", "shutdown_timeout": "SECONDS",
                 "knobs": "NAME=VALUE,...", "s3_endpoint": "URL", "s3_region": "REGION",
                 "s3_addressing_style": "auto|path|virtual", "s3_sse": "AES256|aws:kms", "s3_sse_kms_key_id": "KEY",
@@ -488,6 +493,9 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
         from . import tls
 
         tls.reloader(cfg)
+        from . import revocation
+
+        revocation.deny_list(cfg)
     return cfg
 
 

@@ -21,6 +21,7 @@ from . import __version__
 from .access import ClientAccess
 from .config import ConfigError, DaemonConfig
 from .datamgmt import TIERS, DataManagement
+from .knobs import KNOBS
 from .local.policies import JobPolicy
 from .node import Node
 from .rpc import Authorizing, add_service, check_decoded, rpc, rpc_stream
@@ -86,6 +87,11 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         be the caller's (TCP listener only)."""
         if self.access is None:
             return
+        if self.config.tls_enabled:
+            from . import revocation, tls
+
+            role = tls.peer_role(context)
+            revocation.check_names(self.config, role.all_names if role else set())
         job = getattr(request, "job", None)
         if isinstance(job, str) and job:
             self.access.check_job(context, job)
@@ -349,6 +355,8 @@ def server_options(config: DaemonConfig) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_connection_age_ms", int(KNOBS.max_connection_age * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(KNOBS.max_connection_age_grace * 1000)),
     ]
 
 
