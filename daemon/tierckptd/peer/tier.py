@@ -224,6 +224,13 @@ class PeerTier(RemoteTier):
     def restoring(self, job: str, step: int, rank: int) -> contextlib.AbstractContextManager:
         return self.receiver.fetching_rank((job, step, rank))
 
+    def holds_copy(self, manifest: Manifest) -> bool:
+        """A live peer holds this generation, or (a replica held here) its owner is up and holds it."""
+        key = manifest.key
+        if self.cluster.live_holders(key, manifest.generation):
+            return True
+        return manifest.node != self.node_id and self.cluster.owner_holds(manifest.node, key)
+
     def on_evict(self, eviction: Eviction) -> None:
         self.replicator.forget(eviction.job, eviction.step, eviction.ranks, eviction.reason)
         if eviction.reason == "retention":
