@@ -342,7 +342,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                               epilog="examples:\n  tierckpt certs ca --out /root/tierckpt-ca\n"
                                      "  tierckpt certs node --ca /root/tierckpt-ca --node-id gpu-017 "
                                      "--out /etc/tierckpt/tls --san gpu-017.cluster.local\n"
-                                     "  tierckpt certs client --ca /root/tierckpt-ca --name trainer-a --out ./trainer-a",
+                                     "  tierckpt certs client --ca /root/tierckpt-ca --name trainer-a "
+                                     "--out ./trainer-a",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="certs_command", required=True, metavar="ca|node|client")
     s = sub.add_parser("ca", help="create the cluster CA (ca.pem, ca.key)")

@@ -345,7 +345,7 @@ def _validate_network(cfg: DaemonConfig) -> None:
     if not cfg.listen and not cfg.socket:
         raise ConfigError("listen/socket: at least one listener is required")
     if cfg.listen:
-        host, colon, port = cfg.listen.rpartition(":")
+        _host, colon, port = cfg.listen.rpartition(":")
         if not colon or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"listen: {cfg.listen!r} is not HOST:PORT")
     tls = [cfg.tls_cert, cfg.tls_key, cfg.tls_ca]
@@ -451,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "max_open_saves_per_client": "N", "client_jobs": "NAME=GLOB,...",
                 "max_message_bytes": "BYTES",
                 "peers": "ID=HOST:PORT,...", "peers_dns": "NAME:PORT", "persistent": "URL", "metrics_port": "PORT",
-                "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem", "tls_deny": "FILE",
+                "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem",
+                "tls_deny": "FILE",
                 "log_level": "LEVEL", "log_format": "plain|json", "shutdown_timeout": "SECONDS",
                 "knobs": "NAME=VALUE,...", "s3_endpoint": "URL", "s3_region": "REGION",
                 "s3_addressing_style": "auto|path|virtual", "s3_sse": "AES256|aws:kms", "s3_sse_kms_key_id": "KEY",

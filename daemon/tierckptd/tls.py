@@ -453,6 +453,7 @@ def insecure_warning(config: DaemonConfig) -> str | None:
     """
     if not config.insecure_listen or not config.listen or config.tls_enabled:
         return None
-    who = "any local user" if is_loopback_host(config.listen.rpartition(":")[0]) else "anyone who can reach this address"
+    loopback = is_loopback_host(config.listen.rpartition(":")[0])
+    who = "any local user" if loopback else "anyone who can reach this address"
     return (f"insecure_listen: serving {config.listen} WITHOUT mTLS: {who} can read, "
             "overwrite and delete checkpoints and pose as a peer; set tls_cert/tls_key/tls_ca")

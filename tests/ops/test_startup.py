@@ -101,7 +101,8 @@ def test_listen_port_in_use(scratch: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        line = _refused(run_daemon(scratch, "--listen", f"127.0.0.1:{port}", "--insecure-listen"), "listen:", only=False)
+        line = _refused(run_daemon(scratch, "--listen", f"127.0.0.1:{port}", "--insecure-listen"), "listen:",
+                        only=False)
     assert f"127.0.0.1:{port}" in line and "in use" in line
     assert not (scratch / "d.sock").exists()  # nothing left behind
 

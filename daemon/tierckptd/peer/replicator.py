@@ -83,7 +83,8 @@ class Pusher:
             with self.store.warm.sending():  # pool warming waits (see tierckptd.local.warm)
                 await self.transfer.run(p.node_id, p.host, prep.bulk_port, prep.ticket, "put", pieces, files, {},
                                         p.tls_name)
-            await self.cluster.call(p, "CommitReplica", ppb.CommitReplicaRequest(ticket=prep.ticket, sender=self.node_id),
+            await self.cluster.call(p, "CommitReplica",
+                                    ppb.CommitReplicaRequest(ticket=prep.ticket, sender=self.node_id),
                                     KNOBS.commit_timeout)
         except BaseException:
             self._spawn(self._abort_remote(p, prep.ticket))

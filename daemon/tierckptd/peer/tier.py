@@ -21,7 +21,7 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from tierckpt.errors import PermissionDeniedError, NotFoundError
+from tierckpt.errors import NotFoundError, PermissionDeniedError
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 
