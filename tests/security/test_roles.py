@@ -53,6 +53,23 @@ def test_certs_issues_distinct_node_and_client_certificates(pki) -> None:
     assert pki["trainer-a"]["key"].stat().st_mode & 0o777 == 0o600
 
 
+def test_certs_client_on_the_command_line(tmp_path: Path) -> None:
+    import io
+
+    from tierckpt.certs import main
+
+    assert main(["certs", "ca", "--out", str(tmp_path / "ca")], io.StringIO()) == 0
+    out = io.StringIO()
+    assert main(["certs", "client", "--ca", str(tmp_path / "ca"), "--name", "ops", "--out", str(tmp_path / "ops")],
+                out) == 0
+    assert f'tls_cert = "{tmp_path / "ops" / "client.pem"}"' in out.getvalue()
+    assert (tmp_path / "ops" / "client.key").stat().st_mode & 0o777 == 0o600
+    assert main(["certs", "client", "--ca", str(tmp_path / "ca"), "--name", "a b", "--out",
+                 str(tmp_path / "bad")], io.StringIO()) == 2  # a bad name: one line naming the field
+    assert main(["certs", "client", "--ca", str(tmp_path / "ca"), "--name", "ops", "--out", str(tmp_path / "ops")],
+                io.StringIO()) == 1  # an existing key is never replaced without --force
+
+
 @pytest.mark.parametrize("who", ["trainer-a", "client-n0", "n9"])
 def test_only_member_node_certificates_reach_the_peer_service(nodes, pki, who) -> None:
     """A client certificate (whatever node id it claims, even one named n0) and a CA-signed node
@@ -107,3 +124,27 @@ def test_a_client_certificate_still_uses_the_tierckpt_service(nodes, pki) -> Non
     with tierckpt.Client(nodes["n0"].tcp_address, tls_cert=str(f["cert"]), tls_key=str(f["key"]),
                          tls_ca=str(f["ca"]), tls_server_name="localhost", transfer="stream") as c:
         assert bytes(c.restore("victim", 0).shards["w"]) == b"secret"
+
+
+def test_one_shared_node_certificate_without_id_binding(daemon_factory, tmp_path: Path) -> None:
+    """The Kubernetes layout: every daemon serves one node certificate (tierckpt://node/shared)
+    and tls_bind_node_id = false. Replication works; a client certificate is still no peer."""
+    from tierckptd.testing import free_port
+
+    from ..certs import issue, issue_client, make_pki, tls_args
+
+    make_pki(tmp_path, [])  # the CA only
+    shared, client = issue(tmp_path, "shared"), issue_client(tmp_path, "trainer-a")
+    ports = {n: free_port() for n in ("n0", "n1")}
+    peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
+    d = {n: daemon_factory(n, port=ports[n], args=("--peers", peers, "--replicas", "1", "--no-tls-bind-node-id",
+                                                  *tls_args(shared))) for n in ports}
+    with d["n0"].client() as c:
+        assert c.save("j", 1, 0, 1, {"w": b"x" * 1000}).wait("peer", timeout=60) == ["n1"]
+    ch, stub = peer_stub(d["n1"], client)
+    with ch:
+        assert code(stub.Catalog, ppb.CatalogRequest(node_id="n0"), timeout=10) == grpc.StatusCode.PERMISSION_DENIED
+    ch, stub = peer_stub(d["n1"], shared)
+    with ch:
+        port = stub.Hello(ppb.HelloRequest(node_id="n0"), timeout=10).bulk_port
+    assert bulk_first_reply(port, client).get("code") == "PERMISSION_DENIED"

@@ -55,7 +55,8 @@ class PeerGuard:
         """A bulk connection's caller (TLS only): its node id, after :meth:`check_caller`."""
         role = tls.ssl_peer_role(sslsock)
         name = role.name if role is not None and role.kind == "node" else ""
-        self.check_caller(role, name, "certificate")
+        # tls_bind_node_id = false (one shared node certificate): the name is not a node id.
+        self.check_caller(role, name, "certificate", member=self.config.tls_bind_node_id)
         return name
 
     def check_replica(self, man: Manifest) -> None:
