@@ -46,7 +46,8 @@ import grpc
 from .config import ConfigError, DaemonConfig, is_loopback_host
 
 __all__ = [
-    "NODE_URI", "Role", "TlsFiles", "TlsReloader", "channel_credentials", "check_key_file", "check_peer_node",
+    "CLIENT_URI", "NODE_URI", "Role", "TlsFiles", "TlsReloader", "channel_credentials", "check_key_file",
+    "check_node_role", "check_peer_node",
     "client_ssl_context", "insecure_warning", "peer_identity", "peer_role", "reloader", "server_credentials",
     "server_ssl_context", "ssl_peer_identity", "ssl_peer_role",
 ]
