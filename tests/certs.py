@@ -1,12 +1,13 @@
 """Test certificates: one helper for every mTLS test, made the way operators make them
-(``tierckpt certs``: :func:`tierckpt.certs.make_ca` and :func:`tierckpt.certs.make_node_cert`)."""
+(``tierckpt certs``: :func:`tierckpt.certs.make_ca`, :func:`tierckpt.certs.make_node_cert` and
+:func:`tierckpt.certs.make_client_cert`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["LOOPBACK", "issue", "make_pki", "tls_args"]
+__all__ = ["LOOPBACK", "issue", "issue_client", "make_pki", "tls_args"]
 
 LOOPBACK = ("localhost", "127.0.0.1")  # what a client on this machine dials
 
@@ -27,6 +28,14 @@ def issue(root: Path, node: str, *, sans: Iterable[str] = LOOPBACK) -> dict[str,
     from tierckpt.certs import make_node_cert
 
     f = make_node_cert(Path(root) / "ca", node, Path(root) / node, sans=tuple(sans))
+    return {"cert": f.cert, "key": f.key, "ca": f.ca}
+
+
+def issue_client(root: Path, name: str) -> dict[str, Path]:
+    """A client certificate (``tierckpt certs client``) from the CA at ``root``, in ``root/client-<name>``."""
+    from tierckpt.certs import make_client_cert
+
+    f = make_client_cert(Path(root) / "ca", name, Path(root) / f"client-{name}")
     return {"cert": f.cert, "key": f.key, "ca": f.ca}
 
 

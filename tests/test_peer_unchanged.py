@@ -86,5 +86,5 @@ def test_a_sender_that_does_not_skip_linked_shards_gets_none_linked(daemon_facto
             prep = stub.PrepareReplica(ppb.PrepareReplicaRequest(sender="n0", manifest_json=json.dumps(man),
                                                                  skips_linked=skips))
             assert sorted(prep.linked) == linked and prep.ticket
-            stub.AbortReplica(ppb.AbortReplicaRequest(ticket=prep.ticket))
+            stub.AbortReplica(ppb.AbortReplicaRequest(ticket=prep.ticket, sender="n0"))
     assert os.stat(next(peer.local_dir.glob("jobs/job/*/rank-0000000/a.*"))).st_nlink == 1

@@ -23,9 +23,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def pki(tmp_path):
-    """A cluster CA with a node certificate, and a rogue CA with its own node certificate. One
-    certificate for both test nodes: it names n0 and n1, so either may claim its id."""
-    return {label: make_pki(tmp_path / label, ["n0"], sans=("n1", *LOOPBACK), ca_name=f"{label} CA")["n0"]
+    """A cluster CA with node certificates for n0 and n1, and a rogue CA with its own ones."""
+    return {label: make_pki(tmp_path / label, ["n0", "n1"], sans=LOOPBACK, ca_name=f"{label} CA")
             for label in ("good", "rogue")}
 
 
@@ -35,7 +34,7 @@ def _read(p: str | Path) -> bytes:
 
 def _hello(port: int, creds: grpc.ChannelCredentials) -> ppb.HelloResponse:
     with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
-        return ppb_grpc.PeerStub(ch).Hello(ppb.HelloRequest(node_id="test"), timeout=5)
+        return ppb_grpc.PeerStub(ch).Hello(ppb.HelloRequest(node_id="n0"), timeout=5)
 
 
 def _bulk_probe(port: int, ctx: ssl.SSLContext | None) -> bytes:
@@ -53,18 +52,17 @@ def _bulk_probe(port: int, ctx: ssl.SSLContext | None) -> bytes:
 
 
 def test_peer_traffic_over_mtls_and_rogue_peers_refused(daemon_factory, pki):
-    good = pki["good"]
-    tls = tls_args(good)
+    good = pki["good"]["n0"]
     ports = {n: free_port() for n in ("n0", "n1")}
-    args = ("--peers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "--replicas", "1", *tls)
-    d = {n: daemon_factory(n, port=ports[n], args=args) for n in ports}
+    base = ("--peers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "--replicas", "1")
+    d = {n: daemon_factory(n, port=ports[n], args=(*base, *tls_args(pki["good"][n]))) for n in ports}
     data = {"w": np.random.default_rng(3).integers(0, 256, 3_000_000, dtype=np.uint8)}
     with d["n0"].client() as c:
         fut = c.save("tls", 1, 0, 1, data)
         assert fut.wait("peer", timeout=60) == ["n1"]  # pushed over the TLS bulk channel
     d["n0"].kill()
     d["n0"].wipe()
-    d["n0"] = daemon_factory("n0", port=ports["n0"], args=args)
+    d["n0"] = daemon_factory("n0", port=ports["n0"], args=(*base, *tls_args(good)))
     with d["n0"].client() as c:
         ck = c.restore("tls", 0)  # fetched over the TLS bulk channel
         assert ck.tier == "peer" and np.array_equal(ck.shards["w"], data["w"])
@@ -72,7 +70,7 @@ def test_peer_traffic_over_mtls_and_rogue_peers_refused(daemon_factory, pki):
     ok = grpc.ssl_channel_credentials(_read(good["ca"]), _read(good["key"]), _read(good["cert"]))
     hello = _hello(ports["n1"], ok)
     assert hello.node_id == "n1" and hello.bulk_port
-    rogue = pki["rogue"]
+    rogue = pki["rogue"]["n0"]
     for creds in (grpc.ssl_channel_credentials(_read(good["ca"]), _read(rogue["key"]), _read(rogue["cert"])),
                   grpc.ssl_channel_credentials(_read(good["ca"]))):  # rogue client cert, no client cert
         with pytest.raises(grpc.RpcError) as e:

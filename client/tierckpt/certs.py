@@ -1,15 +1,22 @@
-"""``tierckpt certs``: a cluster CA and node certificates for tierckptd's mTLS (systemd setups).
+"""``tierckpt certs``: a cluster CA, node certificates and client certificates for tierckptd's mTLS.
 
-One CA signs every node's certificate; each node's certificate names its node id (as the CN and
-a DNS SAN, which is how a daemon binds a peer's claimed node id to its certificate) plus the
-names and addresses peers dial it by (``--san``). Node certificates serve as both server and
-client certificates (extended key usage serverAuth + clientAuth). Keys are ECDSA P-256, signed
-with SHA-256.
+One CA signs every certificate. A certificate carries its **role** as a URI subject alternative
+name: ``tierckpt://node/<id>`` (``certs node``) or ``tierckpt://client/<name>`` (``certs
+client``). Daemons serve the Peer service and the bulk channel to node certificates only, for
+the node id in that URI; a client certificate (a trainer, an operator's CLI) reaches only the
+Tierckpt service, limited by ``client_jobs``. A certificate without a role URI (made by
+releases before roles) is a client as far as the Peer service is concerned.
+
+A node certificate also names its node id as the CN and a DNS SAN, plus the names and addresses
+peers dial it by (``--san``); it serves as both server and client certificate (extended key usage
+serverAuth + clientAuth). A client certificate has the name as CN and clientAuth only, so it
+cannot serve as a daemon's certificate either. Keys are ECDSA P-256, signed with SHA-256.
 
 Files (the daemon's ``tls_cert``/``tls_key``/``tls_ca``)::
 
     CA_DIR/ca.pem  CA_DIR/ca.key          make_ca: keep ca.key off the nodes
     OUT/node.pem   OUT/node.key  OUT/ca.pem   make_node_cert: copy OUT to /etc/tierckpt/tls/
+    OUT/client.pem OUT/client.key OUT/ca.pem  make_client_cert: tierckpt.Client(tls_cert=..., ...)
 
 Keys are written 0600 and never replace an existing key unless ``force=True``; certificates
 are 0644. Every file is published by rename, so a running daemon that re-reads its files on
@@ -35,10 +42,16 @@ from typing import Any, TextIO
 from .common.names import check_node
 from .errors import AlreadyExistsError, InvalidArgumentError, TierckptError
 
-__all__ = ["CertFiles", "MissingExtraError", "make_ca", "make_node_cert", "register"]
+__all__ = ["CertFiles", "MissingExtraError", "NODE_URI", "CLIENT_URI", "make_ca", "make_client_cert", "make_node_cert",
+           "register"]
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 NODE_CERT, NODE_KEY = "node.pem", "node.key"
+CLIENT_CERT, CLIENT_KEY = "client.pem", "client.key"
+NODE_URI = "tierckpt://node/"
+"""Role marker of a node certificate: this prefix and the node id, as a URI SAN."""
+CLIENT_URI = "tierckpt://client/"
+"""Role marker of a client certificate: this prefix and the client's name, as a URI SAN."""
 
 
 class MissingExtraError(TierckptError, ImportError):
@@ -194,7 +207,7 @@ def make_node_cert(ca_dir: str | os.PathLike, node_id: str, out_dir: str | os.Pa
     days = _check_days(days)
     c = _crypto()
     x = c.x509
-    names = [x.DNSName(node_id)]  # the binding name, even where it is not a host name (node_7)
+    names = [x.UniformResourceIdentifier(NODE_URI + node_id), x.DNSName(node_id)]  # role + binding name
     for s in sans:
         san = _san(c, str(s).strip())
         if san not in names:
@@ -204,7 +217,7 @@ def make_node_cert(ca_dir: str | os.PathLike, node_id: str, out_dir: str | os.Pa
     cert_path, key_path, ca_copy = out / NODE_CERT, out / NODE_KEY, out / CA_CERT
     _refuse_existing_key(key_path, force)
     key = c.ec.generate_private_key(c.ec.SECP256R1())
-    cert = _node_certificate(c, node_id, names, key, ca_cert, ca_key, days)
+    cert = _leaf_certificate(c, node_id, names, key, ca_cert, ca_key, days, [c.EKU.SERVER_AUTH, c.EKU.CLIENT_AUTH])
     # Key first: a daemon re-reading its files sees the new pair once the certificate lands.
     _write(key_path, _pem_key(c, key), 0o600)
     _write(cert_path, cert.public_bytes(c.serialization.Encoding.PEM), 0o644)
@@ -227,8 +240,45 @@ def _load_ca(c: Any, ca_dir: Path) -> tuple[bytes, Any, Any]:
     return ca_pem, ca_cert, ca_key
 
 
-def _node_certificate(c: Any, node_id: str, names: list, key: Any, ca_cert: Any, ca_key: Any, days: int) -> Any:
-    """A node certificate: CN = node id, the SANs, serverAuth + clientAuth, signed by the CA."""
+def make_client_cert(ca_dir: str | os.PathLike, name: str, out_dir: str | os.PathLike, *, days: int = 365,
+                     force: bool = False) -> CertFiles:
+    """Issue a client certificate (a trainer or an operator reaching daemons over TCP).
+
+    Writes ``out_dir/client.pem`` (0644), ``out_dir/client.key`` (0600) and ``out_dir/ca.pem``.
+    The certificate's CN is ``name`` (what ``client_jobs`` matches), its role URI SAN
+    ``tierckpt://client/<name>``, its extended key usage clientAuth only: daemons refuse it on
+    the Peer service and the bulk channel.
+
+    Raises:
+        AlreadyExistsError: ``client.key`` exists and ``force`` is false.
+        InvalidArgumentError: Bad name or days; the CA files are missing or unusable.
+        MissingExtraError: ``cryptography`` is not installed.
+    """
+    try:
+        check_node(name, "name")
+    except InvalidArgumentError:
+        raise InvalidArgumentError(f"name: {name!r} must be letters, digits, '.', '_' or '-' (a client name such as "
+                                   "trainer-a)") from None
+    if len(name) > 64:
+        raise InvalidArgumentError(f"name: {name!r} is longer than a certificate's CN allows (64)")
+    days = _check_days(days)
+    c = _crypto()
+    ca_pem, ca_cert, ca_key = _load_ca(c, Path(ca_dir))
+    out = _out_dir(out_dir)
+    cert_path, key_path, ca_copy = out / CLIENT_CERT, out / CLIENT_KEY, out / CA_CERT
+    _refuse_existing_key(key_path, force)
+    key = c.ec.generate_private_key(c.ec.SECP256R1())
+    cert = _leaf_certificate(c, name, [c.x509.UniformResourceIdentifier(CLIENT_URI + name)], key, ca_cert, ca_key,
+                             days, [c.EKU.CLIENT_AUTH])
+    _write(key_path, _pem_key(c, key), 0o600)
+    _write(cert_path, cert.public_bytes(c.serialization.Encoding.PEM), 0o644)
+    _write(ca_copy, ca_pem, 0o644)
+    return CertFiles(cert_path, key_path, ca_copy)
+
+
+def _leaf_certificate(c: Any, cn: str, names: list, key: Any, ca_cert: Any, ca_key: Any, days: int,
+                      eku: list) -> Any:
+    """A node or client certificate: the CN, the SANs, the extended key usages, signed by the CA."""
     x = c.x509
     now = datetime.datetime.now(datetime.UTC)
     not_after = min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc)
@@ -237,12 +287,12 @@ def _node_certificate(c: Any, node_id: str, names: list, key: Any, ca_cert: Any,
                        data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
                        encipher_only=False, decipher_only=False)
     return (x.CertificateBuilder()
-            .subject_name(x.Name([x.NameAttribute(c.NameOID.COMMON_NAME, node_id)]))
+            .subject_name(x.Name([x.NameAttribute(c.NameOID.COMMON_NAME, cn)]))
             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(not_after)
             .add_extension(x.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(usage, critical=True)
-            .add_extension(x.ExtendedKeyUsage([c.EKU.SERVER_AUTH, c.EKU.CLIENT_AUTH]), critical=False)
+            .add_extension(x.ExtendedKeyUsage(eku), critical=False)
             .add_extension(x.SubjectAlternativeName(names), critical=False)
             .add_extension(x.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .add_extension(x.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
@@ -264,8 +314,14 @@ def cmd_node(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def cmd_client(args: argparse.Namespace, out: TextIO) -> int:
+    files = make_client_cert(args.ca, args.name, args.out, days=args.days, force=args.force)
+    out.write(f"tls_cert = \"{files.cert}\"\ntls_key = \"{files.key}\"\ntls_ca = \"{files.ca}\"\n")
+    return 0
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``certs ca`` and ``certs node`` to the ``tierckpt`` command line.
+    """Add ``certs ca``, ``certs node`` and ``certs client`` to the ``tierckpt`` command line.
 
     Each sub-command sets ``fn(args, out) -> exit code``, like the CLI's other commands; errors
     are :class:`~tierckpt.errors.TierckptError` subclasses (bad input:
@@ -277,21 +333,26 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     Returns:
         The ``certs`` parser.
     """
-    p = subparsers.add_parser("certs", help="create the cluster CA and node certificates for mTLS (needs [certs])",
-                              description="Create a cluster CA and per-node certificates for tierckptd's mTLS. "
-                                          "Keys are written 0600 and never replaced without --force.",
+    p = subparsers.add_parser("certs", help="create the cluster CA, node and client certificates for mTLS "
+                                            "(needs [certs])",
+                              description="Create a cluster CA, per-node certificates (role: node; the Peer service "
+                                          "and bulk channel) and client certificates (role: client; the Tierckpt "
+                                          "service only) for tierckptd's mTLS. Keys are written 0600 and never "
+                                          "replaced without --force.",
                               epilog="examples:\n  tierckpt certs ca --out /root/tierckpt-ca\n"
                                      "  tierckpt certs node --ca /root/tierckpt-ca --node-id gpu-017 "
-                                     "--out /etc/tierckpt/tls --san gpu-017.cluster.local",
+                                     "--out /etc/tierckpt/tls --san gpu-017.cluster.local\n"
+                                     "  tierckpt certs client --ca /root/tierckpt-ca --name trainer-a "
+                                     "--out ./trainer-a",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="certs_command", required=True, metavar="ca|node")
+    sub = p.add_subparsers(dest="certs_command", required=True, metavar="ca|node|client")
     s = sub.add_parser("ca", help="create the cluster CA (ca.pem, ca.key)")
     s.add_argument("--out", required=True, metavar="DIR", help="directory for ca.pem and ca.key")
     s.add_argument("--name", default="tierckpt cluster CA", metavar="NAME", help="the CA's common name")
     s.add_argument("--days", type=int, default=3650, metavar="N", help="validity in days (default 3650)")
     s.add_argument("--force", action="store_true", help="replace an existing ca.key")
     s.set_defaults(fn=cmd_ca)
-    s = sub.add_parser("node", help="issue a node certificate (node.pem, node.key, ca.pem)")
+    s = sub.add_parser("node", help="issue a node certificate (node.pem, node.key, ca.pem; role node)")
     s.add_argument("--ca", required=True, metavar="DIR", help="directory holding ca.pem and ca.key")
     s.add_argument("--node-id", required=True, metavar="ID", help="the node's --node-id (CN and DNS SAN)")
     s.add_argument("--out", required=True, metavar="DIR", help="directory for node.pem, node.key and ca.pem")
@@ -300,6 +361,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--days", type=int, default=365, metavar="N", help="validity in days (default 365)")
     s.add_argument("--force", action="store_true", help="replace an existing node.key")
     s.set_defaults(fn=cmd_node)
+    s = sub.add_parser("client", help="issue a client certificate (client.pem, client.key, ca.pem)")
+    s.add_argument("--ca", required=True, metavar="DIR", help="directory holding ca.pem and ca.key")
+    s.add_argument("--name", required=True, metavar="NAME", help="the client's name (CN; what client_jobs matches)")
+    s.add_argument("--out", required=True, metavar="DIR", help="directory for client.pem, client.key and ca.pem")
+    s.add_argument("--days", type=int, default=365, metavar="N", help="validity in days (default 365)")
+    s.add_argument("--force", action="store_true", help="replace an existing client.key")
+    s.set_defaults(fn=cmd_client)
     return p
 
 

@@ -47,12 +47,12 @@ class DaemonConfig:
 
     node_id: str = "node0"
     """Identity of this node among its peers; a replacement node reuses the id of the node it replaces."""
-    listen: str = "127.0.0.1:7070"
-    """TCP listener HOST:PORT for remote clients and peers (port 0 picks a free port). Empty disables it. A
-    non-loopback address needs tls_cert/tls_key/tls_ca or insecure_listen."""
+    listen: str = ""
+    """TCP listener HOST:PORT for remote clients and peers (port 0 picks a free port). Empty (the default): none; local
+    tools use the Unix socket. Any TCP listener, loopback included, needs tls_cert/tls_key/tls_ca or insecure_listen."""
     insecure_listen: bool = False
-    """Accept a non-loopback listen address without mTLS: anyone who can reach it may read and write checkpoints and
-    act as a peer. Logged as a warning at start-up."""
+    """Serve the TCP listener and the bulk channel without mTLS (loopback included): anyone who can reach them may
+    read, write and delete checkpoints and act as a peer. Logged as a warning at start-up."""
     socket: str = "/run/tierckpt/tierckptd.sock"
     """Unix socket for clients on this node. Empty disables it."""
     socket_mode: int = 0o660
@@ -145,6 +145,9 @@ class DaemonConfig:
     tls_key_group_readable: bool = False
     """Accept a tls_key readable by its group (never by others): for Kubernetes Secret volumes, which the kubelet makes
     0440 for the pod's fsGroup. Refused when that group is socket_group."""
+    tls_deny: str = ""
+    """File of certificate names refused on the TCP listener and the bulk channel, one per line (CN, DNS SAN, node id
+    or client name; # comments). Re-read when it changes: takes effect without a restart, on open connections too."""
     tls_bind_node_id: bool = True
     """Require a peer's certificate to name the node id it claims (CN or DNS SAN). False only where every node shares
     one certificate (see SECURITY.md)."""
@@ -350,17 +353,19 @@ def _validate_network(cfg: DaemonConfig) -> None:
     if not cfg.listen and not cfg.socket:
         raise ConfigError("listen/socket: at least one listener is required")
     if cfg.listen:
-        host, colon, port = cfg.listen.rpartition(":")
+        _host, colon, port = cfg.listen.rpartition(":")
         if not colon or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"listen: {cfg.listen!r} is not HOST:PORT")
     tls = [cfg.tls_cert, cfg.tls_key, cfg.tls_ca]
     if any(tls) and not all(tls):
         raise ConfigError("tls_cert/tls_key/tls_ca: give all three or none")
+    if cfg.tls_deny and not cfg.tls_enabled:
+        raise ConfigError("tls_deny: needs tls_cert/tls_key/tls_ca (it names certificates)")
     if cfg.listen and not cfg.tls_enabled and not cfg.insecure_listen:
-        host = cfg.listen.rpartition(":")[0]
-        if not is_loopback_host(host):
-            raise ConfigError(f"listen: {cfg.listen!r} refuses to listen on a non-loopback address without mTLS; "
-                              "set tls_cert/tls_key/tls_ca, or insecure_listen to accept the risk")
+        where = "a loopback" if is_loopback_host(cfg.listen.rpartition(":")[0]) else "a non-loopback"
+        raise ConfigError(f"listen: {cfg.listen!r} refuses to serve TCP without mTLS ({where} address included: any "
+                          "local user could reach it); set tls_cert/tls_key/tls_ca, or insecure_listen to accept "
+                          "the risk; local tools use the Unix socket")
 
 
 def _validate_persistent(cfg: DaemonConfig) -> None:
@@ -455,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "max_message_bytes": "BYTES",
                 "peers": "ID=HOST:PORT,...", "peers_dns": "NAME:PORT", "persistent": "URL", "metrics_port": "PORT",
                 "metrics_host": "HOST", "tls_cert": "FILE.pem", "tls_key": "FILE.pem", "tls_ca": "FILE.pem",
+                "tls_deny": "FILE",
                 "log_level": "LEVEL", "log_format": "plain|json", "shutdown_timeout": "SECONDS",
                 "knobs": "NAME=VALUE,...", "s3_endpoint": "URL", "s3_region": "REGION",
                 "s3_addressing_style": "auto|path|virtual", "s3_sse": "AES256|aws:kms", "s3_sse_kms_key_id": "KEY",
@@ -496,6 +502,9 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
         from . import tls
 
         tls.reloader(cfg)
+        from . import revocation
+
+        revocation.deny_list(cfg)
     return cfg
 
 

@@ -79,6 +79,17 @@ class Knobs:
     """Seconds a new bulk connection has for the TLS handshake and its first request header."""
     bulk_idle_timeout: float = 15.0
     """Seconds a bulk connection may wait between requests before it is closed."""
+    bulk_max_unauthenticated: int = 16
+    """Bulk connections at once that have not authenticated yet (TLS handshake and node role
+    checked, or, without TLS, a first request received); one more closes the oldest of them.
+    Authenticated connections have their own ``bulk_max_connections`` slots, so idle or slow
+    unauthenticated connections never take a peer's slot."""
+    max_connection_age: float = 600.0
+    """Seconds a gRPC connection to the TCP listener lives before the server closes it (GOAWAY;
+    clients reconnect and handshake again): after a CA or certificate change or a revocation,
+    no connection outlives this plus ``max_connection_age_grace``."""
+    max_connection_age_grace: float = 30.0
+    """Seconds calls in flight on a connection past its maximum age may still run."""
     read_ticket_ttl: float = 30.0
     """Seconds a bulk read ticket stays valid after its last use (it is also bound to the requester)."""
     commit_timeout: float = 60.0

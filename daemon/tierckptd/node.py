@@ -49,6 +49,7 @@ class Node:
         self.store = store
         self.local = LocalTier(store)
         self.tiers = list(tiers)
+        store.safe_elsewhere = lambda man: any(t.holds_copy(man) for t in self.tiers)
         self.node_id = node_id
         self.staging_timeout = staging_timeout
         self.metrics = metrics

@@ -22,6 +22,7 @@ from . import __version__
 from .access import ClientAccess
 from .config import ConfigError, DaemonConfig
 from .datamgmt import TIERS, DataManagement
+from .knobs import KNOBS
 from .local.policies import JobPolicy
 from .node import Node
 from .rpc import Authorizing, add_service, check_decoded, rpc, rpc_stream
@@ -87,6 +88,11 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         be the caller's (TCP listener only)."""
         if self.access is None:
             return
+        if self.config.tls_enabled:
+            from . import revocation, tls
+
+            role = tls.peer_role(context)
+            revocation.check_names(self.config, role.all_names if role else set())
         job = getattr(request, "job", None)
         if isinstance(job, str) and job:
             self.access.check_job(context, job)
@@ -345,13 +351,20 @@ class Listening:
                 self.claim.release()
 
 
-def server_options(config: DaemonConfig) -> list[tuple[str, int]]:
-    return [
+def server_options(config: DaemonConfig, *, tcp: bool = False) -> list[tuple[str, int]]:
+    """gRPC server options. The mTLS TCP listener also bounds a connection's age, so that no
+    connection outlives a CA or certificate change by more than the age plus its grace
+    (:mod:`tierckptd.revocation`); the Unix socket keeps its connections (long waits)."""
+    options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         ("grpc.so_reuseport", 0),
     ]
+    if tcp and config.tls_enabled:
+        options += [("grpc.max_connection_age_ms", int(KNOBS.max_connection_age * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(KNOBS.max_connection_age_grace * 1000))]
+    return options
 
 
 def _bind_reason(address: str) -> str | None:
@@ -442,7 +455,7 @@ async def create_server(config: DaemonConfig, node: Node, common: Callable[[grpc
 
 def _new_server(config: DaemonConfig, node: Node, common: Callable[[grpc.aio.Server], None] | None,
                 tier_health: TierHealth | None = None, access: ClientAccess | None = None) -> grpc.aio.Server:
-    server = grpc.aio.server(options=server_options(config))
+    server = grpc.aio.server(options=server_options(config, tcp=access is not None))
     add_service(pb_grpc.add_TierckptServicer_to_server, TierckptServicer(node, config, tier_health, access), server)
     if common:
         common(server)

@@ -95,7 +95,13 @@ class Daemon:
 
     def command(self) -> list[str]:
         return [str(_BIN_DIR / "tierckptd"), "--node-id", self.node_id, "--local-dir", str(self.local_dir),
-                "--socket", str(self.socket), "--listen", f"127.0.0.1:{self.port}", *self.args]
+                "--socket", str(self.socket), "--listen", f"127.0.0.1:{self.port}", *self._insecure(), *self.args]
+
+    def _insecure(self) -> tuple[str, ...]:
+        """Plain TCP on loopback needs the explicit flag: added unless the args set up mTLS or decide it."""
+        if any(a in self.args for a in ("--tls-cert", "--insecure-listen", "--no-insecure-listen")):
+            return ()
+        return ("--insecure-listen",)
 
     def start(self, timeout: float = 30.0) -> Daemon:
         self.root.mkdir(parents=True, exist_ok=True)

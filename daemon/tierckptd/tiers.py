@@ -151,6 +151,12 @@ class RemoteTier(Tier):
     def on_commit(self, manifest: Manifest, *, ingested: bool) -> None:
         """A rank was committed locally. Non-blocking."""
 
+    def holds_copy(self, manifest: Manifest) -> bool:
+        """Whether this tier holds a copy of the committed rank ``manifest`` elsewhere than the
+        local store, as far as it knows now (called under the store's lock: no I/O, no waiting).
+        Capacity eviction by another job's reservation takes only steps safe here."""
+        return False
+
     def on_evict(self, eviction: Eviction) -> None:
         """Local retention or capacity evicted a step. Non-blocking."""
 

@@ -20,8 +20,10 @@ others) is logged once and the previous files stay in use until the next change.
   :attr:`TlsReloader.generation` to know when to rebuild.
 
 Identity: :func:`peer_identity` (gRPC) and :func:`ssl_peer_identity` (bulk socket) return the
-names a verified peer certificate carries (CN and DNS SANs); :func:`check_peer_node` says whether
-they bind the node id a peer claims.
+names a verified peer certificate carries (CN and DNS SANs); :func:`peer_role` and
+:func:`ssl_peer_role` its role, from the URI SAN ``tierckpt://node/<id>`` or
+``tierckpt://client/<name>`` (``tierckpt certs node|client``); :func:`check_peer_node` says
+whether a node certificate binds the node id a peer claims.
 
 The private key must not be readable by group or others (``chmod 600``): a key readable by the
 trainers' group would let any trainer pose as this node. :func:`check_key_file` refuses it,
@@ -44,10 +46,14 @@ import grpc
 from .config import ConfigError, DaemonConfig, is_loopback_host
 
 __all__ = [
-    "TlsFiles", "TlsReloader", "channel_credentials", "check_key_file", "check_peer_node", "client_ssl_context",
-    "insecure_warning", "peer_identity", "reloader", "server_credentials", "server_ssl_context",
-    "ssl_peer_identity",
+    "CLIENT_URI", "NODE_URI", "Role", "TlsFiles", "TlsReloader", "channel_credentials", "check_key_file",
+    "check_node_role", "check_peer_node",
+    "client_ssl_context", "insecure_warning", "peer_identity", "peer_role", "reloader", "server_credentials",
+    "server_ssl_context", "ssl_peer_identity", "ssl_peer_role",
 ]
+
+NODE_URI = "tierckpt://node/"
+CLIENT_URI = "tierckpt://client/"
 
 log = logging.getLogger("tierckptd.tls")
 
@@ -352,6 +358,74 @@ def ssl_peer_identity(sslsock: ssl.SSLSocket | ssl.SSLObject) -> set[str]:
     return names
 
 
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """What a verified certificate is: ``kind`` "node" (with its node id), "client" (with its
+    name) or "none" (no role URI: a certificate from before roles, treated as a client)."""
+
+    kind: str
+    name: str = ""
+    names: frozenset[str] = frozenset()  # CN and DNS SANs, for messages and the deny-list
+
+    @property
+    def all_names(self) -> set[str]:
+        return set(self.names) | ({self.name} if self.name else set())
+
+    def describe(self) -> str:
+        shown = ", ".join(sorted(self.names)) or "no names"
+        return f"{self.kind} certificate {self.name!r} ({shown})" if self.name else f"certificate without a role " \
+            f"URI ({shown})"
+
+
+def _role(uris: list[str], names: set[str]) -> Role:
+    nodes = {u[len(NODE_URI):] for u in uris if u.startswith(NODE_URI)}
+    clients = {u[len(CLIENT_URI):] for u in uris if u.startswith(CLIENT_URI)}
+    if len(nodes) == 1 and not clients:
+        return Role("node", next(iter(nodes)), frozenset(names))
+    if clients or nodes:  # a client, or an ambiguous certificate: never a node
+        return Role("client", sorted(clients | nodes)[0], frozenset(names))
+    return Role("none", "", frozenset(names))
+
+
+def peer_role(context: Any) -> Role | None:
+    """The role of a gRPC call's verified client certificate; None without mTLS."""
+    auth = context.auth_context() or {}
+    if auth.get("transport_security_type", [b""])[0] != b"ssl":
+        return None
+    raw = auth.get("peer_uri")
+    if raw is None:  # older gRPC: every SAN in one property
+        raw = auth.get("x509_subject_alternative_name", [])
+    uris = [v.decode(errors="replace") for v in raw]
+    return _role([u for u in uris if u.startswith("tierckpt://")], peer_identity(context))
+
+
+def ssl_peer_role(sslsock: ssl.SSLSocket | ssl.SSLObject) -> Role | None:
+    """The role of the verified certificate at the other end of a bulk connection; None without one."""
+    cert = sslsock.getpeercert()
+    if not cert:
+        return None
+    sans: Any = cert.get("subjectAltName", ())
+    return _role([str(v) for kind, v in sans if kind == "URI"], ssl_peer_identity(sslsock))
+
+
+def check_node_role(role: Role | None, node_id: str, config: DaemonConfig) -> str | None:
+    """Whether a caller presenting ``role`` may act as node ``node_id`` on the Peer service or
+    the bulk channel: a node certificate, naming ``node_id`` unless ``tls_bind_node_id`` is off.
+
+    Returns:
+        None when allowed (or without TLS), else a refusal message.
+    """
+    if not config.tls_enabled:
+        return None
+    if role is None or role.kind != "node":
+        what = role.describe() if role is not None else "no certificate"
+        return (f"the Peer service and the bulk channel serve node certificates only (URI SAN {NODE_URI}<id>, "
+                f"tierckpt certs node); the caller presents a {what}")
+    if config.tls_bind_node_id and role.name != node_id:
+        return f"peer claims node id {node_id!r} but its node certificate is for {role.name!r}"
+    return None
+
+
 def check_peer_node(identity: set[str], node_id: str, config: DaemonConfig) -> str | None:
     """Whether a peer that claims ``node_id`` may act as that node.
 
@@ -376,11 +450,11 @@ def insecure_warning(config: DaemonConfig) -> str | None:
     """The warning to log at start-up when ``insecure_listen`` opens a network listener without mTLS.
 
     Returns:
-        The message, or None when the TCP listener is loopback-only, TLS is on, or there is none.
+        The message, or None when TLS is on, insecure_listen is off, or there is no TCP listener.
     """
     if not config.insecure_listen or not config.listen or config.tls_enabled:
         return None
-    if is_loopback_host(config.listen.rpartition(":")[0]):
-        return None
-    return (f"insecure_listen: serving {config.listen} WITHOUT mTLS: anyone who can reach this address can read, "
+    loopback = is_loopback_host(config.listen.rpartition(":")[0])
+    who = "any local user" if loopback else "anyone who can reach this address"
+    return (f"insecure_listen: serving {config.listen} WITHOUT mTLS: {who} can read, "
             "overwrite and delete checkpoints and pose as a peer; set tls_cert/tls_key/tls_ca")

@@ -10,7 +10,8 @@ from tierckptd.peer.guard import PeerGuard
 
 def _membership(n: int, me: int = 0, replicas: int = 1) -> Membership:
     peers = ",".join(f"n{i:03d}=127.0.0.1:{10000 + i}" for i in range(n))
-    cfg = load_config(overrides={"node_id": f"n{me:03d}", "peers": peers, "replicas": replicas, "socket": ""})
+    cfg = load_config(overrides={"node_id": f"n{me:03d}", "peers": peers, "replicas": replicas, "socket": "",
+                                 "listen": "127.0.0.1:0", "insecure_listen": True})
     return Membership(cfg)
 
 

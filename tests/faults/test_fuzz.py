@@ -6,8 +6,9 @@ Each request must get a precise status code (never UNKNOWN or INTERNAL for bad i
 outcomes are listed in ACCEPTED and BULK_ACCEPTED), and after each fuzz test the daemon must be up,
 its log free of tracebacks, and the committed store byte for byte unchanged (each test checks this
 itself, so it holds when a test runs alone). The Peer service is
-fuzzed over TCP: a daemon on loopback without TLS takes any caller as a peer (identity is only
-checked under mTLS). ``TIERCKPT_FUZZ_EXAMPLES`` (default 600 per test: 1,200 requests per run over
+fuzzed over TCP: a daemon on loopback without TLS (``--insecure-listen``) takes a caller that
+names a cluster member (n0, n1) as that peer (certificates are only checked under mTLS); other
+callers get PERMISSION_DENIED. ``TIERCKPT_FUZZ_EXAMPLES`` (default 600 per test: 1,200 requests per run over
 the gRPC and bulk tests, about 15 s) sets the number of generated examples; ``make test-long``
 runs 5,000 per test.
 """
@@ -241,7 +242,8 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         for step in (1, 2):
             save(c, "fz", step, 0, SIZES)
     t = Target(d)
-    resp = t.channel.unary_unary("/tierckpt.v1.Peer/Hello")(b"", timeout=5)
+    resp = t.channel.unary_unary("/tierckpt.v1.Peer/Hello")(
+        peer_pb2.HelloRequest(node_id="n1").SerializeToString(), timeout=5)
     t.bulk_port = peer_pb2.HelloResponse.FromString(resp).bulk_port
     yield t
     t.channel.close()

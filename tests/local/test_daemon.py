@@ -319,7 +319,8 @@ def test_second_daemon_on_the_same_local_dir_is_refused(daemon, scratch):
     with daemon.client() as c:
         c.save("job", 1, 0, 1, {"x": b"keep"}).result(30)
     p = subprocess.run([str(_BIN_DIR / "tierckptd"), "--local-dir", str(daemon.local_dir), "--socket",
-                        str(scratch / "other.sock"), "--listen", "127.0.0.1:0"], capture_output=True, text=True,
+                        str(scratch / "other.sock"), "--listen", "127.0.0.1:0", "--insecure-listen"],
+                       capture_output=True, text=True,
                        timeout=30)
     assert p.returncode == 2 and "local_dir" in p.stderr and "in use" in p.stderr
     with daemon.client() as c:

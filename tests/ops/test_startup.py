@@ -43,7 +43,7 @@ def _answers(address: str) -> bool:
 
 def test_a_live_socket_is_never_taken_over(daemon_factory, scratch: Path) -> None:
     first = daemon_factory("n0")
-    p = run_daemon(scratch / "second", "--listen", "127.0.0.1:0", "--socket", str(first.socket))
+    p = run_daemon(scratch / "second", "--listen", "", "--socket", str(first.socket))
     line = _refused(p, "socket:")
     assert str(first.socket) in line and f"pid {first.proc.pid}" in line
     assert first.socket.exists() and _answers(first.address)
@@ -57,7 +57,7 @@ def test_a_live_socket_without_the_lock_is_not_taken_over(scratch: Path) -> None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
         srv.bind(str(path))
         srv.listen(8)
-        p = run_daemon(scratch, "--listen", "127.0.0.1:0", "--socket", str(path))
+        p = run_daemon(scratch, "--listen", "", "--socket", str(path))
         line = _refused(p, "socket:")
         assert str(path) in line and f"pid {os.getpid()}" in line
         assert path.exists()
@@ -74,7 +74,7 @@ def test_a_stale_socket_is_replaced(scratch: Path, daemon_factory) -> None:
 def test_something_else_at_the_socket_path_is_refused(scratch: Path) -> None:
     path = scratch / "not-a-socket"
     path.write_text("keep me")
-    line = _refused(run_daemon(scratch, "--listen", "127.0.0.1:0", "--socket", str(path)), "socket:")
+    line = _refused(run_daemon(scratch, "--listen", "", "--socket", str(path)), "socket:")
     assert "not a socket" in line and path.read_text() == "keep me"
 
 
@@ -101,7 +101,8 @@ def test_listen_port_in_use(scratch: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        line = _refused(run_daemon(scratch, "--listen", f"127.0.0.1:{port}"), "listen:")
+        line = _refused(run_daemon(scratch, "--listen", f"127.0.0.1:{port}", "--insecure-listen"), "listen:",
+                        only=False)
     assert f"127.0.0.1:{port}" in line and "in use" in line
     assert not (scratch / "d.sock").exists()  # nothing left behind
 
@@ -111,14 +112,14 @@ def test_metrics_port_in_use(scratch: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        line = _refused(run_daemon(scratch, "--listen", "127.0.0.1:0", "--metrics-port", str(port)),
+        line = _refused(run_daemon(scratch, "--listen", "", "--metrics-port", str(port)),
                         "metrics_port:")
     assert str(port) in line and "in use" in line
     assert not (scratch / "data").exists()  # refused before the local dir was touched
 
 
 def test_unknown_socket_group(scratch: Path) -> None:
-    line = _refused(run_daemon(scratch, "--listen", "127.0.0.1:0", "--socket-group", "no-such-group-xyz"),
+    line = _refused(run_daemon(scratch, "--listen", "", "--socket-group", "no-such-group-xyz"),
                     "socket_group:")
     assert "no-such-group-xyz" in line
     assert not (scratch / "data").exists() and not (scratch / "d.sock").exists()
@@ -127,7 +128,7 @@ def test_unknown_socket_group(scratch: Path) -> None:
 def test_unusable_local_dir(scratch: Path) -> None:
     (scratch / "file").write_text("")
     argv = [str(_BIN_DIR / "tierckptd"), "--local-dir", str(scratch / "file" / "data"),
-            "--socket", str(scratch / "d.sock"), "--listen", "127.0.0.1:0"]
+            "--socket", str(scratch / "d.sock"), "--listen", ""]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
     line = _refused(p, "local_dir:", only=False)
     assert str(scratch / "file") in line
@@ -137,7 +138,7 @@ def test_unusable_local_dir(scratch: Path) -> None:
 def test_sigterm_after_refusal_leaves_the_first_daemon_serving(daemon_factory, scratch: Path) -> None:
     first = daemon_factory("n0")
     for _ in range(2):
-        _refused(run_daemon(scratch / "again", "--listen", "127.0.0.1:0", "--socket", str(first.socket)),
+        _refused(run_daemon(scratch / "again", "--listen", "", "--socket", str(first.socket)),
                  "socket:")
     first.proc.send_signal(signal.SIGTERM)
     assert first.proc.wait(60) == 0

@@ -101,7 +101,7 @@ def test_client_jobs_needs_mtls():
 
 def test_a_restricted_client_makes_room_only_among_its_own_jobs(daemon_factory, pki):
     """A reservation by a client that client_jobs restricts never evicts another job's steps:
-    it gets RESOURCE_EXHAUSTED instead (an unrestricted caller would evict the older step)."""
+    it gets RESOURCE_EXHAUSTED instead."""
     node = daemon_factory("n0", args=(*tls_args(pki["n0"]), "--client-jobs", "trainer-a=alpha-*,ops=*",
                                       "--local-capacity", str(1 << 20), "--keep-local", "2"))
     with node.client() as local:
@@ -111,7 +111,9 @@ def test_a_restricted_client_makes_room_only_among_its_own_jobs(daemon_factory, 
         a.save("alpha-1", 1, 0, 1, {"w": b"a" * 500_000}).result(30)
     with node.client() as local:
         assert [i.step for i in local.list("beta-1")] == [1, 2]  # nothing of beta-1 was evicted
-    with _client(node, pki, "ops") as ops:
-        ops.save("alpha-1", 1, 0, 1, {"w": b"o" * 500_000}).result(30)  # may evict any job: step 1 goes
+    with _client(node, pki, "ops") as ops, pytest.raises(tierckpt.CapacityError):
+        # Unrestricted, but beta-1's steps exist nowhere else: no writer evicts another job's only
+        # copy (tests/security/test_reservations.py).
+        ops.save("alpha-1", 1, 0, 1, {"w": b"o" * 500_000}).result(30)
     with node.client() as local:
-        assert [i.step for i in local.list("beta-1")] == [2]
+        assert [i.step for i in local.list("beta-1")] == [1, 2]

@@ -54,10 +54,42 @@ def test_the_same_refusal_from_the_config_file(tmp_path: Path) -> None:
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.2:7070", "localhost:7070", "[::1]:7070", ""])
-def test_loopback_listen_needs_no_tls(listen: str) -> None:
-    cfg = load_config({}, {"listen": listen, "socket": "/tmp/x.sock"})
-    assert tls.insecure_warning(cfg) is None
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "[::1]"])
+def test_loopback_listen_without_tls_is_refused_too(tmp_path: Path, host: str) -> None:
+    """Loopback is no boundary (any local user reaches it): plain TCP needs the explicit flag."""
+    before = snapshot(tmp_path)
+    p = run_daemon(tmp_path, "--listen", f"{host}:0")
+    assert p.returncode == 2, p.stderr
+    line = _one_line(p.stderr)
+    assert "listen:" in line and "a loopback address" in line and "insecure_listen" in line and "socket" in line
+    assert snapshot(tmp_path) == before and not (tmp_path / "data").exists()
+    cfg = load_config({}, {"listen": f"{host}:7070", "insecure_listen": True, "socket": "/tmp/x.sock"})
+    warning = tls.insecure_warning(cfg)
+    assert warning and "WITHOUT mTLS" in warning and "any local user" in warning
+
+
+def test_by_default_there_is_no_tcp_listener(tmp_path: Path) -> None:
+    """The defaults serve the Unix socket only: nothing answers on 127.0.0.1:7070 (or anywhere)."""
+    assert load_config({}, {}).listen == ""
+    import subprocess
+
+    from tierckptd.logs import parse_ready_line
+    from tierckptd.testing import _BIN_DIR
+
+    argv = [str(_BIN_DIR / "tierckptd"), "--node-id", "n0", "--local-dir", str(tmp_path / "data"),
+            "--socket", str(tmp_path / "d.sock")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        info = parse_ready_line(proc.stdout.readline().decode().strip())
+        assert info is not None and not info.get("tcp_port")
+        import tierckpt
+
+        with tierckpt.Client(f"unix://{tmp_path / 'd.sock'}") as c:  # local tools use the socket
+            c.save("j", 1, 0, 1, {"w": b"x"}).result(30)
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 @pytest.mark.parametrize(("host", "loopback"), [
@@ -78,7 +110,6 @@ def test_insecure_listen_is_accepted_and_warned(daemon_factory) -> None:
     cfg = load_config({}, {"listen": "0.0.0.0:7070", "insecure_listen": True})
     warning = tls.insecure_warning(cfg)
     assert warning and "0.0.0.0:7070" in warning and "WITHOUT mTLS" in warning
-    assert tls.insecure_warning(load_config({}, {"listen": "127.0.0.1:7070", "insecure_listen": True})) is None
 
 
 def test_toml_insecure_listen_must_be_a_boolean() -> None:

@@ -77,14 +77,14 @@ def test_forged_peers_are_refused_and_nothing_changes(n1, pki):
         assert _code(stub.PrepareReplica, ppb.PrepareReplicaRequest(sender="n2", manifest_json=_manifest("n1")),
                      timeout=10) == grpc.StatusCode.PERMISSION_DENIED
         # Dropping n0's replicas while n0 is not gone for the grace period, as n2.
-        assert _code(stub.DropReplicas, ppb.DropReplicasRequest(owner="n0", job="j", step=7, ranks=[0]),
+        assert _code(stub.DropReplicas, ppb.DropReplicasRequest(owner="n0", job="j", step=7, ranks=[0], requester="n2"),
                      timeout=10) == grpc.StatusCode.PERMISSION_DENIED
     assert snapshot(n1.local_dir) == before
     ch, stub = _stub(n1, pki["n0"])
     with ch:  # the real predecessor may push its own rank: a ticket is issued
         resp = stub.PrepareReplica(ppb.PrepareReplicaRequest(sender="n0", manifest_json=_manifest("n0")), timeout=10)
         assert resp.ticket and resp.bulk_port
-        stub.AbortReplica(ppb.AbortReplicaRequest(ticket=resp.ticket), timeout=10)
+        stub.AbortReplica(ppb.AbortReplicaRequest(ticket=resp.ticket, sender="n0"), timeout=10)
 
 
 def test_the_peer_service_is_not_served_on_the_unix_socket(n1):

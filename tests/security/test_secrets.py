@@ -34,7 +34,7 @@ SECRET_URLS = [
 @pytest.mark.parametrize("url", SECRET_URLS)
 def test_daemon_refuses_a_persistent_url_with_a_secret_and_never_echoes_it(tmp_path: Path, url: str) -> None:
     before = snapshot(tmp_path)
-    p = run_daemon(tmp_path, "--listen", "127.0.0.1:0", "--persistent", url)
+    p = run_daemon(tmp_path, "--listen", "127.0.0.1:0", "--insecure-listen", "--persistent", url)
     assert p.returncode == 2, p.stderr
     assert SECRET not in p.stderr + p.stdout and "AKIAIOSFODNN7EXAMPLE" not in p.stderr
     lines = p.stderr.strip().splitlines()

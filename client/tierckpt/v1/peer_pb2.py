@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tierckpt/v1/peer.proto\x12\x0btierckpt.v1\"\x1f\n\x0cHelloRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"W\n\rHelloResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x11\n\tbulk_port\x18\x03 \x01(\r\x12\x10\n\x08replicas\x18\x04 \x01(\r\"]\n\x0e\x43\x61talogRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x15\n\rsince_version\x18\x03 \x01(\x04\x12\x16\n\x0esince_instance\x18\x04 \x01(\t\"2\n\x07RankKey\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\x93\x01\n\x0c\x43\x61talogEntry\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\r\n\x05owner\x18\x05 \x01(\t\x12\x12\n\ngeneration\x18\x06 \x01(\t\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x08 \x01(\x01\"\xcc\x01\n\x0f\x43\x61talogResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x11\n\tbulk_port\x18\x03 \x01(\r\x12*\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\x19.tierckpt.v1.CatalogEntry\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\r\n\x05\x64\x65lta\x18\x06 \x01(\x08\x12%\n\x07removed\x18\x07 \x03(\x0b\x32\x14.tierckpt.v1.RankKey\x12\x10\n\x08now_unix\x18\x08 \x01(\x01\"T\n\x15PrepareReplicaRequest\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\t\x12\x14\n\x0cskips_linked\x18\x03 \x01(\x08\"f\n\x16PrepareReplicaResponse\x12\x19\n\x11\x61lready_committed\x18\x01 \x01(\x08\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x11\n\tbulk_port\x18\x03 \x01(\r\x12\x0e\n\x06linked\x18\x04 \x03(\t\"&\n\x14\x43ommitReplicaRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\"&\n\x15\x43ommitReplicaResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\"%\n\x13\x41\x62ortReplicaRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\"\x16\n\x14\x41\x62ortReplicaResponse\"N\n\x12WarmReplicaRequest\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05sizes\x18\x04 \x03(\x04\"$\n\x13WarmReplicaResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\"M\n\x0fOpenReadRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\"L\n\x10OpenReadResponse\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x11\n\tbulk_port\x18\x03 \x01(\r\"^\n\x13\x44ropReplicasRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05ranks\x18\x04 \x03(\r\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\'\n\x14\x44ropReplicasResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"G\n\x17\x44\x65leteStepCopiesRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"+\n\x18\x44\x65leteStepCopiesResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"U\n\x13VerifyCopiesRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x10\n\x08has_step\x18\x03 \x01(\x08\x12\x0c\n\x04step\x18\x04 \x01(\x04\"I\n\x0cVerifiedCopy\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\r\n\x05state\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"A\n\x14VerifyCopiesResponse\x12)\n\x06\x63opies\x18\x01 \x03(\x0b\x32\x19.tierckpt.v1.VerifiedCopy2\xba\x06\n\x04Peer\x12>\n\x05Hello\x12\x19.tierckpt.v1.HelloRequest\x1a\x1a.tierckpt.v1.HelloResponse\x12\x44\n\x07\x43\x61talog\x12\x1b.tierckpt.v1.CatalogRequest\x1a\x1c.tierckpt.v1.CatalogResponse\x12Y\n\x0ePrepareReplica\x12\".tierckpt.v1.PrepareReplicaRequest\x1a#.tierckpt.v1.PrepareReplicaResponse\x12V\n\rCommitReplica\x12!.tierckpt.v1.CommitReplicaRequest\x1a\".tierckpt.v1.CommitReplicaResponse\x12S\n\x0c\x41\x62ortReplica\x12 .tierckpt.v1.AbortReplicaRequest\x1a!.tierckpt.v1.AbortReplicaResponse\x12G\n\x08OpenRead\x12\x1c.tierckpt.v1.OpenReadRequest\x1a\x1d.tierckpt.v1.OpenReadResponse\x12S\n\x0c\x44ropReplicas\x12 .tierckpt.v1.DropReplicasRequest\x1a!.tierckpt.v1.DropReplicasResponse\x12_\n\x10\x44\x65leteStepCopies\x12$.tierckpt.v1.DeleteStepCopiesRequest\x1a%.tierckpt.v1.DeleteStepCopiesResponse\x12S\n\x0cVerifyCopies\x12 .tierckpt.v1.VerifyCopiesRequest\x1a!.tierckpt.v1.VerifyCopiesResponse\x12P\n\x0bWarmReplica\x12\x1f.tierckpt.v1.WarmReplicaRequest\x1a .tierckpt.v1.WarmReplicaResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tierckpt/v1/peer.proto\x12\x0btierckpt.v1\"\x1f\n\x0cHelloRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"W\n\rHelloResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x11\n\tbulk_port\x18\x03 \x01(\r\x12\x10\n\x08replicas\x18\x04 \x01(\r\"]\n\x0e\x43\x61talogRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x15\n\rsince_version\x18\x03 \x01(\x04\x12\x16\n\x0esince_instance\x18\x04 \x01(\t\"2\n\x07RankKey\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\x93\x01\n\x0c\x43\x61talogEntry\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\r\n\x05owner\x18\x05 \x01(\t\x12\x12\n\ngeneration\x18\x06 \x01(\t\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x08 \x01(\x01\"\xcc\x01\n\x0f\x43\x61talogResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x11\n\tbulk_port\x18\x03 \x01(\r\x12*\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\x19.tierckpt.v1.CatalogEntry\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\r\n\x05\x64\x65lta\x18\x06 \x01(\x08\x12%\n\x07removed\x18\x07 \x03(\x0b\x32\x14.tierckpt.v1.RankKey\x12\x10\n\x08now_unix\x18\x08 \x01(\x01\"T\n\x15PrepareReplicaRequest\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\t\x12\x14\n\x0cskips_linked\x18\x03 \x01(\x08\"f\n\x16PrepareReplicaResponse\x12\x19\n\x11\x61lready_committed\x18\x01 \x01(\x08\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x11\n\tbulk_port\x18\x03 \x01(\r\x12\x0e\n\x06linked\x18\x04 \x03(\t\"6\n\x14\x43ommitReplicaRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\"&\n\x15\x43ommitReplicaResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\"5\n\x13\x41\x62ortReplicaRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\"\x16\n\x14\x41\x62ortReplicaResponse\"N\n\x12WarmReplicaRequest\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05sizes\x18\x04 \x03(\x04\"$\n\x13WarmReplicaResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\"M\n\x0fOpenReadRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\"L\n\x10OpenReadResponse\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x11\n\tbulk_port\x18\x03 \x01(\r\"q\n\x13\x44ropReplicasRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05ranks\x18\x04 \x03(\r\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\trequester\x18\x06 \x01(\t\"\'\n\x14\x44ropReplicasResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"G\n\x17\x44\x65leteStepCopiesRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"+\n\x18\x44\x65leteStepCopiesResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"U\n\x13VerifyCopiesRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x10\n\x08has_step\x18\x03 \x01(\x08\x12\x0c\n\x04step\x18\x04 \x01(\x04\"I\n\x0cVerifiedCopy\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\r\n\x05state\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"A\n\x14VerifyCopiesResponse\x12)\n\x06\x63opies\x18\x01 \x03(\x0b\x32\x19.tierckpt.v1.VerifiedCopy2\xba\x06\n\x04Peer\x12>\n\x05Hello\x12\x19.tierckpt.v1.HelloRequest\x1a\x1a.tierckpt.v1.HelloResponse\x12\x44\n\x07\x43\x61talog\x12\x1b.tierckpt.v1.CatalogRequest\x1a\x1c.tierckpt.v1.CatalogResponse\x12Y\n\x0ePrepareReplica\x12\".tierckpt.v1.PrepareReplicaRequest\x1a#.tierckpt.v1.PrepareReplicaResponse\x12V\n\rCommitReplica\x12!.tierckpt.v1.CommitReplicaRequest\x1a\".tierckpt.v1.CommitReplicaResponse\x12S\n\x0c\x41\x62ortReplica\x12 .tierckpt.v1.AbortReplicaRequest\x1a!.tierckpt.v1.AbortReplicaResponse\x12G\n\x08OpenRead\x12\x1c.tierckpt.v1.OpenReadRequest\x1a\x1d.tierckpt.v1.OpenReadResponse\x12S\n\x0c\x44ropReplicas\x12 .tierckpt.v1.DropReplicasRequest\x1a!.tierckpt.v1.DropReplicasResponse\x12_\n\x10\x44\x65leteStepCopies\x12$.tierckpt.v1.DeleteStepCopiesRequest\x1a%.tierckpt.v1.DeleteStepCopiesResponse\x12S\n\x0cVerifyCopies\x12 .tierckpt.v1.VerifyCopiesRequest\x1a!.tierckpt.v1.VerifyCopiesResponse\x12P\n\x0bWarmReplica\x12\x1f.tierckpt.v1.WarmReplicaRequest\x1a .tierckpt.v1.WarmReplicaResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,35 +48,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREPAREREPLICARESPONSE']._serialized_start=751
   _globals['_PREPAREREPLICARESPONSE']._serialized_end=853
   _globals['_COMMITREPLICAREQUEST']._serialized_start=855
-  _globals['_COMMITREPLICAREQUEST']._serialized_end=893
-  _globals['_COMMITREPLICARESPONSE']._serialized_start=895
-  _globals['_COMMITREPLICARESPONSE']._serialized_end=933
-  _globals['_ABORTREPLICAREQUEST']._serialized_start=935
-  _globals['_ABORTREPLICAREQUEST']._serialized_end=972
-  _globals['_ABORTREPLICARESPONSE']._serialized_start=974
-  _globals['_ABORTREPLICARESPONSE']._serialized_end=996
-  _globals['_WARMREPLICAREQUEST']._serialized_start=998
-  _globals['_WARMREPLICAREQUEST']._serialized_end=1076
-  _globals['_WARMREPLICARESPONSE']._serialized_start=1078
-  _globals['_WARMREPLICARESPONSE']._serialized_end=1114
-  _globals['_OPENREADREQUEST']._serialized_start=1116
-  _globals['_OPENREADREQUEST']._serialized_end=1193
-  _globals['_OPENREADRESPONSE']._serialized_start=1195
-  _globals['_OPENREADRESPONSE']._serialized_end=1271
-  _globals['_DROPREPLICASREQUEST']._serialized_start=1273
-  _globals['_DROPREPLICASREQUEST']._serialized_end=1367
-  _globals['_DROPREPLICASRESPONSE']._serialized_start=1369
-  _globals['_DROPREPLICASRESPONSE']._serialized_end=1408
-  _globals['_DELETESTEPCOPIESREQUEST']._serialized_start=1410
-  _globals['_DELETESTEPCOPIESREQUEST']._serialized_end=1481
-  _globals['_DELETESTEPCOPIESRESPONSE']._serialized_start=1483
-  _globals['_DELETESTEPCOPIESRESPONSE']._serialized_end=1526
-  _globals['_VERIFYCOPIESREQUEST']._serialized_start=1528
-  _globals['_VERIFYCOPIESREQUEST']._serialized_end=1613
-  _globals['_VERIFIEDCOPY']._serialized_start=1615
-  _globals['_VERIFIEDCOPY']._serialized_end=1688
-  _globals['_VERIFYCOPIESRESPONSE']._serialized_start=1690
-  _globals['_VERIFYCOPIESRESPONSE']._serialized_end=1755
-  _globals['_PEER']._serialized_start=1758
-  _globals['_PEER']._serialized_end=2584
+  _globals['_COMMITREPLICAREQUEST']._serialized_end=909
+  _globals['_COMMITREPLICARESPONSE']._serialized_start=911
+  _globals['_COMMITREPLICARESPONSE']._serialized_end=949
+  _globals['_ABORTREPLICAREQUEST']._serialized_start=951
+  _globals['_ABORTREPLICAREQUEST']._serialized_end=1004
+  _globals['_ABORTREPLICARESPONSE']._serialized_start=1006
+  _globals['_ABORTREPLICARESPONSE']._serialized_end=1028
+  _globals['_WARMREPLICAREQUEST']._serialized_start=1030
+  _globals['_WARMREPLICAREQUEST']._serialized_end=1108
+  _globals['_WARMREPLICARESPONSE']._serialized_start=1110
+  _globals['_WARMREPLICARESPONSE']._serialized_end=1146
+  _globals['_OPENREADREQUEST']._serialized_start=1148
+  _globals['_OPENREADREQUEST']._serialized_end=1225
+  _globals['_OPENREADRESPONSE']._serialized_start=1227
+  _globals['_OPENREADRESPONSE']._serialized_end=1303
+  _globals['_DROPREPLICASREQUEST']._serialized_start=1305
+  _globals['_DROPREPLICASREQUEST']._serialized_end=1418
+  _globals['_DROPREPLICASRESPONSE']._serialized_start=1420
+  _globals['_DROPREPLICASRESPONSE']._serialized_end=1459
+  _globals['_DELETESTEPCOPIESREQUEST']._serialized_start=1461
+  _globals['_DELETESTEPCOPIESREQUEST']._serialized_end=1532
+  _globals['_DELETESTEPCOPIESRESPONSE']._serialized_start=1534
+  _globals['_DELETESTEPCOPIESRESPONSE']._serialized_end=1577
+  _globals['_VERIFYCOPIESREQUEST']._serialized_start=1579
+  _globals['_VERIFYCOPIESREQUEST']._serialized_end=1664
+  _globals['_VERIFIEDCOPY']._serialized_start=1666
+  _globals['_VERIFIEDCOPY']._serialized_end=1739
+  _globals['_VERIFYCOPIESRESPONSE']._serialized_start=1741
+  _globals['_VERIFYCOPIESRESPONSE']._serialized_end=1806
+  _globals['_PEER']._serialized_start=1809
+  _globals['_PEER']._serialized_end=2635
 # @@protoc_insertion_point(module_scope)

@@ -109,10 +109,12 @@ class PrepareReplicaResponse(_message.Message):
     def __init__(self, already_committed: _Optional[bool] = ..., ticket: _Optional[str] = ..., bulk_port: _Optional[int] = ..., linked: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitReplicaRequest(_message.Message):
-    __slots__ = ("ticket",)
+    __slots__ = ("ticket", "sender")
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
     ticket: str
-    def __init__(self, ticket: _Optional[str] = ...) -> None: ...
+    sender: str
+    def __init__(self, ticket: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class CommitReplicaResponse(_message.Message):
     __slots__ = ("bytes",)
@@ -121,10 +123,12 @@ class CommitReplicaResponse(_message.Message):
     def __init__(self, bytes: _Optional[int] = ...) -> None: ...
 
 class AbortReplicaRequest(_message.Message):
-    __slots__ = ("ticket",)
+    __slots__ = ("ticket", "sender")
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
     ticket: str
-    def __init__(self, ticket: _Optional[str] = ...) -> None: ...
+    sender: str
+    def __init__(self, ticket: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class AbortReplicaResponse(_message.Message):
     __slots__ = ()
@@ -171,18 +175,20 @@ class OpenReadResponse(_message.Message):
     def __init__(self, manifest_json: _Optional[str] = ..., ticket: _Optional[str] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class DropReplicasRequest(_message.Message):
-    __slots__ = ("owner", "job", "step", "ranks", "reason")
+    __slots__ = ("owner", "job", "step", "ranks", "reason", "requester")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
     owner: str
     job: str
     step: int
     ranks: _containers.RepeatedScalarFieldContainer[int]
     reason: str
-    def __init__(self, owner: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+    requester: str
+    def __init__(self, owner: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., requester: _Optional[str] = ...) -> None: ...
 
 class DropReplicasResponse(_message.Message):
     __slots__ = ("removed",)

@@ -45,11 +45,11 @@ class Evictor:
         return [self.evict(job, step, "retention") for step in self._catalog.retention_victims(job, keep_local)]
 
     def make_room(self, need: int, capacity: int, used: int,
-                  evictable: Callable[[str], bool] | None = None) -> list[Eviction]:
+                  evictable: Callable[[str, int], bool] | None = None) -> list[Eviction]:
         """Evict (recycled files, then old safe steps, then old undrained steps) until ``need`` fits.
 
-        Decided up front: a reservation that cannot fit evicts nothing. ``evictable`` limits the
-        steps considered to those of the jobs it accepts (recycled files are always droppable).
+        Decided up front: a reservation that cannot fit evicts nothing. ``evictable(job, step)``
+        limits the steps considered (recycled files are always droppable).
 
         Raises:
             CapacityError: ``need`` does not fit even after every possible eviction.
@@ -60,7 +60,7 @@ class Evictor:
         first = set(order)
         order += [k for k in self._catalog.capacity_order(allow_pinned=True) if k not in first]
         if evictable is not None:
-            order = [k for k in order if evictable(k[0])]
+            order = [k for k in order if evictable(*k)]
         cat = self._catalog
         cands = [(k, sum(cat.freeable(m, charge(m)) for m in cat.steps(k[0])[k[1]].values())) for k in order]
         plan = plan_room(need, capacity, used, self._recycle.bytes, cands)

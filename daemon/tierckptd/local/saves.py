@@ -43,13 +43,14 @@ _SAVE_ID = re.compile(r"[0-9a-f]{16}")
 class OpenSaves:
     """Args:
         lock: the store's lock (guards this state together with the catalog).
-        make_room: ``make_room(bytes, evictable)`` under the lock: evict what may be evicted (steps
-            of the jobs ``evictable`` accepts; None: any), or raise CapacityError.
+        make_room: ``make_room(bytes, evictable, job)`` under the lock: evict what may be evicted
+            (the reserving job's own steps and steps safe in another tier, of the jobs
+            ``evictable`` accepts; None: any), or raise CapacityError.
         catalog: the committed ranks (shared files are counted there, see :mod:`.links`).
     """
 
     def __init__(self, lock: threading.RLock, fs: LocalDir, layout: StoreLayout, recycle: RecyclePool,
-                 make_room: Callable[[int, Callable[[str], bool] | None], None], *, max_open_saves: int,
+                 make_room: Callable[[int, Callable[[str], bool] | None, str], None], *, max_open_saves: int,
                  max_shard_bytes: int, counters: dict[str, int], catalog: Catalog) -> None:
         self._lock, self._fs, self._layout, self._recycle = lock, fs, layout, recycle
         self._catalog = catalog
@@ -150,7 +151,7 @@ class OpenSaves:
             if taken is not None:
                 reused[f.name], f.warm = taken
         try:
-            self._make_room(charge(staging), staging.evictable)
+            self._make_room(charge(staging), staging.evictable, staging.job)
         except BaseException:
             for shard, name in reused.items():
                 self._recycle.untake(name, staging.files[shard].size)

@@ -130,6 +130,9 @@ class LocalStore:
         self.counters: dict[str, int] = {"staging_reclaimed": 0, "evictions_capacity_undrained": 0,
                                          "quarantined": 0}
         self._evictor = Evictor(self._catalog, self._layout, self._recycle, self.counters)
+        self.safe_elsewhere: Callable[[Manifest], bool] = lambda man: False
+        """Whether a committed rank is safe in another tier (a live peer, the persistent store):
+        set by the node from its tiers; called under the lock, so it must be cheap."""
         self._saves = OpenSaves(self._lock, self._fs, self._layout, self._recycle, self._make_room_locked,
                                 max_open_saves=max_open_saves, max_shard_bytes=max_shard_bytes,
                                 counters=self.counters, catalog=self._catalog)
@@ -369,8 +372,19 @@ class LocalStore:
     def _retain_locked(self, job: str) -> list[Eviction]:
         return self._evictor.retain(job, self.policies.keep_local(job))
 
-    def _make_room_locked(self, need: int, evictable: Callable[[str], bool] | None = None) -> None:
-        evictions = self._evictor.make_room(need, self.capacity, self._used_locked(), evictable)
+    def _make_room_locked(self, need: int, evictable: Callable[[str], bool] | None = None, job: str = "") -> None:
+        """Make room for a reservation of ``job``: it may evict its own job's steps, and other jobs'
+        steps only where every rank is safe in another tier (:attr:`safe_elsewhere`): a writer
+        never costs another job a step that exists nowhere else."""
+        def allowed(j: str, step: int) -> bool:
+            if evictable is not None and not evictable(j):
+                return False
+            if j == job:
+                return True
+            ranks = self._catalog.steps(j).get(step, {})
+            return bool(ranks) and all(self.safe_elsewhere(m) for m in ranks.values())
+
+        evictions = self._evictor.make_room(need, self.capacity, self._used_locked(), allowed)
         if evictions:
             threading.Thread(target=self._notify, args=(evictions,), daemon=True).start()
 

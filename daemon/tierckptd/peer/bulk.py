@@ -37,13 +37,14 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
 from tierckpt.common import checksum as _checksum
 from tierckpt.common import status as _status
 from tierckpt.common.fileio import pwrite_all
-from tierckpt.errors import InvalidArgumentError, TierckptError, UnavailableError
+from tierckpt.errors import CapacityError, InvalidArgumentError, TierckptError, UnavailableError
 
 from ..knobs import KNOBS
 
@@ -313,34 +314,69 @@ Handler = Callable[[socket.socket, dict, bytearray], None]
 """``handler(sock, request, buf)`` serves one request; raising closes the connection."""
 
 
+class _Conn:
+    """One accepted bulk connection, as the server tracks it."""
+
+    def __init__(self, sock: socket.socket, source: str) -> None:
+        self.sock = sock  # replaced by the TLS socket once wrapped
+        self.source = source
+        self.since = time.monotonic()
+        self.authed = False
+        self.info: object = None  # what ``authenticate`` returned
+
+    def cut(self) -> None:
+        """Shut the connection down from another thread (its serving thread then ends)."""
+        try:
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)  # the fd only: never the TLS object
+        except OSError:
+            pass
+
+
 class BulkServer:
     """Accepts bulk connections and serves their requests, one thread per connection.
 
-    Bounded against idle or hostile connections: at most ``KNOBS.bulk_max_connections`` at once
-    and ``KNOBS.bulk_max_per_source`` from one address (one more is closed at once, never queued
-    behind the others); the TLS handshake and the first request header must arrive within
-    ``KNOBS.bulk_first_request_timeout``, a connection idle between requests for
-    ``KNOBS.bulk_idle_timeout`` is closed, and the transfer buffer is allocated only once a
-    valid request arrived.
+    Two pools, so that connections that have not authenticated never take a peer's slot:
+
+    - **unauthenticated**: every accepted connection until it is authenticated (under TLS: the
+      handshake done and ``authenticate`` accepted the certificate; without TLS: its first
+      request header arrived). At most ``KNOBS.bulk_max_unauthenticated``; one more closes the
+      oldest of them. Each has ``KNOBS.bulk_first_request_timeout`` seconds in all (handshake
+      and first header), then it is closed.
+    - **authenticated**: at most ``KNOBS.bulk_max_connections``, ``KNOBS.bulk_max_per_source``
+      from one address; beyond, the connection is answered RESOURCE_EXHAUSTED and closed. One
+      idle between requests for ``KNOBS.bulk_idle_timeout`` is closed.
+
+    ``still_valid(info)`` is asked about every authenticated connection about twice a second
+    (a revoked certificate, a CA change): False closes it at once. The transfer buffer is
+    allocated only once a valid request arrived.
 
     Args:
         host: address to bind ("" for every interface).
         ssl_context: server-side TLS context (requires client certificates), or None.
         handler: serves one request (see :data:`Handler`).
+        authenticate: under TLS, ``authenticate(tls_socket) -> info`` after the handshake; it
+            raises a TierckptError to refuse (answered, then closed).
+        still_valid: ``still_valid(info) -> bool`` for open authenticated connections.
     """
 
-    def __init__(self, host: str, ssl_context: ssl.SSLContext | None, handler: Handler) -> None:
+    def __init__(self, host: str, ssl_context: ssl.SSLContext | None, handler: Handler,
+                 authenticate: Callable[[socket.socket], object] | None = None,
+                 still_valid: Callable[[object], bool] | None = None) -> None:
         self.host = host
         self.ssl_context = ssl_context
         self.handler = handler
+        self.authenticate = authenticate
+        self.still_valid = still_valid
         self.port = 0
         self._lock = threading.Lock()
-        self._active = 0
+        self._pending: set[_Conn] = set()
+        self._authed: set[_Conn] = set()
         self._by_source: dict[str, int] = {}
         self.refused = 0
         self._sock: socket.socket | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._swept = 0.0
 
     def start(self, port: int = 0) -> int:
         """Bind, listen and start accepting; returns the bound port."""
@@ -349,7 +385,7 @@ class BulkServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, port))
         sock.listen(128)
-        sock.settimeout(0.5)
+        sock.settimeout(0.25)
         self._sock, self.port = sock, sock.getsockname()[1]
         self._thread = threading.Thread(target=self._accept_loop, name="tierckpt-bulk-accept", daemon=True)
         self._thread.start()
@@ -363,27 +399,73 @@ class BulkServer:
         if self._sock is not None:
             self._sock.close()
 
-    def _admit(self, source: str) -> bool:
+    def counts(self) -> tuple[int, int]:
+        """(unauthenticated, authenticated) connections open now."""
         with self._lock:
-            if self._active >= KNOBS.bulk_max_connections or \
-                    self._by_source.get(source, 0) >= KNOBS.bulk_max_per_source:
+            return len(self._pending), len(self._authed)
+
+    def _admit(self, c: _Conn) -> None:
+        with self._lock:
+            if len(self._pending) >= KNOBS.bulk_max_unauthenticated:
+                oldest = min(self._pending, key=lambda o: o.since)
+                self._pending.discard(oldest)
+                self.refused += 1
+                log.warning("bulk channel: closed an unauthenticated connection from %s to make room",
+                            oldest.source)
+                oldest.cut()
+            self._pending.add(c)
+
+    def _promote(self, c: _Conn) -> bool:
+        with self._lock:
+            self._pending.discard(c)
+            if len(self._authed) >= KNOBS.bulk_max_connections or \
+                    self._by_source.get(c.source, 0) >= KNOBS.bulk_max_per_source:
                 self.refused += 1
                 return False
-            self._active += 1
-            self._by_source[source] = self._by_source.get(source, 0) + 1
+            c.authed = True
+            self._authed.add(c)
+            self._by_source[c.source] = self._by_source.get(c.source, 0) + 1
             return True
 
-    def _release(self, source: str) -> None:
+    def _release(self, c: _Conn) -> None:
         with self._lock:
-            self._active -= 1
-            left = self._by_source.get(source, 1) - 1
-            if left:
-                self._by_source[source] = left
-            else:
-                self._by_source.pop(source, None)
+            self._pending.discard(c)
+            if c in self._authed:
+                self._authed.discard(c)
+                left = self._by_source.get(c.source, 1) - 1
+                if left:
+                    self._by_source[c.source] = left
+                else:
+                    self._by_source.pop(c.source, None)
+
+    def _sweep(self) -> None:
+        """Close unauthenticated connections past their deadline and authenticated ones no longer valid."""
+        now = time.monotonic()
+        if now - self._swept < 0.25:
+            return
+        self._swept = now
+        with self._lock:
+            late = [c for c in self._pending if now - c.since > KNOBS.bulk_first_request_timeout]
+            authed = list(self._authed)
+        for c in late:
+            log.info("bulk channel: connection from %s closed: no request in time", c.source)
+            c.cut()
+        if self.still_valid is None:
+            return
+        for c in authed:
+            try:
+                valid = self.still_valid(c.info)
+            except Exception:  # never let a check kill the accept loop
+                log.exception("bulk channel: re-checking a connection failed; closing it")
+                valid = False
+            if not valid:
+                log.warning("bulk channel: closed the connection from %s: its certificate was revoked or the TLS "
+                            "files changed", c.source)
+                c.cut()
 
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
+            self._sweep()
             try:
                 conn, addr = self._sock.accept()  # type: ignore[union-attr]  # set by start()
             except TimeoutError:
@@ -392,22 +474,34 @@ class BulkServer:
                 if not self._stopping.is_set():
                     log.error("bulk channel: accept failed: %s", e)
                 return
-            if not self._admit(addr[0]):
-                log.warning("bulk channel: refused a connection from %s: connection limit reached", addr[0])
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn, addr), name="tierckpt-bulk", daemon=True).start()
+            c = _Conn(conn, addr[0])
+            self._admit(c)
+            threading.Thread(target=self._serve, args=(c,), name="tierckpt-bulk", daemon=True).start()
 
-    def _serve(self, conn: socket.socket, addr) -> None:
+    def _serve(self, c: _Conn) -> None:
+        conn = c.sock
         try:
             conn.settimeout(KNOBS.bulk_first_request_timeout)
             _tune(conn)
             if self.ssl_context is not None:
-                conn = self.ssl_context.wrap_socket(conn, server_side=True)
+                conn = c.sock = self.ssl_context.wrap_socket(conn, server_side=True)
+                if self.authenticate is not None:
+                    try:
+                        c.info = self.authenticate(conn)
+                    except TierckptError as e:
+                        log.warning("bulk channel: refused %s: %s", c.source, e)
+                        send_msg(conn, error_msg(e))
+                        return
+                if not self._promote(c):
+                    send_msg(conn, error_msg(CapacityError("bulk channel: connection limit reached")))
+                    return
             buf: bytearray | None = None
             while not self._stopping.is_set():
                 req = recv_msg(conn, eof_ok=True)
                 if req is None:
+                    return
+                if not c.authed and not self._promote(c):  # plain TCP: a first request authenticates
+                    send_msg(conn, error_msg(CapacityError("bulk channel: connection limit reached")))
                     return
                 if req.get("v") != VERSION:
                     send_msg(conn, {"ok": False, "code": "INVALID_ARGUMENT", "error": f"bulk version {req.get('v')!r}"})
@@ -417,13 +511,13 @@ class BulkServer:
                 self.handler(conn, req, buf)
                 conn.settimeout(KNOBS.bulk_idle_timeout)
         except ssl.SSLError as e:
-            log.warning("bulk channel: refused %s: %s", addr[0], e)
+            log.warning("bulk channel: refused %s: %s", c.source, e)
         except TimeoutError:
-            log.info("bulk channel: connection from %s closed: no request in time", addr[0])
+            log.info("bulk channel: connection from %s closed: no request in time", c.source)
         except (OSError, TierckptError) as e:
-            log.warning("bulk channel: connection from %s ended: %s", addr[0], e)
+            log.warning("bulk channel: connection from %s ended: %s", c.source, e)
         except Exception:  # thread boundary: log, never kill the daemon
-            log.exception("bulk channel: request from %s failed", addr[0])
+            log.exception("bulk channel: request from %s failed", c.source)
         finally:
             conn.close()
-            self._release(addr[0])
+            self._release(c)

@@ -1,8 +1,12 @@
 """Who may do what on the Peer service and the bulk port (the trust model's peer rules).
 
-- Identity: with mTLS, a peer's claimed node id (``sender``, ``requester``, ``node_id``) must be
-  named by its certificate (CN or DNS SAN; :func:`tierckptd.tls.check_peer_node`). Without TLS
-  (loopback, or ``insecure_listen``) the claim is believed: the network is the boundary.
+- Identity: every call names its caller's node id (``node_id``, ``sender`` or ``requester``:
+  :meth:`PeerGuard.check_caller`). With mTLS the caller presents a node certificate (role URI
+  ``tierckpt://node/<id>``) for that id (:func:`tierckptd.tls.check_node_role`), whose names are
+  not on the deny-list; a client certificate is refused whatever it claims. The id must be a
+  current cluster member (this node's ``--peers`` or discovered peers), except for ``Hello``,
+  which discovery sends before it knows the caller. Without TLS (``insecure_listen``) the claim
+  is believed: the network is the boundary.
 - Replicas: a peer may push a copy only for an owner whose placement includes this node (R + 1
   live nodes after the owner on the ring, as this node sees them: the extra one covers the lost-
   owner re-replication), and never one that names this node as the owner.
@@ -16,11 +20,13 @@ from typing import Any
 
 from tierckpt.errors import PermissionDeniedError
 
+from .. import revocation, tls
 from ..cluster import ring
 from ..cluster.membership import Membership
 from ..config import DaemonConfig
 from ..knobs import KNOBS
 from ..local.manifest import Manifest
+from ..tls import Role
 
 __all__ = ["PeerGuard"]
 
@@ -30,22 +36,28 @@ class PeerGuard:
         self.config, self.cluster, self.replicas = config, cluster, replicas
         self.node_id = config.node_id
 
-    def identity(self, context: Any) -> set[str]:
-        if not self.config.tls_enabled:
-            return set()
-        from .. import tls
+    def role(self, context: Any) -> Role | None:
+        """The caller's certificate role (None without TLS)."""
+        return tls.peer_role(context) if self.config.tls_enabled else None
 
-        return tls.peer_identity(context)
-
-    def check_claim(self, identity: set[str], claimed: str, field: str) -> None:
-        """Raise PermissionDeniedError if mTLS is on and the certificate does not name ``claimed``."""
-        if not self.config.tls_enabled:
-            return
-        from .. import tls
-
-        msg = tls.check_peer_node(identity, claimed, self.config)
+    def check_caller(self, role: Role | None, claimed: str, field: str, *, member: bool = True) -> None:
+        """Raise PermissionDeniedError unless the caller may act as node ``claimed`` (the module
+        docstring): role, binding, deny-list and, with ``member``, cluster membership."""
+        msg = tls.check_node_role(role, claimed, self.config)
         if msg is not None:
             raise PermissionDeniedError(f"{field}: {msg}")
+        if role is not None:
+            revocation.check_names(self.config, role.all_names)
+        if member and claimed != self.node_id and claimed not in self.cluster.peers:
+            raise PermissionDeniedError(f"{field}: node {claimed!r} is not a member of this node's cluster")
+
+    def check_bulk(self, sslsock: Any) -> str:
+        """A bulk connection's caller (TLS only): its node id, after :meth:`check_caller`."""
+        role = tls.ssl_peer_role(sslsock)
+        name = role.name if role is not None and role.kind == "node" else ""
+        # tls_bind_node_id = false (one shared node certificate): the name is not a node id.
+        self.check_caller(role, name, "certificate", member=self.config.tls_bind_node_id)
+        return name
 
     def check_replica(self, man: Manifest) -> None:
         """A copy of ``man`` may be stored here (see the module docstring)."""
@@ -68,11 +80,12 @@ class PeerGuard:
             return False
         return ring.in_placement(self.node_id, owner, self.cluster.ids(), self.cluster.maybe_up(), self.replicas)
 
-    def check_drop(self, identity: set[str], owner: str) -> None:
-        """DropReplicas for ``owner``: from the owner itself, or for an owner gone for the grace period."""
-        if not self.config.tls_enabled or not self.config.tls_bind_node_id or owner in identity:
+    def check_drop(self, caller: str, owner: str) -> None:
+        """DropReplicas for ``owner``: from the owner itself, or for an owner gone for the grace period
+        (``caller`` was checked by :meth:`check_caller`)."""
+        if not self.config.tls_enabled or not self.config.tls_bind_node_id or owner == caller:
             return
         if self.cluster.down_for(owner) >= KNOBS.owner_grace:
             return
         raise PermissionDeniedError(f"owner: only {owner!r} itself may drop its replicas while it is up "
-                                    f"(the caller's certificate names {', '.join(sorted(identity)) or 'nothing'})")
+                                    f"(the caller is {caller!r})")

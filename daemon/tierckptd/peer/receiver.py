@@ -9,6 +9,7 @@ while this node restores (a replacement node's trainers wait on the restore).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import errno
@@ -72,9 +73,32 @@ class _Inbound:
 
 @dataclass
 class _Reader:
+    """A read ticket: one transfer of one rank. Each byte of each shard is served once; the
+    ticket ends when every byte was (or read_ticket_ttl after its last use)."""
+
     man: Manifest
     created: float  # monotonic time of the last use: a ticket expires read_ticket_ttl after it
     requester: str = ""
+    served: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # shard -> sorted [start, end)
+    left: int = -1  # bytes not served yet (-1: not counted yet)
+
+    def take(self, shard: str, ranges: list[tuple[int, int]]) -> bool:
+        """Claim ``ranges`` (start, length) of ``shard``; raise if any byte was served already.
+        Returns whether the whole rank has now been served (the ticket is spent)."""
+        if self.left < 0:
+            self.left = sum(max(1, s.size) for s in self.man.shards)
+        spans = self.served.setdefault(shard, [])
+        starts = [a for a, _ in spans]
+        for start, length in ranges:
+            end = start + max(1, length)  # a zero-size shard counts as one "byte": read once
+            i = bisect.bisect_right(starts, start)
+            if (i and spans[i - 1][1] > start) or (i < len(spans) and spans[i][0] < end):
+                raise FailedPreconditionError(f"ticket: bytes of {shard!r} at {start} were already read with this "
+                                              "ticket (a read ticket serves one transfer; ask OpenRead again)")
+            spans.insert(i, (start, end))
+            starts.insert(i, start)
+            self.left -= end - start
+        return self.left <= 0
 
 
 class Receiver:
@@ -350,7 +374,7 @@ class Receiver:
             if rd is not None:
                 rd.created = now
         if rd is None:
-            raise FailedPreconditionError("ticket: unknown or expired read ticket")
+            raise FailedPreconditionError("ticket: unknown, expired or spent read ticket")
         self._check_holder(sock, rd.requester)
         try:
             entry = rd.man.shard(shard)
@@ -358,6 +382,9 @@ class Receiver:
             raise InvalidArgumentError(f"shard: {shard!r} is not part of this rank") from None
         bulk.check_piece(*piece, entry.size)
         ranges = list(bulk.runs(*piece, entry.size))
+        with self._lock:
+            if rd.take(shard, ranges) and self._readers.get(ticket) is rd:
+                del self._readers[ticket]  # every byte handed out: the ticket is spent
         fh = os.fdopen(self.store.open_shard(rd.man, shard), "rb")  # NotFoundError: evicted since
         with fh, self.store.warm.sending():
             bulk.send_msg(sock, {"ok": True, "length": sum(n for _, n in ranges)})

@@ -194,7 +194,8 @@ class Redundancy:
         One call per peer, in the background. A push of the same job to that peer waits for it
         first (:meth:`Drops.sent`), so the peer's copy of the next step takes the evicted step's
         files from its recycle pool (pages already in use) instead of new memory."""
-        req = ppb.DropReplicasRequest(owner=self.node_id, job=ev.job, step=ev.step, ranks=list(ev.ranks),
+        req = ppb.DropReplicasRequest(owner=self.node_id, requester=self.node_id, job=ev.job, step=ev.step,
+                                      ranks=list(ev.ranks),
                                       reason=ev.reason)
         for p in self.cluster.peers.values():
             if p.up:

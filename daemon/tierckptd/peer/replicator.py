@@ -83,7 +83,8 @@ class Pusher:
             with self.store.warm.sending():  # pool warming waits (see tierckptd.local.warm)
                 await self.transfer.run(p.node_id, p.host, prep.bulk_port, prep.ticket, "put", pieces, files, {},
                                         p.tls_name)
-            await self.cluster.call(p, "CommitReplica", ppb.CommitReplicaRequest(ticket=prep.ticket),
+            await self.cluster.call(p, "CommitReplica",
+                                    ppb.CommitReplicaRequest(ticket=prep.ticket, sender=self.node_id),
                                     KNOBS.commit_timeout)
         except BaseException:
             self._spawn(self._abort_remote(p, prep.ticket))
@@ -105,7 +106,7 @@ class Pusher:
 
     async def _abort_remote(self, p: PeerInfo, ticket: str) -> None:
         try:
-            await self.cluster.call(p, "AbortReplica", ppb.AbortReplicaRequest(ticket=ticket))
+            await self.cluster.call(p, "AbortReplica", ppb.AbortReplicaRequest(ticket=ticket, sender=self.node_id))
         except TierckptError as e:
             log.debug("abort of replica ticket on %s failed (its staging expires): %s", p.node_id, e)
 

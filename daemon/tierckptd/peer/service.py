@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.common.names import MAX_SHARDS_PER_RANK, check_job, check_node, check_step
-from tierckpt.errors import InvalidArgumentError
+from tierckpt.errors import InvalidArgumentError, PermissionDeniedError
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 
@@ -18,12 +18,38 @@ if TYPE_CHECKING:
 __all__ = ["PeerServicer"]
 
 
+_CALLER_FIELDS = ("node_id", "sender", "requester")
+
+
+def caller_of(request: Any) -> tuple[str, str]:
+    """(field, node id) of the caller a Peer request names (the id may be empty)."""
+    fields = request.DESCRIPTOR.fields_by_name
+    field = next(f for f in _CALLER_FIELDS if f in fields)
+    return field, getattr(request, field)
+
+
 class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
-    """Thin servicer of the Peer service (served on the TCP listener only)."""
+    """Thin servicer of the Peer service (served on the TCP listener only).
+
+    :meth:`authorize` runs before every method: the request names its caller, and the caller is
+    a node certificate for that id and a cluster member (:meth:`PeerGuard.check_caller`)."""
 
     def __init__(self, tier: PeerTier) -> None:
         self.tier = tier
         self.guard = tier.guard
+
+    def authorize(self, request: Any, context: Any) -> None:
+        field, caller = caller_of(request)
+        if not caller:
+            raise PermissionDeniedError(f"{field}: every Peer call names its caller's node id")
+        check_node(caller, field)
+        self.guard.check_caller(self.guard.role(context), caller, field,
+                                member=not isinstance(request, ppb.HelloRequest))
+
+    def _check_ticket(self, ticket: str, caller: str) -> None:
+        sender = self.tier.receiver.sender_of(ticket)
+        if sender and sender != caller:
+            raise PermissionDeniedError(f"ticket: issued to {sender!r}, not to the caller {caller!r}")
 
     @rpc
     async def Hello(self, request: ppb.HelloRequest, context: Any) -> ppb.HelloResponse:
@@ -31,9 +57,7 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
 
     @rpc
     async def Catalog(self, request: ppb.CatalogRequest, context: Any) -> ppb.CatalogResponse:
-        if request.node_id:
-            self.guard.check_claim(self.guard.identity(context), request.node_id, "node_id")
-            self.tier.cluster.heard_from(request.node_id)
+        self.tier.cluster.heard_from(request.node_id)
         if request.job:
             check_job(request.job)
         return self.tier.local_catalog(request.job, request.since_version, request.since_instance)
@@ -42,8 +66,6 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
     async def PrepareReplica(self, request: ppb.PrepareReplicaRequest, context: Any) -> ppb.PrepareReplicaResponse:
         if not request.manifest_json:
             raise InvalidArgumentError("manifest_json: required")
-        check_node(request.sender, "sender")
-        self.guard.check_claim(self.guard.identity(context), request.sender, "sender")
         return await self.tier.receiver.prepare(request.sender, request.manifest_json, self.guard.check_replica,
                                                 link=request.skips_linked)
 
@@ -51,14 +73,12 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
     async def CommitReplica(self, request: ppb.CommitReplicaRequest, context: Any) -> ppb.CommitReplicaResponse:
         if not request.ticket:
             raise InvalidArgumentError("ticket: required")
-        ident = self.guard.identity(context)
-        sender = self.tier.receiver.sender_of(request.ticket)
-        if sender:
-            self.guard.check_claim(ident, sender, "ticket")
+        self._check_ticket(request.ticket, request.sender)
         return ppb.CommitReplicaResponse(bytes=await self.tier.receiver.commit(request.ticket))
 
     @rpc
     async def AbortReplica(self, request: ppb.AbortReplicaRequest, context: Any) -> ppb.AbortReplicaResponse:
+        self._check_ticket(request.ticket, request.sender)
         await run_blocking(self.tier.receiver.abort, request.ticket)
         return ppb.AbortReplicaResponse()
 
@@ -66,15 +86,13 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
     async def OpenRead(self, request: ppb.OpenReadRequest, context: Any) -> ppb.OpenReadResponse:
         check_job(request.job)
         check_step(request.step)
-        check_node(request.requester, "requester")
-        self.guard.check_claim(self.guard.identity(context), request.requester, "requester")
         return self.tier.receiver.open_read(request.job, request.step, request.rank, request.requester)
 
     @rpc
     async def DropReplicas(self, request: ppb.DropReplicasRequest, context: Any) -> ppb.DropReplicasResponse:
         check_job(request.job)
         check_node(request.owner, "owner")
-        self.guard.check_drop(self.guard.identity(context), request.owner)
+        self.guard.check_drop(request.requester, request.owner)
         removed = await self.tier.drop_replicas(request.owner, request.job, request.step, list(request.ranks),
                                                 request.reason)
         return ppb.DropReplicasResponse(removed=removed)
@@ -82,12 +100,9 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
     @rpc
     async def DeleteStepCopies(self, request: ppb.DeleteStepCopiesRequest,
                                context: Any) -> ppb.DeleteStepCopiesResponse:
-        # Any certificate holder of the cluster may ask (SECURITY.md: peers are trusted alike);
-        # the requester is checked against its certificate name.
+        # Any node of the cluster may ask (SECURITY.md: peers are trusted alike for data management).
         check_job(request.job)
         check_step(request.step)
-        check_node(request.requester, "requester")
-        self.guard.check_claim(self.guard.identity(context), request.requester, "requester")
         deleted = await self.tier.local.delete(request.job, request.step,
                                                reason=f"deleted on request of {request.requester}")
         return ppb.DeleteStepCopiesResponse(removed=deleted.copies)
@@ -97,8 +112,6 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
         check_job(request.job)
         if request.has_step:
             check_step(request.step)
-        check_node(request.requester, "requester")
-        self.guard.check_claim(self.guard.identity(context), request.requester, "requester")
         verified = await self.tier.local.verify(request.job, request.step if request.has_step else None)
         states = {"ok": 1, "mismatch": 2, "missing": 3}
         return ppb.VerifyCopiesResponse(copies=[ppb.VerifiedCopy(step=c.step, rank=c.rank, state=states[c.state],
@@ -106,11 +119,9 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
 
     @rpc
     async def WarmReplica(self, request: ppb.WarmReplicaRequest, context: Any) -> ppb.WarmReplicaResponse:
-        check_node(request.sender, "sender")
         check_job(request.job)
         if len(request.sizes) > MAX_SHARDS_PER_RANK:
             raise InvalidArgumentError(f"sizes: at most {MAX_SHARDS_PER_RANK} shards per rank")
-        self.guard.check_claim(self.guard.identity(context), request.sender, "sender")
         self.guard.check_hint(request.sender)
         accepted = await run_blocking(self.tier.store.warm.expect, request.job, request.rank, list(request.sizes))
         return ppb.WarmReplicaResponse(bytes=accepted)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from tierckpt.errors import NotFoundError
+from tierckpt.errors import NotFoundError, PermissionDeniedError
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 
@@ -74,10 +74,11 @@ class PeerTier(RemoteTier):
         self._pool = cf.ThreadPoolExecutor(KNOBS.max_parallel_ranks * KNOBS.bulk_streams * 2,
                                            thread_name_prefix="tierckpt-peer")
         ssl_client = ssl_server = None
+        self._tls_source: Any = None
         if config.tls_enabled:
             from .. import tls
 
-            source = tls.reloader(config)
+            source = self._tls_source = tls.reloader(config)
             ssl_client, ssl_server = source.client_ssl_context, source.server_ssl_context()
         self._tls = ssl_client is not None
         self.guard = PeerGuard(config, cluster, config.replicas)
@@ -85,7 +86,7 @@ class PeerTier(RemoteTier):
                                  check_identity=self._check_bulk_identity if config.tls_enabled else None)
         self.local = LocalTier(store)  # what a peer's delete and verify requests reach
         self._bulk = bulk.BulkServer(config.listen.rpartition(":")[0].strip("[]"), ssl_server,
-                                     self.receiver.serve_bulk)
+                                     self.receiver.serve_bulk, self._bulk_authenticate, self._bulk_still_valid)
         transfer = BulkClient(self._pool, ssl_client)
         drops = Drops()
         self.pusher = Pusher(self.node_id, store, cluster, transfer, self._spawn, drops.sent, metrics)
@@ -101,9 +102,37 @@ class PeerTier(RemoteTier):
                         config.replicas, len(cluster.peers))
 
     def _check_bulk_identity(self, sock: Any, node_id: str) -> None:
+        """A ticket is used only by the node it was issued to (its certificate's node id)."""
         from .. import tls
 
-        self.guard.check_claim(tls.ssl_peer_identity(sock), node_id, "ticket")
+        msg = tls.check_node_role(tls.ssl_peer_role(sock), node_id, self.config)
+        if msg is not None:
+            raise PermissionDeniedError(f"ticket: {msg}")
+
+    def _bulk_authenticate(self, sock: Any) -> tuple[str, int, frozenset[str]]:
+        """A new bulk connection (TLS): a node certificate of a cluster member, not denied.
+        Returns what :meth:`_bulk_still_valid` re-checks: (node id, TLS generation, names)."""
+        from .. import tls
+
+        node = self.guard.check_bulk(sock)
+        role = tls.ssl_peer_role(sock)
+        return node, self._tls_source.generation, frozenset(role.all_names if role else ())
+
+    def _bulk_still_valid(self, info: Any) -> bool:
+        """An open bulk connection stays while the TLS files are those it was authenticated under
+        and its certificate is not denied (:mod:`tierckptd.revocation`)."""
+        if info is None or self._tls_source is None:
+            return True
+        from .. import revocation
+
+        _node, generation, names = info
+        if generation != self._tls_source.generation:
+            return False
+        try:
+            revocation.check_names(self.config, set(names))
+        except PermissionDeniedError:
+            return False
+        return True
 
     def _announce(self, man: Manifest) -> None:
         self.host.notify_ingested(man)
@@ -194,6 +223,13 @@ class PeerTier(RemoteTier):
 
     def restoring(self, job: str, step: int, rank: int) -> contextlib.AbstractContextManager:
         return self.receiver.fetching_rank((job, step, rank))
+
+    def holds_copy(self, manifest: Manifest) -> bool:
+        """A live peer holds this generation, or (a replica held here) its owner is up and holds it."""
+        key = manifest.key
+        if self.cluster.live_holders(key, manifest.generation):
+            return True
+        return manifest.node != self.node_id and self.cluster.owner_holds(manifest.node, key)
 
     def on_evict(self, eviction: Eviction) -> None:
         self.replicator.forget(eviction.job, eviction.step, eviction.ranks, eviction.reason)

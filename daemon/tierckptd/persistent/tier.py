@@ -201,6 +201,11 @@ class PersistentTier(RemoteTier):
             return
         self.drainer.select(manifest)
 
+    def holds_copy(self, manifest: Manifest) -> bool:
+        """This process drained this generation of the rank (what it drained before a restart is
+        not known here: such steps count as not safe)."""
+        return self.ledger.recent.get(manifest.key) == manifest.generation
+
     def on_evict(self, eviction: Eviction) -> None:
         """A queued rank evicted before its drain fails now (the store logged it loudly)."""
         self.takeover.on_evict(eviction)
