@@ -167,17 +167,24 @@ class _Progress:
         self.t0 = time.monotonic()
         self.last = 0.0
         self.drawn = False
+        self.tier: str | None = None
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int, tier: str = "local") -> None:
+        """``tier``: "peer"/"persistent" while the daemon fetches the rank, "local" for this process's copy."""
         now = time.monotonic()
+        if tier != self.tier:  # a new stage: its own line and rate
+            if self.drawn:
+                self.stream.write("\n")
+            self.t0, self.last, self.tier = now, 0.0, tier
         if now - self.last < 0.1 and done < total:
             return
         self.last = now
         frac = done / total if total else 1.0
         bar = "#" * int(frac * 30)
         rate = done / max(now - self.t0, 1e-9)
+        what = "reading" if tier == "local" else f"daemon fetching from the {tier} tier"
         self.stream.write(f"\r[{bar:<30}] {frac * 100:5.1f}% {fmt_bytes(done)}/{fmt_bytes(total)} "
-                          f"{fmt_bytes(rate)}/s")
+                          f"{fmt_bytes(rate)}/s {what}\x1b[K")
         self.stream.flush()
         self.drawn = True
 
