@@ -129,3 +129,22 @@ def test_streaming_fallback_warns_once_saying_why(daemon, tmp_path):
     infos = [ln for ln in p.stderr.splitlines() if ln.startswith("INFO tierckpt.client")]
     assert sum("saved hid" in ln and "streamed" in ln for ln in infos) == 3
     assert sum("restored hid" in ln and "streamed over gRPC" in ln for ln in infos) == 2
+
+
+def test_fetch_from_a_peer_is_reported_as_the_peer_tier(daemon_factory):
+    from .harness import Cluster
+
+    cl = Cluster(daemon_factory, 2)
+    data = {"w": np.random.default_rng(0).integers(0, 255, 24 << 20, dtype=np.uint8)}
+    with cl.d["n0"].client() as c:
+        assert c.save("pv", 1, 0, 1, data).wait("peer", timeout=60) == ["n1"]
+    cl.replace("n0")  # its local copy is gone; n1 holds the replica
+    seen: list[tuple[int, int, str]] = []
+    with cl.d["n0"].client() as c:
+        ck = c.restore("pv", 0, progress=lambda done, total, tier: seen.append((done, total, tier)))
+        assert ck.tier == "peer" and np.array_equal(ck.shards["w"], data["w"])
+        ck.close()
+    peer = [s for s in seen if s[2] == "peer"]
+    assert peer and peer[-1] == (24 << 20, 24 << 20, "peer") and {t for _, t, _ in peer} == {24 << 20}
+    assert [d for d, _, _ in peer] == sorted(d for d, _, _ in peer)
+    assert seen[-1] == (24 << 20, 24 << 20, "local")
