@@ -366,6 +366,10 @@ def test_error_from_an_answering_daemon_is_exit_1(daemon, tmp_path):
     assert p.returncode == 1 and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert str(out / "w") in p.stderr
     assert os.listdir(tmp_path) == []  # nothing left behind, not even the temporary directory
+    out.mkdir()  # an existing empty directory is written in place, and emptied again on failure
+    p = run("--address", daemon.address, "restore", "job", "--rank", "0", "--out", str(out),
+            preexec_fn=_small_files)
+    assert p.returncode == 1 and os.listdir(out) == [], p.stderr
 
 
 # --- --version, help, completion ------------------------------------------------------------------

@@ -8,6 +8,7 @@ snake_case and integers are numbers (the README has the schema of each command).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -239,6 +240,10 @@ def _write_out(ck: Any, out: str, in_place: bool) -> tuple[dict[str, str], dict[
     except BaseException:
         if not in_place:
             shutil.rmtree(work, ignore_errors=True)
+        else:  # the directory was empty: empty it again
+            for name in os.listdir(work):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(work, name))
         raise
     return {n: os.path.join(out, n) for n in ck.shards}, meta
 
