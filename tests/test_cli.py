@@ -263,7 +263,7 @@ def test_ls_json(daemon):
     assert c7["ranks"][0] == {"rank": 0, "tiers": ["local"], "nodes": ["node0"], "bytes": 4004}
     assert c7["bytes"] == 8004
     p = run("--address", daemon.address, "ls", "nothing", "--json")
-    assert p.returncode == 0 and json.loads(p.stdout) == {"job": "nothing", "checkpoints": []}
+    assert p.returncode == 4 and p.stdout == "" and "nothing" in p.stderr  # README: 4 = not found
 
 
 def test_latest_text_json_and_not_found(daemon):
@@ -350,12 +350,26 @@ def test_closed_stdout_is_quiet(daemon):
     assert err.getvalue() == ""
 
 
+def _small_files() -> None:
+    """In the child: files may not grow past 1000 bytes (EFBIG instead of SIGXFSZ)."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+
+
 def test_error_from_an_answering_daemon_is_exit_1(daemon, tmp_path):
     out = tmp_path / "ro"
-    out.mkdir()
-    (out / "w").mkdir()  # a directory where a shard file must go
-    rc, stdout, err = call("--address", daemon.address, "restore", "job", "--rank", "0", "--out", str(out))
-    assert rc == 1 and stdout == "" and len(err.strip().splitlines()) == 1 and str(out) in err
+    p = run("--address", daemon.address, "restore", "job", "--rank", "0", "--out", str(out),
+            preexec_fn=_small_files)  # the 4000-byte shard cannot be written
+    assert p.returncode == 1 and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert str(out / "w") in p.stderr
+    assert os.listdir(tmp_path) == []  # nothing left behind, not even the temporary directory
+    out.mkdir()  # an existing empty directory is written in place, and emptied again on failure
+    p = run("--address", daemon.address, "restore", "job", "--rank", "0", "--out", str(out),
+            preexec_fn=_small_files)
+    assert p.returncode == 1 and os.listdir(out) == [], p.stderr
 
 
 # --- --version, help, completion ------------------------------------------------------------------
@@ -480,7 +494,7 @@ def test_plan_defaults_failure_mix_and_restore_times():
     assert doc["inputs"]["cluster_fraction"] == pytest.approx(0.1) and doc["step_time_s"] == 2.0
     assert doc["goodput"] == pytest.approx(doc["baseline"]["goodput"])
     rc, out, _ = plan("--mtbi 4h --step-time 1 --local-save 0.1 --persistent-save 30")
-    assert "default mix" in out and "30 s*" in out and "taken as the tier's save time" in out
+    assert "default mix" in out and "30 s (*)" in out and "taken as the tier's save time" in out
 
 
 @pytest.mark.parametrize("argv,flag", [

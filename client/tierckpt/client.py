@@ -33,6 +33,7 @@ from ._loans import Loans
 from ._restore import materialize, read_only_arrays
 from ._saveplan import SavePlanner, split_packed
 from ._transfer import StagingMaps, copy_into, hash_staged, run_batched, typed_os_error, write_requests
+from ._visible import FsView, Reporter, call_restore, log
 from .common.names import (
     MAX_METADATA_BYTES,
     MAX_SHARDS_PER_RANK,
@@ -297,7 +298,7 @@ class Client(CatalogMixin, DataManagementMixin):
         self._stub = pb_grpc.TierckptStub(self._channel)
         self._io = cf.ThreadPoolExecutor(io_threads or min(4, os.cpu_count() or 2), thread_name_prefix="tierckpt-io")
         self._committer = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
-        self._shared_fs: dict[tuple[str, str], bool] = {}
+        self._fs = FsView()
         self._planner = SavePlanner()
         self._maps = StagingMaps()
         self._loans = Loans(self._release)
@@ -403,18 +404,8 @@ class Client(CatalogMixin, DataManagementMixin):
         return self._call(self._stub.BeginSave, req, "BeginSave"), True
 
     def _sees(self, local_dir: str, token: str) -> bool:
-        if self.transfer == "stream":
-            return False
-        key = (local_dir, token)
-        seen = self._shared_fs.get(key)
-        if seen is None:
-            try:
-                with open(os.path.join(local_dir, ".fs-token"), "rb") as fh:
-                    seen = fh.read().decode() == token
-            except OSError:
-                seen = False
-            self._shared_fs[key] = seen
-        return seen
+        """Whether the daemon's files are visible here (else a warning, once per client, says why)."""
+        return self.transfer != "stream" and self._fs.sees(local_dir, token, warn=self.transfer == "auto")
 
     def _finish(self, fut: SaveFuture, save_id: str, digests: dict[str, str] | None,
                 paths_sizes: list[tuple[str, Any, int]], meta: str, persist: bool, t0: float,
@@ -422,6 +413,7 @@ class Client(CatalogMixin, DataManagementMixin):
         if not fut.set_running_or_notify_cancel():
             self._abort(save_id)
             return
+        digests_streamed = digests is not None
         try:
             if digests is None:  # staged through the shared dir: hash the staged copies
                 digests = {}
@@ -433,8 +425,13 @@ class Client(CatalogMixin, DataManagementMixin):
                                        digests=[pb.ShardDigest(name=n, checksum=d) for n, d in digests.items()])
             resp = self._call(self._stub.CommitSave, req, "CommitSave")
             self._planner.committed(fut.job, fut.rank, fut.step, save_id)
-            fut.set_result(SaveResult(fut.job, fut.step, fut.rank, resp.bytes, fut.blocking_seconds,
-                                      time.perf_counter() - t0, fut.shared_bytes))
+            seconds = time.perf_counter() - t0
+            log.info("saved %s step %d rank %d into the local tier%s: %d bytes in %.3fs (caller blocked %.3fs%s%s)",
+                     fut.job, fut.step, fut.rank, " (to persist)" if persist else "", resp.bytes, seconds,
+                     fut.blocking_seconds, f", {fut.shared_bytes} bytes linked unchanged" if fut.shared_bytes else "",
+                     ", streamed" if digests_streamed else "")
+            fut.set_result(SaveResult(fut.job, fut.step, fut.rank, resp.bytes, fut.blocking_seconds, seconds,
+                                      fut.shared_bytes))
         except BaseException as e:  # thread boundary: the future carries the error, typed
             self._abort(save_id)
             if isinstance(e, OSError):
@@ -467,12 +464,16 @@ class Client(CatalogMixin, DataManagementMixin):
     # ------------------------------------------------------------------ restore
 
     def restore(self, job: str, rank: int, step: int | None = None, *,
-                progress: Callable[[int, int], None] | None = None) -> Checkpoint:
+                progress: Callable[..., None] | None = None) -> Checkpoint:
         """Restore one rank from the nearest tier holding it (local, peer, persistent).
 
         Args:
             step: default: ``latest(job)``.
-            progress: called with (bytes_done, bytes_total) while bytes are verified / received.
+            progress: called with (bytes_done, bytes_total) while this process maps and verifies
+                (or receives) the rank; a callable taking a third argument is called with
+                (bytes_done, bytes_total, tier): first while the daemon fetches the rank from
+                the "peer" or "persistent" tier into its local tier, then with "local" for this
+                process's part (see :mod:`tierckpt._visible`). From any thread.
 
         Raises:
             NotFoundError: no tier holds the step (or the job has no complete step).
@@ -485,27 +486,37 @@ class Client(CatalogMixin, DataManagementMixin):
             check_step(step)
         req = pb.RestoreRequest(job=job, rank=rank, has_step=step is not None, step=step or 0,
                                 transfer=pb.TRANSFER_STREAM if self.transfer == "stream" else pb.TRANSFER_SHARED_FS)
-        resp = self._call(self._stub.Restore, req, "Restore", timeout=None)
+        t0 = time.perf_counter()
+        report = Reporter(progress)
+        resp = call_restore(self._stub, req, self.address, report)
+        fetched = time.perf_counter() - t0
         try:
             try:
-                return self._materialize(resp, job, rank, progress)
+                ck = self._materialize(resp, job, rank, report)
             except NotFoundError:  # a file went away after the daemon answered: ask once more
-                resp = self._call(self._stub.Restore, req, "Restore", timeout=None)
-                return self._materialize(resp, job, rank, progress)
+                resp = call_restore(self._stub, req, self.address, report)
+                ck = self._materialize(resp, job, rank, report)
         except DataLossError:
             # Mapped or streamed, the bytes came from the daemon's local tier: it re-verifies
             # that copy, drops it if it is corrupt and tries the next tier.
             req.local_corrupt = True
             req.corrupt_generation = resp.generation
             req.has_step, req.step = True, resp.step
-            resp = self._call(self._stub.Restore, req, "Restore", timeout=None)
-            return self._materialize(resp, job, rank, progress)
+            resp = call_restore(self._stub, req, self.address, report)
+            ck = self._materialize(resp, job, rank, report)
+        log.info("restored %s step %d rank %d from the %s tier: %d bytes in %.3fs (daemon %.3fs, then %s)", job,
+                 ck.step, rank, ck.tier, sum(s.size for s in resp.shards), time.perf_counter() - t0, fetched,
+                 "streamed over gRPC" if self._streamed(resp) else "mapped")
+        return ck
 
-    def _materialize(self, resp: pb.RestoreResponse, job: str, rank: int,
-                     progress: Callable[[int, int], None] | None) -> Checkpoint:
-        shared = self.transfer != "stream" and self._sees(resp.local_dir, resp.fs_token)
+    def _streamed(self, resp: pb.RestoreResponse) -> bool:
+        return not self._sees(resp.local_dir, resp.fs_token)
+
+    def _materialize(self, resp: pb.RestoreResponse, job: str, rank: int, report: Reporter) -> Checkpoint:
+        shared = self._sees(resp.local_dir, resp.fs_token)
         rows, pack, finalizers = materialize(self._io, self._loans, self._stub, self.address, resp, job, rank,
-                                             progress, shared=shared, transfer=self.transfer, verify=self.verify)
+                                             report.copy(), shared=shared, transfer=self.transfer,
+                                             verify=self.verify)
         arrays, buffers, dtypes, shapes = read_only_arrays(rows)
         if pack is not None:
             buffers[_pack.PACK] = pack  # closed by Checkpoint.close() after the views

@@ -40,6 +40,11 @@ FORMAT = "tierckpt.jax/1"
 INDEX_SHARD = "pytree.json"
 
 
+def _keystr(path: list) -> str:
+    """A stored key path as ``jax.tree_util.keystr`` writes it: ``['a'][0].b``."""
+    return "".join(f"[{v!r}]" if kind == "k" else f"[{v}]" if kind == "i" else f".{v}" for kind, v in path)
+
+
 def _key_entry(k: Any) -> list:
     """One element of a key path as JSON: ["k", dict key] | ["i", index] | ["a", attribute name]."""
     tu = jax.tree_util
@@ -127,11 +132,12 @@ def _listify(node: Any) -> Any:
     return out
 
 
-def _place(arr: np.ndarray, like: Any) -> Any:
-    if isinstance(like, jax.Array):
+def _place(arr: np.ndarray, like: Any, where: str, strict: bool) -> Any:
+    if isinstance(like, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)) and (strict or isinstance(like, jax.Array)):
         if tuple(like.shape) != arr.shape or like.dtype != arr.dtype:
-            raise InvalidArgumentError(f"target: leaf is {like.dtype}{list(like.shape)}, "
-                                       f"checkpoint has {arr.dtype}{list(arr.shape)}")
+            raise InvalidArgumentError(f"target: leaf {where}: expected {like.dtype}{list(like.shape)}, "
+                                       f"stored {arr.dtype}{list(arr.shape)}")
+    if isinstance(like, jax.Array):
         return jax.device_put(arr, like.sharding)
     if isinstance(like, jax.ShapeDtypeStruct):
         sharding = getattr(like, "sharding", None)
@@ -141,8 +147,12 @@ def _place(arr: np.ndarray, like: Any) -> Any:
     return jnp.asarray(arr)
 
 
-def decode(ck: Checkpoint, target: Any = None) -> Any:
+def decode(ck: Checkpoint, target: Any = None, *, strict: bool = True) -> Any:
     """The pytree stored in ``ck`` (see the module docstring for ``target``).
+
+    ``strict``: every array leaf of ``target`` (a ``jax.Array``, ``jax.ShapeDtypeStruct`` or
+    numpy array) must have the stored shape and dtype; False checks only ``jax.Array`` leaves
+    (which are placed with their sharding). The structure is always checked.
 
     Raises:
         FailedPreconditionError: ``ck`` is not a checkpoint written by :func:`encode`.
@@ -161,15 +171,17 @@ def decode(ck: Checkpoint, target: Any = None) -> Any:
             _insert(root, e["path"], jnp.asarray(value) if "shard" in e else value)
         return _listify(root)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    if len(flat) != len(by_path):
-        raise InvalidArgumentError(f"target: {len(flat)} leaves, checkpoint has {len(by_path)}")
+    keys = [json.dumps([_key_entry(k) for k in path]) for path, _ in flat]
+    missing = [jax.tree_util.keystr(p) for k, (p, _) in zip(keys, flat) if k not in by_path]
+    extra = [_keystr(e["path"]) for k, e in by_path.items() if k not in set(keys)]
+    if missing or extra:
+        raise InvalidArgumentError(f"target: does not match {ck.job} step {ck.step}: "
+                                   f"missing in the checkpoint: {', '.join(missing[:8]) or '-'}; "
+                                   f"not in the target: {', '.join(extra[:8]) or '-'}")
     leaves = []
-    for path, like in flat:
-        key = json.dumps([_key_entry(k) for k in path])
-        if key not in by_path:
-            raise InvalidArgumentError(f"target: leaf {jax.tree_util.keystr(path)} is not in the checkpoint")
+    for key, (path, like) in zip(keys, flat):
         e = by_path[key]
-        leaves.append(_place(_array(ck, e), like) if "shard" in e else e["value"])
+        leaves.append(_place(_array(ck, e), like, jax.tree_util.keystr(path), strict) if "shard" in e else e["value"])
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

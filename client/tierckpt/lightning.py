@@ -19,10 +19,16 @@ back to Lightning's ``TorchCheckpointIO`` (ordinary ``.ckpt`` files keep working
 Two paths saved at the same global step (``epoch=0-step=10.ckpt`` and ``last.ckpt``) share one
 tierckpt step; the later save replaces the earlier (Lightning saves the same state for both).
 Sharded strategies (FSDP, DeepSpeed) bring their own checkpoint IO and are not covered.
+
+``Model.load_from_checkpoint(path)`` reads the file itself (``torch.load``), so on a pointer it
+fails with an ``UnpicklingError``; :func:`load_from_checkpoint` is its counterpart::
+
+    model = tierckpt.lightning.load_from_checkpoint(Model, trainer.checkpoint_callback.best_model_path)
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -50,7 +56,7 @@ else:  # pytorch_lightning already imported: its (lightning_fabric) classes
     from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning_fabric.utilities.cloud_io import get_filesystem
 
-__all__ = ["TierckptCheckpointIO", "read_pointer"]
+__all__ = ["TierckptCheckpointIO", "read_pointer", "load_from_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -225,3 +231,46 @@ class TierckptCheckpointIO(CheckpointIO):
             self._ckpt.close()
             self._ckpt = None
 
+
+
+def load_from_checkpoint(cls: Any, checkpoint_path: Any, *, map_location: Any = None, hparams_file: Any = None,
+                         strict: bool | None = None, address: str | None = None, client: Client | None = None,
+                         **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path, ...)`` for a tierckpt pointer (see the module docstring).
+
+    The pointer's step is restored from the nearest tier holding it and handed to Lightning's
+    own ``cls.load_from_checkpoint`` as an in-memory checkpoint, so its semantics hold unchanged:
+    the saved hyperparameters build the model (``kwargs`` override them), ``hparams_file``
+    replaces them, ``strict`` applies to the state dict and ``map_location`` places the tensors
+    (default: the CPU, where the restored tensors are; ``model.to(device)`` moves them). The bytes are
+    serialized once more in memory (the model's size, briefly). A path that is not a pointer
+    goes to ``cls.load_from_checkpoint`` as is.
+
+    Args:
+        cls: a ``LightningModule`` (or ``LightningDataModule``) class.
+        checkpoint_path: a pointer written by :class:`TierckptCheckpointIO` (e.g. ``best_model_path``).
+        address, client: the daemon to restore from (default ``$TIERCKPT_ADDRESS``, else the
+            standard socket).
+
+    Raises:
+        FileNotFoundError: no file at ``checkpoint_path``.
+        tierckpt.NotFoundError: the pointer names a step no tier holds any more.
+    """
+    ptr = read_pointer(checkpoint_path)
+    if ptr is None:
+        return cls.load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file,
+                                        strict=strict, **kwargs)
+    plugin = TierckptCheckpointIO(str(ptr["job"]), address=address, client=client)
+    try:
+        checkpoint = plugin.load_checkpoint(checkpoint_path)
+    finally:
+        plugin.teardown()
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(checkpoint, buf)
+    del checkpoint
+    buf.seek(0)
+    # The bytes were unpickled from tierckpt already; they are as trusted as the store itself.
+    return cls.load_from_checkpoint(buf, map_location=map_location, hparams_file=hparams_file, strict=strict,
+                                    weights_only=False, **kwargs)

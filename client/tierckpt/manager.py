@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ._strict import check_raw, check_torch
 from .client import Client, SaveFuture
 from .common.names import check_job
 from .errors import FailedPreconditionError, InvalidArgumentError, TierckptError
@@ -97,6 +98,20 @@ def _detect(state: Any) -> str:
         "(a mapping) or a JAX pytree, or pass format='raw'|'torch'|'jax' to CheckpointManager")
 
 
+def _keep(max_to_keep: Any) -> dict[str, int]:
+    """``max_to_keep`` as newest steps per tier (an int: that many locally and persistently)."""
+    if max_to_keep is None:
+        return {"local": 2, "persistent": 5}
+    if isinstance(max_to_keep, int) and not isinstance(max_to_keep, bool):
+        if max_to_keep < 1:
+            raise InvalidArgumentError(f"max_to_keep: {max_to_keep!r} must be an integer >= 1")
+        return {"local": max_to_keep, "persistent": max_to_keep}
+    if not isinstance(max_to_keep, Mapping):
+        raise InvalidArgumentError(f"max_to_keep: {max_to_keep!r} must be an integer >= 1 or a mapping of tier "
+                                   'to integer, e.g. {"local": 2, "persistent": 5}')
+    return dict(max_to_keep)
+
+
 def _dist_place() -> tuple[int, int] | None:
     """(rank, world_size) from an initialised torch.distributed, without importing torch."""
     if "torch" not in sys.modules:
@@ -119,9 +134,11 @@ class CheckpointManager:
         policy: when to save: an int (every that many steps), a :class:`tierckpt.goodput.Policy`
             (the planner's per-tier intervals: the manager saves at the cheapest tier's interval
             and persists where the persistent interval falls), or None (every step).
-        max_to_keep: newest steps wanted per tier, e.g. ``{"local": 2, "persistent": 5}``.
-            When given, enforced as the job's ``keep_local`` / ``keep_persistent`` policy on
-            the daemon (default: the daemon's flags; ``peer`` follows ``local``).
+        max_to_keep: newest steps wanted per tier, e.g. ``{"local": 2, "persistent": 5}``, or
+            an int as Orbax's ``CheckpointManagerOptions(max_to_keep=3)``: that many in the
+            local and the persistent tier. When given, enforced as the job's ``keep_local`` /
+            ``keep_persistent`` policy on the daemon (default: the daemon's flags; ``peer``
+            follows ``local``).
         persist_every: also persist steps that are multiples of this (0: only the policy's).
         async_: return from :meth:`save` once the bytes are staged (the commit runs in the
             background); False waits for the local commit.
@@ -135,7 +152,7 @@ class CheckpointManager:
     """
 
     def __init__(self, job: str, *, address: str | None = None, client: Client | None = None,
-                 policy: Policy | int | None = None, max_to_keep: Mapping[str, int] | None = None,
+                 policy: Policy | int | None = None, max_to_keep: Mapping[str, int] | int | None = None,
                  persist_every: int = 0, async_: bool = True, rank: int | None = None,
                  world_size: int | None = None, raise_on_error: bool = False, format: str = "auto",
                  group: Any = None) -> None:
@@ -148,7 +165,7 @@ class CheckpointManager:
             raise InvalidArgumentError(f"persist_every: {persist_every!r} must be an integer >= 0")
         self.job = job
         self._keep_pending = max_to_keep is not None  # set the job's policy before the first save
-        self.max_to_keep = dict(max_to_keep if max_to_keep is not None else {"local": 2, "persistent": 5})
+        self.max_to_keep = _keep(max_to_keep)
         for tier, n in self.max_to_keep.items():
             if tier not in ("local", "peer", "persistent") or not isinstance(n, int) or n < 1:
                 raise InvalidArgumentError(f"max_to_keep[{tier!r}]: {n!r} must be an integer >= 1 for a tier")
@@ -336,19 +353,27 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ restoring
 
-    def restore(self, state: Any = None, step: int | None = None) -> Restored | None:
+    def restore(self, state: Any = None, step: int | None = None, *, strict: bool = True) -> Restored | None:
         """Restore ``step`` (default: :meth:`latest_step`).
 
         Args:
             state: for a torch state, the live state to load into (in place, as
                 :meth:`tierckpt.torch.Checkpointer.load`); for a JAX pytree, the target whose
-                structure and shardings the result takes; for a raw mapping, arrays of matching
-                shape and dtype are filled in place. None: return what is stored.
+                structure and shardings the result takes; for a raw mapping, the arrays are
+                filled in place. None: return what is stored.
+            strict: ``state`` must match the checkpoint: the same keys (key paths inside torch
+                modules and mappings, leaves of a pytree), and the same shape and dtype for
+                every array or tensor; checked before anything is changed. False: what matches
+                is filled, keys the checkpoint lacks keep their values, stored keys the state
+                lacks are added (raw) or left out (torch).
 
         Returns:
             None when ``step`` is None and there is no checkpoint yet.
 
         Raises:
+            InvalidArgumentError: ``strict`` and ``state`` does not match (the message names
+                each key path: missing in the checkpoint, not in the state, or expected
+                (the state's) against stored shape and dtype); ``state`` is unchanged.
             NotFoundError: an explicit ``step`` is not held by any tier.
             FailedPreconditionError: the step (or the newest one, collectively) was saved with
                 another world size (the message names both).
@@ -360,29 +385,42 @@ class CheckpointManager:
                 return None
         fmt = self.format if self.format != "auto" or state is None else _detect(state)
         if fmt == "torch":
-            return self._restore_torch(state, step, t0)
+            return self._restore_torch(state, step, t0, strict)
         from .agree import restore_same_world
 
         ck = restore_same_world(self.client, self.job, self.rank, self.world_size, step)
         stored = ck.metadata.get("tierckpt.format") or ("torch" if "tierckpt.torch" in ck.metadata else "")
         if stored == "torch":
-            return self._restore_torch(None, ck.step, t0)
+            return self._restore_torch(None, ck.step, t0, strict)
         if stored.startswith("tierckpt.jax"):
             from . import jax as tjax
 
-            out = tjax.decode(ck, state)
+            out = tjax.decode(ck, state, strict=strict)
         elif stored == RAW_FORMAT:
-            out = _fill_raw(state, ck.shards, ck.metadata.get("kinds", {}))
+            kinds = ck.metadata.get("kinds", {})
+            if strict and state is not None:
+                if not isinstance(state, Mapping):
+                    raise InvalidArgumentError(f"state: {self.job} step {ck.step} holds a mapping of arrays/bytes, "
+                                               f"got {type(state).__name__}")
+                check_raw(state, ck.shards, kinds, f"{self.job} step {ck.step}")
+            out = _fill_raw(state, ck.shards, kinds)
         else:
             raise FailedPreconditionError(f"{self.job} step {ck.step}: not written by CheckpointManager "
                                           f"(format {stored!r})")
         return Restored(ck.step, ck.tier, ck.metadata.get("user", {}), out, time.perf_counter() - t0)
 
-    def _restore_torch(self, state: Any, step: int, t0: float) -> Restored:
+    def _restore_torch(self, state: Any, step: int, t0: float, strict: bool) -> Restored:
         ckpt = self._checkpointer()
-        got = ckpt.load(state, step) if state is not None else ckpt.read(step)
-        out = state if state is not None else owned_copies(got.state)
-        return Restored(got.step, got.tier, got.metadata, out, time.perf_counter() - t0)
+        if state is None:
+            got = ckpt.read(step)
+            return Restored(got.step, got.tier, got.metadata, owned_copies(got.state), time.perf_counter() - t0)
+        read = ckpt._read(step)
+        if read is None:  # pragma: no cover - an explicit step raises NotFoundError instead
+            raise FailedPreconditionError(f"{self.job} step {step}: nothing to restore")
+        if strict:
+            check_torch(state, read[0].state, f"{self.job} step {read[0].step}")
+        got = ckpt._load_into(state, read, strict, t0)
+        return Restored(got.step, got.tier, got.metadata, state, time.perf_counter() - t0)
 
 
 def _fill_raw(state: Any, shards: Mapping[str, np.ndarray], kinds: Mapping[str, str]) -> Any:

@@ -603,8 +603,11 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         got = self._read(step)
-        if got is None:
-            return None
+        return None if got is None else self._load_into(state, got, strict, t0)
+
+    def _load_into(self, state: MutableMapping[str, Any], got: tuple[Restored, dict[int, str]], strict: bool,
+                   t0: float) -> Restored:
+        """:meth:`load`'s second half: ``got`` (from ``_read``) into ``state``."""
         restored, saved_on = got
         missing = [k for k in state if k not in restored.state]
         if missing and strict:

@@ -108,6 +108,9 @@ class Knobs:
     """Seconds a job's persistent catalog is reused, so ``latest()`` stays cheap."""
     catalog_wait: float = 5.0
     """Seconds a catalog question waits for a listing before answering from the previous one."""
+    fetch_pace: float = 0.0
+    """Tests only: seconds a restore's fetch from the persistent tier pauses after each shard, so
+    that its progress (``RestoreProgress``) can be watched. 0 in production."""
     drain_retry: RetryPolicy = RetryPolicy(initial_delay=0.5, max_delay=30.0, deadline=None)
     """Retries of one upload while the store is throttling or unreachable (for as long as it lasts)."""
     read_retry: RetryPolicy = RetryPolicy(initial_delay=0.2, max_delay=5.0, deadline=60.0)

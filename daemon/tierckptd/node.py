@@ -21,6 +21,7 @@ from tierckpt.errors import (
     TierckptError,
 )
 
+from .fetchprogress import Fetch
 from .knobs import KNOBS
 from .local.manifest import Manifest
 from .local.store import Eviction, LocalStore, Staging
@@ -259,6 +260,10 @@ class Node:
         files) the answer opens a loan that the client ends with :meth:`release`. See :mod:`.restore`."""
         return await self._restores.restore(job, rank, step, local_corrupt=local_corrupt,
                                             corrupt_generation=corrupt_generation, lend=lend)
+
+    def restore_progress(self, job: str, rank: int, step: int | None) -> Fetch | None:
+        """The fetch behind a restore of the rank in flight, or None (see :mod:`.fetchprogress`)."""
+        return self._restores.progress(job, rank, step)
 
     async def release(self, job: str, step: int, rank: int, generation: str) -> bool:
         """A client unmapped the files of one Restore (see :meth:`.store.LocalStore.release`)."""

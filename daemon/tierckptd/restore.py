@@ -19,6 +19,7 @@ from typing import Any
 from tierckpt.common.names import check_job, check_step
 from tierckpt.errors import DataLossError, InvalidArgumentError, NotFoundError, UnavailableError
 
+from .fetchprogress import CURRENT, Fetch
 from .knobs import KNOBS
 from .local.manifest import Manifest
 from .local.store import LocalStore
@@ -60,6 +61,7 @@ class NodeRestore:
         # (job, step, rank) -> the fetch in flight: concurrent restores of one rank share it
         # (two fetches would stage the same rank twice and the second would void the first's).
         self._fetching: dict[tuple[str, int, int], asyncio.Task] = {}
+        self._progress: dict[tuple[str, int, int], Fetch] = {}  # the tier being tried, per fetch in flight
 
     async def restore(self, job: str, rank: int, step: int | None, *, local_corrupt: bool = False,
                       corrupt_generation: str = "", lend: bool = True) -> RestoreResult:
@@ -106,6 +108,7 @@ class NodeRestore:
         # A fetched copy may be older than the newest keep_local complete steps: pin the step
         # (a reason of its own per restore) so the fetch's commit and retention soon after
         # cannot evict it before the client has mapped it; mapped files stay valid after.
+        key = (job, step, rank)
         reason = f"restore-{id(asyncio.current_task()):x}-{time.monotonic_ns():x}"
         self.store.pin(job, step, reason)
         man = None
@@ -115,6 +118,8 @@ class NodeRestore:
                 for t in self.tiers:
                     marks.enter_context(t.restoring(job, step, rank))
                 for t in self.tiers:
+                    fetch = self._progress[key] = Fetch(step, t.name)  # each tier tried starts over
+                    token = CURRENT.set(fetch)
                     try:
                         man = await t.fetch(job, step, rank)
                     except NotFoundError:
@@ -123,14 +128,24 @@ class NodeRestore:
                         errors.append(f"{t.name}: {e}")
                         lost.append(isinstance(e, DataLossError))
                         continue
+                    finally:
+                        CURRENT.reset(token)
                     return man, t.name, man.node
         finally:
+            self._progress.pop(key, None)
             self._spawn(self._unpin_later(job, step, reason, KNOBS.restore_pin_seconds if man else 0.0))
         if errors:
             # data loss only when every copy tried failed verification; else the copies may come back
             cls = DataLossError if all(lost) else UnavailableError
             raise cls(f"{job} step {step} rank {rank}: every copy failed: " + "; ".join(errors))
         raise NotFoundError(f"{job} step {step} rank {rank} is not held by any tier")
+
+    def progress(self, job: str, rank: int, step: int | None) -> Fetch | None:
+        """The fetch in flight of ``rank`` of ``job`` at ``step`` (None: its newest step being fetched)."""
+        if step is not None:
+            return self._progress.get((job, step, rank))
+        steps = [s for (j, s, r) in self._progress if j == job and r == rank]
+        return self._progress[(job, max(steps), rank)] if steps else None
 
     async def _unpin_later(self, job: str, step: int, reason: str, delay: float) -> None:
         await asyncio.sleep(delay if self._accepting() else 0)

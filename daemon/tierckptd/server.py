@@ -224,6 +224,17 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         )
 
     @rpc
+    async def RestoreProgress(self, request: pb.RestoreProgressRequest, context) -> pb.RestoreProgressResponse:
+        check_job(request.job)
+        if request.has_step:
+            check_step(request.step)
+        f = self.node.restore_progress(request.job, request.rank, request.step if request.has_step else None)
+        if f is None:
+            return pb.RestoreProgressResponse(fetching=False)
+        return pb.RestoreProgressResponse(fetching=True, step=f.step, tier=TIER_ENUM[f.tier], bytes_done=f.bytes_done(),
+                                          bytes_total=f.total, source=f.source)
+
+    @rpc
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         check_job(request.job)
         check_step(request.step)

@@ -101,3 +101,54 @@ def test_plain_ckpt_files_still_load(tmp_path, daemon):
     io.remove_checkpoint(tmp_path / "a.ckpt")
     assert not (tmp_path / "a.ckpt").exists()
     io.teardown()
+
+
+class Sized(pl.LightningModule):
+    """A module built from saved hyperparameters (what load_from_checkpoint must reproduce)."""
+
+    def __init__(self, hidden: int = 4, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(3, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+
+    def training_step(self, batch, _idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    def train_dataloader(self):
+        x = torch.randn(16, 3, generator=torch.Generator().manual_seed(1))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+def test_load_from_checkpoint_of_a_pointer(tmp_path, daemon):
+    pl.seed_everything(0, verbose=False)
+    model = Sized(hidden=6, lr=0.05)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor=None)
+    trainer = pl.Trainer(max_epochs=2, plugins=[TierckptCheckpointIO("pl-load", address=daemon.address)],
+                         callbacks=[ckpt], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu", devices=1)
+    trainer.fit(model)
+    best = ckpt.best_model_path
+    assert read_pointer(best)["job"] == "pl-load"
+    with pytest.raises(Exception, match="(?i)unpickl|weights only|load"):  # Lightning reads the file itself
+        Sized.load_from_checkpoint(best)
+
+    got = tierckpt.lightning.load_from_checkpoint(Sized, best, address=daemon.address)
+    assert isinstance(got, Sized) and got.hparams.hidden == 6 and got.hparams.lr == 0.05  # built from hparams
+    for a, b in zip(got.parameters(), model.parameters()):
+        assert torch.equal(a, b.cpu())
+    placed: list[str] = []
+    over = tierckpt.lightning.load_from_checkpoint(Sized, best, address=daemon.address, lr=0.5,
+                                                   map_location=lambda storage, loc: placed.append(loc) or storage)
+    assert over.hparams.lr == 0.5 and placed and set(placed) == {"cpu"}  # kwargs override; map_location applies
+    with pytest.raises(RuntimeError, match="size mismatch"):  # strict state-dict loading, as Lightning's
+        tierckpt.lightning.load_from_checkpoint(Sized, best, address=daemon.address, hidden=5)
+    plain = tmp_path / "plain.ckpt"  # not a pointer: Lightning's own loader
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
+                "pytorch-lightning_version": pl.__version__}, plain)
+    assert tierckpt.lightning.load_from_checkpoint(Sized, plain, weights_only=False).hparams.hidden == 6
+    with pytest.raises(FileNotFoundError):
+        tierckpt.lightning.load_from_checkpoint(Sized, tmp_path / "none.ckpt", address=daemon.address)

@@ -19,7 +19,7 @@ def test_fixed_interval_and_persist_every(daemon):
         assert mgr.stats.committed == 3 and mgr.stats.failed == 0 and mgr.stats.skipped == 3
         assert mgr.all_steps() == [4, 5]  # no max_to_keep given: the daemon's keep_local (2) applies
         assert mgr.latest_step() == 5
-        target = {"w": np.empty(8, np.float32)}
+        target = {"w": np.empty(8, np.float32), "blob": b""}
         buf = target["w"]
         got = mgr.restore(target, step=4)
         assert got.step == 4 and got.state is target and target["w"] is buf  # filled in place

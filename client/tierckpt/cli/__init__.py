@@ -13,8 +13,12 @@ exit   meaning
 4      not found: the job, step or rank is in no reachable tier
 =====  ===================================================================================
 
+Exit 4 covers every command naming a job or step (``ls``, ``latest``, ``verify``, ``rm``,
+``restore``, ``persist``; not ``policy``, which may precede a job's first save).
+
 A failed command leaves nothing behind: ``restore`` creates ``--out`` only once the daemon has
-handed over the checkpoint, and prints nothing on stdout. Progress goes to stderr, and only when
+handed over the checkpoint, and prints nothing on stdout. An existing ``--out`` must be empty
+unless ``--force``, which replaces it whole (written beside it, then swapped in). Progress goes to stderr, and only when
 stderr is a terminal.
 """
 
@@ -155,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--step", metavar="N", type=_int, default=None,
                    help="step to restore (default: the latest complete step)")
     s.add_argument("--out", metavar="DIR", required=True,
-                   help="output directory, created once the daemon has handed over the checkpoint")
+                   help="output directory, created once the daemon has handed over the checkpoint; an existing "
+                        "one must be empty (see --force)")
+    s.add_argument("--force", action="store_true",
+                   help="replace a non-empty --out whole (written beside it, then swapped in; never a mix)")
     s.add_argument("--quiet", action="store_true", help="no progress bar (there is none unless stderr is a terminal)")
     s.add_argument("--json", action="store_true", help="print the summary as one JSON document")
     _add_connection(s, sub=True)

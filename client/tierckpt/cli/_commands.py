@@ -8,9 +8,12 @@ snake_case and integers are numbers (the README has the schema of each command).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from typing import Any, TextIO
 
@@ -103,6 +106,8 @@ def cmd_status(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
 def cmd_ls(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
     _check_job(args.job)
     infos = daemon.call(daemon.client.list, args.job)
+    if not infos:
+        raise NotFoundError(f"job {args.job!r} has no checkpoint in any reachable tier")
     if args.json:
         write_json({"job": args.job, "checkpoints": [
             {"step": i.step, "world_size": i.world_size, "complete": i.complete, "complete_in": list(i.tiers),
@@ -110,16 +115,12 @@ def cmd_ls(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
              "ranks": [{"rank": r.rank, "tiers": list(r.tiers), "nodes": list(r.nodes), "bytes": r.nbytes}
                        for r in i.ranks]} for i in infos]}, out)
         return 0
-    if not infos:
-        out.write(f"no checkpoints for job {args.job}\n")
-        return 0
     w = out.write
     w(f"{'STEP':>10}  {'RANKS':>9}  {'COMPLETE':<8}  {'COMPLETE IN':<22}  {'BYTES':>10}  NODES\n")
     for i in infos:
-        nodes = sorted({n for r in i.ranks for n in r.nodes})
         w(f"{i.step:>10}  {len(i.ranks):>4}/{i.world_size:<4}  {'yes' if i.complete else 'no':<8}  "
           f"{','.join(i.tiers) or '-':<22}  {fmt_bytes(sum(r.nbytes for r in i.ranks)):>10}  "
-          f"{','.join(nodes) or '-'}\n")
+          f"{_holders(i.ranks)}\n")
         if args.ranks:
             held = {r.rank: r for r in i.ranks}
             for rank in range(i.world_size):
@@ -128,10 +129,19 @@ def cmd_ls(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
                     w(f"{'':>10}  {'rank ' + str(rank):>9}  {'missing':<8}  {'-':<22}  {'-':>10}  -\n")
                 else:
                     w(f"{'':>10}  {'rank ' + str(rank):>9}  {'':<8}  {','.join(r.tiers) or '-':<22}  "
-                      f"{fmt_bytes(r.nbytes):>10}  {','.join(r.nodes) or '-'}\n")
+                      f"{fmt_bytes(r.nbytes):>10}  {_holders([r])}\n")
     w("COMPLETE IN: tiers that hold every rank of the step" +
       ("; rank rows: the tiers and nodes holding that rank\n" if args.ranks else " (--ranks: per rank)\n"))
     return 0
+
+
+def _holders(ranks: Any) -> str:
+    """The NODES column: the nodes holding the ranks, and ``object store`` for copies held
+    there (the persistent tier is no node)."""
+    names = sorted({n for r in ranks for n in r.nodes})
+    if any("persistent" in r.tiers for r in ranks):
+        names.append("object store")
+    return ",".join(names) or "-"
 
 
 # ---------------------------------------------------------------------------------- latest
@@ -158,17 +168,24 @@ class _Progress:
         self.t0 = time.monotonic()
         self.last = 0.0
         self.drawn = False
+        self.tier: str | None = None
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int, tier: str = "local") -> None:
+        """``tier``: "peer"/"persistent" while the daemon fetches the rank, "local" for this process's copy."""
         now = time.monotonic()
+        if tier != self.tier:  # a new stage: its own line and rate
+            if self.drawn:
+                self.stream.write("\n")
+            self.t0, self.last, self.tier = now, 0.0, tier
         if now - self.last < 0.1 and done < total:
             return
         self.last = now
         frac = done / total if total else 1.0
         bar = "#" * int(frac * 30)
         rate = done / max(now - self.t0, 1e-9)
+        what = "reading" if tier == "local" else f"daemon fetching from the {tier} tier"
         self.stream.write(f"\r[{bar:<30}] {frac * 100:5.1f}% {fmt_bytes(done)}/{fmt_bytes(total)} "
-                          f"{fmt_bytes(rate)}/s")
+                          f"{fmt_bytes(rate)}/s {what}\x1b[K")
         self.stream.flush()
         self.drawn = True
 
@@ -178,19 +195,86 @@ class _Progress:
             self.stream.flush()
 
 
-def _check_out(path: str) -> None:
-    """Refuses an --out that cannot become a directory, before anything is asked or created."""
-    if os.path.exists(path):
-        if not os.path.isdir(path):
+def _check_out(path: str, force: bool) -> bool:
+    """Refuses an --out that cannot become the restored directory, before anything is asked or
+    created. Returns whether it is an existing, empty directory (written in place)."""
+    if os.path.lexists(path):
+        if os.path.islink(path) or not os.path.isdir(path):
             raise InvalidArgumentError(f"--out: {path} exists and is not a directory")
         if not os.access(path, os.W_OK | os.X_OK):
             raise InvalidArgumentError(f"--out: {path} is not writable")
-        return
+        if not os.listdir(path):
+            return True
+        if not force:
+            raise InvalidArgumentError(f"--out: {path} is not empty (--force replaces it whole)")
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise InvalidArgumentError(f"--out: cannot create {path}: {parent} is not a writable directory")
+        what = "replace" if os.path.lexists(path) else "create"
+        raise InvalidArgumentError(f"--out: cannot {what} {path}: {parent} is not a writable directory")
+    return False
+
+
+def _write_out(ck: Any, out: str, in_place: bool) -> tuple[dict[str, str], dict[str, Any]]:
+    """The shards and ``checkpoint.json`` under ``out``: written in place into an empty directory,
+    else into a sibling temporary directory that then becomes ``out`` (an existing one, with
+    --force, is swapped out and removed): ``out`` never holds a mix of two checkpoints."""
+    final = os.path.abspath(out)
+    if in_place:
+        work = final
+    else:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        work = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", suffix=".tmp", dir=os.path.dirname(final))
+    try:
+        for name in ck.shards:
+            _write_file(os.path.join(work, name), memoryview(ck._buffers[name]), os.path.join(out, name))
+        meta = {"job": ck.job, "step": ck.step, "rank": ck.rank, "world_size": ck.world_size, "tier": ck.tier,
+                "source_node": ck.source_node, "metadata": ck.metadata,
+                "shards": {n: {"dtype": ck.dtypes[n], "shape": list(ck.shapes[n]), "bytes": int(a.nbytes)}
+                           for n, a in ck.shards.items()}}
+        _write_file(os.path.join(work, "checkpoint.json"), json.dumps(meta, indent=2).encode(),
+                    os.path.join(out, "checkpoint.json"))
+        if not in_place:
+            _swap_in(work, final)
+    except BaseException:
+        if not in_place:
+            shutil.rmtree(work, ignore_errors=True)
+        else:  # the directory was empty: empty it again
+            for name in os.listdir(work):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(work, name))
+        raise
+    return {n: os.path.join(out, n) for n in ck.shards}, meta
+
+
+def _write_file(path: str, data: Any, shown: str) -> None:
+    """One file under a temporary name, then renamed (errors name ``shown``, the final path)."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise OSError(e.errno, e.strerror, shown) from e
+
+
+def _swap_in(work: str, final: str) -> None:
+    """``work`` becomes ``final``; a directory already there is moved aside first, then removed."""
+    if not os.path.lexists(final):
+        os.rename(work, final)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", suffix=".old", dir=os.path.dirname(final))
+    os.rename(final, os.path.join(old, "out"))
+    try:
+        os.rename(work, final)
+    except OSError:
+        os.rename(os.path.join(old, "out"), final)  # put the previous directory back
+        os.rmdir(old)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def cmd_restore(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
@@ -199,7 +283,7 @@ def cmd_restore(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
         raise InvalidArgumentError(f"--rank: must be >= 0, got {args.rank}")
     if args.step is not None and args.step < 0:
         raise InvalidArgumentError(f"--step: must be >= 0, got {args.step}")
-    _check_out(args.out)
+    in_place = _check_out(args.out, args.force)
     c = daemon.client
     # The restore RPC itself has no deadline (a fetch from the object store may take long), so a
     # short control call first proves the daemon answers within --timeout.
@@ -217,28 +301,7 @@ def cmd_restore(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
         if progress:
             progress.finish()
     # Only now, with the checkpoint in hand, is anything created under --out.
-    os.makedirs(args.out, exist_ok=True)
-    files = {}
-    for name in ck.shards:
-        final = os.path.join(args.out, name)
-        tmp = os.path.join(args.out, f".{name}.tmp")
-        try:
-            with open(tmp, "wb") as fh:
-                fh.write(memoryview(ck._buffers[name]))
-            os.replace(tmp, final)
-        except OSError as e:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise OSError(e.errno, e.strerror, final) from e
-        files[name] = final
-    meta = {"job": ck.job, "step": ck.step, "rank": ck.rank, "world_size": ck.world_size, "tier": ck.tier,
-            "source_node": ck.source_node, "metadata": ck.metadata,
-            "shards": {n: {"dtype": ck.dtypes[n], "shape": list(ck.shapes[n]), "bytes": int(a.nbytes)}
-                       for n, a in ck.shards.items()}}
-    tmp = os.path.join(args.out, ".checkpoint.json.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(meta, fh, indent=2)
-    os.replace(tmp, os.path.join(args.out, "checkpoint.json"))
+    files, meta = _write_out(ck, args.out, in_place)
     total = sum(int(a.nbytes) for a in ck.shards.values())
     if args.json:
         doc = dict(meta, out=os.path.abspath(args.out), bytes=total)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from .._admin import JobPolicy
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, NotFoundError
 from ._commands import _check_job, write_json
 from ._daemon import Session
 
@@ -61,6 +61,10 @@ def cmd_rm(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
     _check_job(args.job)
     tiers = [args.tier] if args.tier else []
     r = daemon.call(daemon.client.delete_step, args.job, args.step, tiers)
+    if not (r.local or r.peer or r.persistent or r.persistent_objects):
+        where = f"the {args.tier} tier" if args.tier else "any reachable tier"
+        missed = f" (not reached: {', '.join(r.unreachable)})" if r.unreachable else ""
+        raise NotFoundError(f"{args.job} step {args.step} is not in {where}{missed}")
     if args.json:
         write_json({"job": args.job, "step": args.step, "local": r.local, "peer": r.peer,
                     "persistent": r.persistent, "persistent_objects": r.persistent_objects,
@@ -76,6 +80,10 @@ def cmd_rm(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
 def cmd_verify(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
     _check_job(args.job)
     r = daemon.call(daemon.client.verify_job, args.job, args.step)
+    if not r.copies:
+        what = args.job if args.step is None else f"{args.job} step {args.step}"
+        missed = f" (not reached: {', '.join(r.unreachable)})" if r.unreachable else ""
+        raise NotFoundError(f"{what}: no copy in any reachable tier{missed}")
     if args.json:
         write_json({"job": args.job, "mismatches": r.mismatches, "unreachable": list(r.unreachable),
                     "copies": [{"step": c.step, "rank": c.rank, "tier": c.tier, "node": c.node, "state": c.state,

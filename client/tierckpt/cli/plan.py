@@ -65,6 +65,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a daemon's metrics endpoint, http://HOST:PORT/metrics (or HOST:PORT): mean restore "
                              "times per tier and the local commit time fill the flags not given")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON document")
+    parser.add_argument("--plot", metavar="FILE",
+                        help="also draw goodput against each tier's interval (the others at the plan's) into "
+                             "FILE, an image whose format its suffix names (.png, .svg, .pdf); needs matplotlib "
+                             "(pip install 'tierckpt[plot]')")
 
 
 def _duration(text: object, flag: str, *, positive: bool = True) -> float:
@@ -133,6 +137,10 @@ def _fractions(args: argparse.Namespace) -> tuple[dict[str, float], list[str]]:
 def _fmt_s(s: float | None) -> str:
     if s is None:
         return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.3g} us"
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
     if s < 120:
         return f"{s:.3g} s"
     return f"{s / 60:.3g} min" if s < 7200 else f"{s / 3600:.3g} h"
@@ -165,6 +173,10 @@ def run_plan(args: argparse.Namespace, out: TextIO, *, timeout: float = 10.0) ->
     costs = _tier_costs(values, source)
     failures = FailureModel(mtbi, fractions["crash"], fractions["node"], fractions["cluster"])
     result = plan(costs, failures, step)
+    if getattr(args, "plot", None):
+        from ._plot import plot_curves
+
+        plot_curves(args.plot, costs, failures, step, result)
     defaulted = [f"{c}_fraction" for c in default_fractions] + [k for k, s in source.items() if s == "default"]
     measured_keys = sorted(k for k, s in source.items() if s == "measured")
     if getattr(args, "json", False):
@@ -229,13 +241,13 @@ def _tier_costs(values: dict[str, float], source: dict[str, str]) -> list[TierCo
 
 def _print_tables(out: TextIO, result: Any, costs: list[TierCost], source: dict[str, str]) -> None:
     w = out.write
-    w(f"\n{'tier':<11} {'save':>9} {'restore':>10}  {'recovers':<19} {'their MTBI':>10} {'interval':>10} "
+    w(f"\n{'tier':<11} {'save':>9} {'restore':>14}  {'recovers':<19} {'their MTBI':>10} {'interval':>10} "
       f"{'steps':>8}\n")
-    mark = {"flag": " ", "measured": "m", "default": "*"}
+    mark = {"flag": "", "measured": " (m)", "default": " (*)"}
     for t in result.tiers:
         c = next(x for x in costs if x.name == t.name)
         restore = f"{_fmt_s(c.restore_s)}{mark[source[f'{t.name}_restore']]}"
-        w(f"{t.name:<11} {_fmt_s(c.save_blocking_s):>9} {restore:>10}  "
+        w(f"{t.name:<11} {_fmt_s(c.save_blocking_s):>9} {restore:>14}  "
           f"{','.join(t.recovers) or '-':<19} {_fmt_s(t.mtbi_s):>10} "
           f"{_fmt_s(t.interval_s) if t.interval_s is not None else 'not used':>10} "
           f"{t.interval_steps if t.interval_steps is not None else '-':>8}\n")
@@ -252,10 +264,10 @@ def _print_tables(out: TextIO, result: Any, costs: list[TierCost], source: dict[
 def _print_notes(out: TextIO, source: dict[str, str], measured_keys: list[str], default_fractions: list[str]) -> None:
     notes = []
     if any(s == "default" for s in source.values()):
-        notes.append("* restore time not given: taken as the tier's save time (give --TIER-restore, or "
+        notes.append("(*) restore time not given: taken as the tier's save time (give --TIER-restore, or "
                      "--metrics-url to measure it)")
     if measured_keys:
-        notes.append("m measured: mean of the daemon's histogram")
+        notes.append("(m) measured: mean of the daemon's histogram")
     if default_fractions and len(default_fractions) < 3:
         notes.append(f"{', '.join(default_fractions)} share: the rest, split in the default ratio")
     for n in notes:

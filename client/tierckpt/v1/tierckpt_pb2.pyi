@@ -276,6 +276,34 @@ class RestoreRequest(_message.Message):
     corrupt_generation: str
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., local_corrupt: _Optional[bool] = ..., corrupt_generation: _Optional[str] = ...) -> None: ...
 
+class RestoreProgressRequest(_message.Message):
+    __slots__ = ("job", "rank", "has_step", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HAS_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    has_step: bool
+    step: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
+
+class RestoreProgressResponse(_message.Message):
+    __slots__ = ("fetching", "step", "tier", "bytes_done", "bytes_total", "source")
+    FETCHING_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    fetching: bool
+    step: int
+    tier: Tier
+    bytes_done: int
+    bytes_total: int
+    source: str
+    def __init__(self, fetching: _Optional[bool] = ..., step: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
 class RestoredShard(_message.Message):
     __slots__ = ("name", "size", "checksum", "dtype", "shape", "path")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -81,6 +81,11 @@ class TierckptStub:
                 request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.RestoreProgress = channel.unary_unary(
+                '/tierckpt.v1.Tierckpt/RestoreProgress',
+                request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.RestoreProgressRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.RestoreProgressResponse.FromString,
+                _registered_method=True)
         self.ReadShard = channel.unary_stream(
                 '/tierckpt.v1.Tierckpt/ReadShard',
                 request_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.ReadShardRequest.SerializeToString,
@@ -197,6 +202,13 @@ class TierckptServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RestoreProgress(self, request, context):
+        """Progress of the fetch behind a Restore in flight (bytes and tier). Idempotent, cheap.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadShard(self, request, context):
         """Stream one restored shard's bytes (clients without the shared filesystem). Idempotent.
         """
@@ -304,6 +316,11 @@ def add_TierckptServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.RestoreRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.RestoreResponse.SerializeToString,
+            ),
+            'RestoreProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreProgress,
+                    request_deserializer=tierckpt_dot_v1_dot_tierckpt__pb2.RestoreProgressRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_tierckpt__pb2.RestoreProgressResponse.SerializeToString,
             ),
             'ReadShard': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadShard,
@@ -591,6 +608,33 @@ class Tierckpt:
             '/tierckpt.v1.Tierckpt/Restore',
             tierckpt_dot_v1_dot_tierckpt__pb2.RestoreRequest.SerializeToString,
             tierckpt_dot_v1_dot_tierckpt__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Tierckpt/RestoreProgress',
+            tierckpt_dot_v1_dot_tierckpt__pb2.RestoreProgressRequest.SerializeToString,
+            tierckpt_dot_v1_dot_tierckpt__pb2.RestoreProgressResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,6 +22,7 @@ from tierckpt.errors import (
 )
 from tierckpt.v1 import peer_pb2 as ppb
 
+from .. import fetchprogress
 from ..cluster import ring
 from ..cluster.membership import Membership, PeerInfo
 from ..local.manifest import Manifest
@@ -100,6 +101,7 @@ class Fetcher:
         try:
             files = {n: (functools.partial(self.store.open_staged, st.save_id, n), f.size) for n, f in st.files.items()}
             hashers = {s.name: bulk.OrderedHasher(s.size) for s in man.shards}
+            fetchprogress.started(man.nbytes, p.node_id, lambda: sum(h.pos for h in list(hashers.values())))
             await self.transfer.run(p.node_id, p.host, resp.bulk_port, resp.ticket, "get",
                                     plan_pieces([(s.name, s.size) for s in man.shards]), files, hashers, p.tls_name)
             for s in man.shards:

@@ -6,12 +6,19 @@ drain, a deletion: the job's epoch moves). At most one listing per job is in fli
 waits for it up to ``KNOBS.catalog_wait`` seconds, then answers from the previous listing, so a
 slow or unreachable object store never holds ``latest()`` up for long while the local and peer
 tiers can answer.
+
+A listing gives step, rank and world size (the manifest key); the size and age of a rank come
+from its manifest. Those this process drained or restored are remembered; after a listing, up
+to ``SIZE_READS`` others, newest steps first, are read (``KNOBS.read_threads`` at once) within
+what is left of ``catalog_wait``, so ``tierckpt ls`` shows the bytes of steps held only in the
+object store after a restart; a job with more unread manifests fills in over later listings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import logging
 import time
@@ -38,7 +45,10 @@ from .layout import (
 from .ledger import Bounded, Key
 from .tombstone import read_tombstone
 
-__all__ = ["Catalog", "count_checksum_failure"]
+__all__ = ["Catalog", "count_checksum_failure", "SIZE_READS"]
+
+SIZE_READS = 512
+"""Manifests of unknown size read after one listing of a job (one GET each)."""
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +83,8 @@ class Catalog:
         self._cache: dict[str, tuple[float, int, Steps | None, str]] = {}
         self._epochs: dict[str, int] = collections.defaultdict(int)
         self._listings: dict[str, tuple[int, asyncio.Task]] = {}  # job -> (epoch, listing in flight)
+        self._keys: Bounded = Bounded(65536)  # (job, step, rank) -> its manifest's object key, as listed
+        self._sizing: dict[str, asyncio.Task] = {}  # job -> manifest reads for sizes in flight
 
     def invalidate(self, job: str) -> None:
         """This process changed the job's objects: the next catalog lists again."""
@@ -104,6 +116,7 @@ class Catalog:
             if rank not in out.setdefault(step, {}):  # two worlds for a rank: a re-save mid-cleanup
                 out[step][rank] = world
                 objects[(step, rank)] = key
+            self._keys[(job, step, rank)] = key
         for step in deleted & out.keys():  # rare: a save after `rm`, or a drain that raced it
             await self._drop_deleted(job, step, out)
         if checked and signing.active().signing:
@@ -166,12 +179,17 @@ class Catalog:
             inflight = self._listings.get(job)
             if inflight is None or inflight[0] != epoch:
                 inflight = self._listings[job] = (epoch, self._spawn(self._refresh(job, epoch)))
+            until = time.monotonic() + KNOBS.catalog_wait
             try:
                 await asyncio.wait_for(asyncio.shield(inflight[1]), KNOBS.catalog_wait)
             except TimeoutError:
                 log.warning("persistent catalog of %s: listing %s takes longer than %.0fs; answering without it",
                             job, self.url, KNOBS.catalog_wait)
                 stale = True
+            sizing = self._sizing.get(job)
+            if sizing is not None and not stale:  # sizes of ranks not seen before: what arrives in time
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(sizing), max(0.0, until - time.monotonic()))
             cached = self._cache.get(job)
         if cached is None:
             raise UnavailableError(f"persistent tier {self.url}: cannot list {job} yet")
@@ -206,6 +224,31 @@ class Catalog:
         current = self._cache.get(job)
         if current is None or current[1] <= epoch:  # a newer listing may have finished first
             self._cache[job] = entry
+        unknown = sorted((k for k in self._keys if k[0] == job and k not in self.known and entry[2] is not None
+                          and k[2] in entry[2].get(k[1], {})), key=lambda k: -k[1])[:SIZE_READS]
+        if unknown and job not in self._sizing:
+            task = self._sizing[job] = self._spawn(self._read_sizes(unknown))
+            task.add_done_callback(lambda _t: self._sizing.pop(job, None))
+
+    async def _read_sizes(self, keys: list[Key]) -> None:
+        """Remember the size and age of listed ranks from their manifests (a task; errors skip a rank)."""
+        gate = asyncio.Semaphore(KNOBS.read_threads)
+
+        async def one(k: Key) -> None:
+            obj = self._keys.get(k)
+            if obj is None:
+                return
+            async with gate:
+                try:
+                    data = await self.calls.read(functools.partial(self.calls.be.get_bytes, obj))
+                    man = Manifest.from_json(data)
+                except (BackendError, NotFoundError, UnavailableError, DataLossError, ValueError) as err:
+                    log.debug("persistent catalog: size of %s unknown: %s", obj, err)
+                    return
+            if man.key == k:
+                self.note(man)
+
+        await asyncio.gather(*(one(k) for k in keys))
 
     async def read_manifest(self, job: str, step: int, rank: int) -> Manifest:
         """The rank's manifest in the store (the newest, if a re-save is being cleaned up).

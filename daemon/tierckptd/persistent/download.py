@@ -22,7 +22,9 @@ from typing import Any
 
 from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
 
+from .. import fetchprogress
 from ..backends import BackendError
+from ..knobs import KNOBS
 from ..local.manifest import Manifest, ShardEntry
 from ..local.store import LocalStore
 from ..offload import run_blocking, run_owning
@@ -65,6 +67,7 @@ class Restorer:
         self.metrics = metrics
         self.announce = announce
         self._locks: weakref.WeakValueDictionary[Key, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._pace = asyncio.Lock()
 
     async def fetch(self, job: str, step: int, rank: int) -> Manifest:
         """Download one rank into the local store, verified, and return its local manifest.
@@ -103,6 +106,7 @@ class Restorer:
     async def _download(self, remote: Manifest) -> Manifest:
         """Fetch one rank into the local store."""
         job, step, rank = remote.key
+        fetchprogress.started(remote.nbytes, self.catalog.url)
         specs = [(s.name, s.size, s.dtype, s.shape) for s in remote.shards]
         st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, remote.world_size, specs,
                               stream=False, prefault=True)
@@ -141,3 +145,7 @@ class Restorer:
         if got != shard.size:  # the object disagrees with its manifest: never hashed through a short map
             raise DataLossError(f"object {key} has {got} bytes, its manifest says {shard.size}")
         st.created = time.monotonic()  # progress: keep the staging reaper away from a long restore
+        if KNOBS.fetch_pace:  # tests: a fetch slow enough to watch (the shards land one by one)
+            async with self._pace:
+                await asyncio.sleep(KNOBS.fetch_pace)
+        fetchprogress.advanced(shard.size)
