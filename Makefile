@@ -12,10 +12,13 @@ demo-venv: $(VENV)/.demo-installed
 # What the demo needs and nothing more: the daemon and torch (the CPU build pinned in
 # requirements-test.txt), ~1 minute and ~1 GB on a fresh machine; pip shows what it fetches.
 $(VENV)/.demo-installed: pyproject.toml requirements-test.txt
-	@echo "== make demo: installing the daemon, the client and torch into $(VENV)/ (about a minute) =="
+	@echo "== make demo: installing what it needs into $(VENV)/ (about a minute on a fresh machine) =="
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q --upgrade pip
-	$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements-test.txt -e '.[daemon,torch]'
+	@echo "== [1/2] torch, the CPU build (the largest part) =="
+	$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements-test.txt
+	@echo "== [2/2] the daemon and the client (tierckpt[daemon,torch], editable) =="
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[daemon,torch]'
 	touch $@
 
 $(VENV)/.installed: pyproject.toml requirements-test.txt
