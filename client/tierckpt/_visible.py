@@ -105,6 +105,11 @@ def call_restore(stub: Any, req: pb.RestoreRequest, address: str, report: Report
     """The Restore RPC (no deadline: a fetch may take long); while it is in flight and the
     callback wants it, the daemon's fetch is polled and reported. A daemon without
     ``RestoreProgress`` (older) is not asked again."""
+    if not report.with_tier:  # nobody asked for the fetch's progress: the plain call
+        try:
+            return stub.Restore(req, timeout=None)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, f"Restore at {address}") from None
     call = stub.Restore.future(req, timeout=None)
     last: tuple[int, int, str] | None = None
     try:
