@@ -51,7 +51,7 @@ class Metrics:
     Counters (``.inc(n)``; labelled ones via ``.labels(...)``):
         saved_bytes (tier), shared_bytes (tier), saves (tier, result), restored_bytes (tier), restores (tier, result),
         replication_failures (peer), drain_failures, drained_bytes, checksum_failures (tier),
-        evictions (reason), staging_reclaimed.
+        evictions (reason), staging_reclaimed, local_quarantined.
     Histograms (``.observe(seconds)`` or ``with h.time():``):
         commit_latency, save_latency, restore_latency (tier), replication_latency.
     Gauges (``.set(v)``):
@@ -170,6 +170,12 @@ class Metrics:
         self.staging_reclaimed = Counter(
             "tierckpt_staging_reclaimed_total",
             "Uncommitted saves whose staging files were reclaimed after staging_timeout.", registry=r)
+        self.local_quarantined = Counter(
+            "tierckpt_local_quarantined_total",
+            "Entries of the local dir set aside at start-up, not served: committed ranks failing a rule "
+            "(a FIFO, socket, device or link where a manifest or data file should be, a wrong size, ...) "
+            "moved to quarantine/, and non-directories under a top-level directory's name moved aside.",
+            registry=r)
 
     def _zero_series(self) -> None:
         """Create every labelled series whose labels are known up front at zero (rate() sees the first event)."""

@@ -152,7 +152,7 @@ class LocalStore:
                 reclaimed that daemon's staging files), or the local dir, its ``.lock`` or its
                 ``jobs`` directory is a symlink.
         """
-        self._lock_fd = prepare_local_dir(self._fs)  # held (and the lock with it) until the process exits
+        self._lock_fd = prepare_local_dir(self._fs, self.counters)  # held (with the lock) until the process exits
         self.warm.tmpfs = fs_is_tmpfs(self.root)
         if touching(self.warm.tmpfs):
             log.info("warm pages are touched, not only allocated (warm_touch=%d; free memory goes back to a "
