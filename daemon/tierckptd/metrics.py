@@ -30,8 +30,8 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     generate_latest,
+    make_wsgi_app,
 )
-from prometheus_client import start_http_server as _start_http_server
 
 from . import __version__
 
@@ -149,7 +149,8 @@ class Metrics:
         self.local_capacity_bytes = Gauge(
             "tierckpt_local_capacity_bytes", "Bytes the local tier may hold (local_capacity).", registry=r)
         self.local_used_bytes = Gauge(
-            "tierckpt_local_used_bytes", "Bytes held by the local tier, staging and replicas included.",
+            "tierckpt_local_used_bytes", "Bytes held by the local tier, staging and replicas included, as charged "
+            "against local_capacity (every file at least 4 KiB, every manifest its size with its metadata).",
             registry=r)
         self.local_free_bytes = Gauge(
             "tierckpt_local_free_bytes", "Capacity left in the local tier (capacity - used, >= 0).", registry=r)
@@ -206,7 +207,8 @@ class Metrics:
         return generate_latest(self.registry)
 
     def start_http_server(self, host: str, port: int) -> int:
-        """Serve /metrics from a daemon thread, bound to ``host``.
+        """Serve /metrics from a daemon thread, bound to ``host``, with bounded threads, connections
+        and time per connection (see :mod:`tierckptd.metrics_http`).
 
         Args:
             host: Address to bind (e.g. "127.0.0.1", "0.0.0.0", "::").
@@ -221,8 +223,11 @@ class Metrics:
         """
         if self._server is not None:
             raise RuntimeError("metrics HTTP server already started")
-        self._server, self._thread = _start_http_server(port, addr=host, registry=self.registry)
-        return int(self._server.server_address[1])
+        from .metrics_http import BoundedMetricsServer
+
+        server = BoundedMetricsServer(host, port, make_wsgi_app(self.registry))
+        self._server, self._thread = server, server.start()
+        return int(server.server_address[1])
 
     def stop(self) -> None:
         """Stop the HTTP server, if started, and close its socket. Idempotent."""

@@ -295,7 +295,7 @@ class Node:
         if not self.metrics:
             return
         u = self.store.usage()
-        self.metrics.set_local_usage(u.capacity, u.used)
+        self.metrics.set_local_usage(u.capacity, u.charged)
 
     def status(self) -> dict:
         u = self.store.usage()
