@@ -20,8 +20,10 @@ The local dir is writable by trainers in the socket group, so every file operati
 regular files of exactly the declared size, and the daemon reads committed shards through
 :meth:`LocalStore.open_shard`. Files are created 0640 and directories 0750.
 
-Resource bounds: every file and manifest is charged at least ``rules.MIN_CHARGE`` bytes;
-capacity is decided before anything is evicted; at most ``max_open_saves`` saves are open.
+Resource bounds: every file is charged at least ``rules.MIN_CHARGE`` bytes and every manifest its
+stored size (metadata included) and at least that; capacity is decided before anything is
+evicted; at most ``max_open_saves`` saves are open, each of at most ``max_shards_per_save``
+shards, each rank's metadata at most ``max_metadata_bytes``.
 
 Pieces: :mod:`.index` (in-memory state, the catalog), :mod:`.rules` (which steps go),
 :mod:`.recycle` (reuse of evicted files), :mod:`.staging` (open saves and spec rules),
