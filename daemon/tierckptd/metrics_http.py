@@ -84,8 +84,9 @@ class BoundedMetricsServer(WSGIServer):
 
     def server_close(self) -> None:
         super().server_close()
-        for s in (self._wake_r, self._wake_w):
-            s.close()
+        for s in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):  # unset: the bind failed
+            if s is not None:
+                s.close()
 
     # -- the dispatcher thread
 
