@@ -179,8 +179,13 @@ def test_volumes_socket_and_local_tier(k8s: dict[str, dict[str, Any]]) -> None:
     init_mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
     assert init_mounts[local_mount] == mounts[local_mount] and init_mounts[sock_dir] == mounts[sock_dir]
     uid, gid = pod["securityContext"]["runAsUser"], cfg.socket_group
-    assert f"chown {uid}:{gid} {sock_dir} {local_mount}" in script and f"chmod 2770 {local_mount}" in script
+    assert f"chown {uid}:{gid} {sock_dir} {local_mount}" in script
     assert "FSETID" in init["securityContext"]["capabilities"]["add"]  # keeps the setgid bit
+    # The local root is setgid (group 2000 below it) and not writable by the trainers' group, so a
+    # trainer cannot rename jobs/ or plant entries under the daemon (no sticky bit needed).
+    (mode,) = re.findall(r"chmod (\d{4}) " + re.escape(local_mount) + r"\b", script)
+    assert int(mode, 8) & 0o7777 == 0o2750, mode
+    assert not re.search(r"chmod (-R )?\S*\b" + re.escape(local_mount) + r"/", script)  # nothing below it
 
 
 def test_grace_period_covers_shutdown_timeout(k8s: dict[str, dict[str, Any]]) -> None:

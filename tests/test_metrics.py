@@ -33,6 +33,7 @@ EXPECTED = {
     "tierckpt_evictions_total": ("counter", {"reason"}),
     "tierckpt_peer_up": ("gauge", {"peer"}),
     "tierckpt_staging_reclaimed_total": ("counter", set()),
+    "tierckpt_local_quarantined_total": ("counter", set()),
 }
 
 

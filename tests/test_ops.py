@@ -32,7 +32,7 @@ def test_health_metrics_and_socket_mode(daemon_factory):
     assert values['tierckpt_saves_total{result="ok",tier="local"}'] == 1
     assert values['tierckpt_saved_bytes_total{tier="local"}'] == 4
     assert values['tierckpt_restores_total{result="ok",tier="local"}'] == 1
-    assert values["tierckpt_local_used_bytes"] == 4
+    assert values["tierckpt_local_used_bytes"] == 2 * 4096  # as charged: the 4-byte file and the manifest, 4 KiB each
     assert values["tierckpt_commit_latency_seconds_count"] == 1
     # Bound to 127.0.0.1 only (README): the listening socket's own address, and no answer on
     # another address of this machine (127.0.0.2 reaches a socket bound to 0.0.0.0).

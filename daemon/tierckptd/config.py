@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from tierckpt.common.names import check_node
+from tierckpt.common.names import MAX_METADATA_BYTES, MAX_SHARDS_PER_RANK, check_node
 from tierckpt.errors import InvalidArgumentError
 
 from .redact import redact_url
@@ -73,6 +73,12 @@ class DaemonConfig:
     """Largest single shard accepted."""
     max_open_saves: int = 1024
     """Saves open (begun, not yet committed or aborted) at once on this node; more get RESOURCE_EXHAUSTED."""
+    max_shards_per_save: int = 4096
+    """Shards one save (one rank of one step) may declare, 1..4096; more get INVALID_ARGUMENT naming shards. Every
+    file is charged at least 4 KiB against local_capacity, so zero-byte shards still count."""
+    max_metadata_bytes: int = 1 << 20
+    """Metadata one rank's commit may carry, up to 1 MiB; more gets INVALID_ARGUMENT naming metadata. The manifest
+    it is stored in is charged against local_capacity (its size, at least 4 KiB)."""
     max_open_saves_per_client: int = 0
     """Saves one TCP client (one certificate identity) may hold open at once (0 = only max_open_saves). Unix-socket
     callers are bound by max_open_saves alone: grpcio exposes no peer credentials of a socket caller."""
@@ -239,7 +245,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
 
 
 def _coerce(key: str, value: Any) -> Any:
-    if key in ("local_capacity", "max_shard_bytes", "max_message_bytes"):
+    if key in ("local_capacity", "max_shard_bytes", "max_message_bytes", "max_metadata_bytes"):
         return parse_size(value, key)
     if key == "peers":
         return parse_peers(value, key)
@@ -306,6 +312,10 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
             raise ConfigError(f"{key}: must be >= 1 (the newest complete step is always kept)")
     if cfg.max_open_saves < 1:
         raise ConfigError("max_open_saves: must be >= 1")
+    if not 1 <= cfg.max_shards_per_save <= MAX_SHARDS_PER_RANK:
+        raise ConfigError(f"max_shards_per_save: must be 1..{MAX_SHARDS_PER_RANK}")
+    if not 2 <= cfg.max_metadata_bytes <= MAX_METADATA_BYTES:
+        raise ConfigError(f"max_metadata_bytes: must be 2..{MAX_METADATA_BYTES} (a JSON object)")
     if cfg.max_open_saves_per_client < 0:
         raise ConfigError("max_open_saves_per_client: must not be negative")
     if cfg.client_jobs and not cfg.tls_enabled:
@@ -456,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     metavars = {"node_id": "ID", "listen": "HOST:PORT", "socket": "PATH", "socket_mode": "MODE",
                 "socket_group": "GROUP", "local_dir": "DIR", "local_capacity": "BYTES", "fsync": "auto|always|never",
                 "staging_timeout": "SECONDS", "max_shard_bytes": "BYTES", "max_open_saves": "N",
+                "max_shards_per_save": "N", "max_metadata_bytes": "BYTES",
                 "max_open_saves_per_client": "N", "client_jobs": "NAME=GLOB,...",
                 "max_message_bytes": "BYTES",
                 "peers": "ID=HOST:PORT,...", "peers_dns": "NAME:PORT", "persistent": "URL", "metrics_port": "PORT",

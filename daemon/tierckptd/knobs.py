@@ -190,6 +190,16 @@ class Knobs:
     warm_chunk: int = 8 << 20
     """Bytes allocated per step by the warming threads (each step holds the file's lock)."""
 
+    # -- /metrics over HTTP (see :mod:`tierckptd.metrics_http`)
+    metrics_http_workers: int = 4
+    """Threads answering /metrics requests; an idle connection holds none (it waits in a selector)."""
+    metrics_http_max_connections: int = 32
+    """Connections to /metrics held at once; one more closes the oldest idle one (or, when every
+    held one is being answered, is closed itself)."""
+    metrics_http_timeout: float = 10.0
+    """Seconds a /metrics connection may take from its accept to the end of its answer (an idle
+    one is closed then; one sending its request slowly is cut off)."""
+
     # -- node
     restore_pin_seconds: float = 60.0
     """A step fetched from a remote tier is kept from retention this long after the restore."""

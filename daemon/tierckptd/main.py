@@ -93,7 +93,7 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
 
     def status_text() -> str:
         u = node.store.usage()
-        return f"{u.used}/{u.capacity} bytes used, {node.store.open_saves()} saves open"
+        return f"{u.charged}/{u.capacity} bytes used, {node.store.open_saves()} saves open"
 
     wd = asyncio.create_task(watchdog_loop(notifier, status_text))
     await stop.wait()
@@ -184,7 +184,8 @@ async def _open_node(config: DaemonConfig, metrics):
     cluster = build_membership(config, metrics)
     store = LocalStore(config.local_dir, config.node_id, capacity=config.local_capacity,
                        keep_local=config.keep_local, fsync=config.fsync, max_shard_bytes=config.max_shard_bytes,
-                       max_open_saves=config.max_open_saves,
+                       max_open_saves=config.max_open_saves, max_shards_per_save=config.max_shards_per_save,
+                       max_metadata_bytes=config.max_metadata_bytes,
                        is_complete=cluster.is_complete if cluster else None, on_evict=evicted,
                        policies=JobPolicies(JobPolicy(config.keep_local, config.keep_persistent, config.persist_every)))
     try:

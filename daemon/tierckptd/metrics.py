@@ -30,8 +30,8 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     generate_latest,
+    make_wsgi_app,
 )
-from prometheus_client import start_http_server as _start_http_server
 
 from . import __version__
 
@@ -51,7 +51,7 @@ class Metrics:
     Counters (``.inc(n)``; labelled ones via ``.labels(...)``):
         saved_bytes (tier), shared_bytes (tier), saves (tier, result), restored_bytes (tier), restores (tier, result),
         replication_failures (peer), drain_failures, drained_bytes, checksum_failures (tier),
-        evictions (reason), staging_reclaimed.
+        evictions (reason), staging_reclaimed, local_quarantined.
     Histograms (``.observe(seconds)`` or ``with h.time():``):
         commit_latency, save_latency, restore_latency (tier), replication_latency.
     Gauges (``.set(v)``):
@@ -149,7 +149,8 @@ class Metrics:
         self.local_capacity_bytes = Gauge(
             "tierckpt_local_capacity_bytes", "Bytes the local tier may hold (local_capacity).", registry=r)
         self.local_used_bytes = Gauge(
-            "tierckpt_local_used_bytes", "Bytes held by the local tier, staging and replicas included.",
+            "tierckpt_local_used_bytes", "Bytes held by the local tier, staging and replicas included, as charged "
+            "against local_capacity (every file at least 4 KiB, every manifest its size with its metadata).",
             registry=r)
         self.local_free_bytes = Gauge(
             "tierckpt_local_free_bytes", "Capacity left in the local tier (capacity - used, >= 0).", registry=r)
@@ -170,6 +171,12 @@ class Metrics:
         self.staging_reclaimed = Counter(
             "tierckpt_staging_reclaimed_total",
             "Uncommitted saves whose staging files were reclaimed after staging_timeout.", registry=r)
+        self.local_quarantined = Counter(
+            "tierckpt_local_quarantined_total",
+            "Entries of the local dir set aside at start-up, not served: committed ranks failing a rule "
+            "(a FIFO, socket, device or link where a manifest or data file should be, a wrong size, ...) "
+            "moved to quarantine/, and non-directories under a top-level directory's name moved aside.",
+            registry=r)
 
     def _zero_series(self) -> None:
         """Create every labelled series whose labels are known up front at zero (rate() sees the first event)."""
@@ -200,7 +207,8 @@ class Metrics:
         return generate_latest(self.registry)
 
     def start_http_server(self, host: str, port: int) -> int:
-        """Serve /metrics from a daemon thread, bound to ``host``.
+        """Serve /metrics from a daemon thread, bound to ``host``, with bounded threads, connections
+        and time per connection (see :mod:`tierckptd.metrics_http`).
 
         Args:
             host: Address to bind (e.g. "127.0.0.1", "0.0.0.0", "::").
@@ -215,8 +223,11 @@ class Metrics:
         """
         if self._server is not None:
             raise RuntimeError("metrics HTTP server already started")
-        self._server, self._thread = _start_http_server(port, addr=host, registry=self.registry)
-        return int(self._server.server_address[1])
+        from .metrics_http import BoundedMetricsServer
+
+        server = BoundedMetricsServer(host, port, make_wsgi_app(self.registry))
+        self._server, self._thread = server, server.start()
+        return int(server.server_address[1])
 
     def stop(self) -> None:
         """Stop the HTTP server, if started, and close its socket. Idempotent."""

@@ -67,6 +67,7 @@ class Node:
         self.views = CatalogViews(store, self.tiers, node_id)
         if metrics:  # warming runs in the background: read at scrape time
             metrics.local_warm_bytes.set_function(lambda: store.usage().warm)
+            metrics.local_quarantined.inc(store.counters.get("quarantined", 0))  # by the start-up scan
         self.repair = LocalRepair(store, lambda: self.tier("peer"), metrics)
         self._restores = NodeRestore(store, self.tiers, self.views, self.repair, node_id=node_id, metrics=metrics,
                                      spawn=self._spawn, accepting=lambda: self.accepting)
@@ -300,7 +301,7 @@ class Node:
         if not self.metrics:
             return
         u = self.store.usage()
-        self.metrics.set_local_usage(u.capacity, u.used)
+        self.metrics.set_local_usage(u.capacity, u.charged)
 
     def status(self) -> dict:
         u = self.store.usage()

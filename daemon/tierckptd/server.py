@@ -257,7 +257,8 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         u = st["usage"]
         resp = pb.StatusResponse(
             node_id=st["node_id"], version=__version__, local_dir=self.node.local_dir,
-            capacity_bytes=u.capacity, used_bytes=u.used, staging_bytes=u.staging, recycle_bytes=u.recycle,
+            capacity_bytes=u.capacity, used_bytes=u.charged, staging_bytes=u.staging_charged,
+            recycle_bytes=u.recycle_charged,
             replicas=self.config.replicas, persistent_url=self.config.persistent, uptime_seconds=st["uptime"],
             fs_token=self.node.fs_token, now_unix=time.time(),
         )

@@ -107,3 +107,26 @@ def test_quarantine_is_counted_and_keeps_the_bytes(scratch):
     again.open()
     assert again.counters["quarantined"] == 1 and again.get("j", 1, 0) is None
     assert [p.read_bytes() for p in (again.root / "quarantine").rglob("a.*")] == [b"abc"]
+
+
+def test_directories_keep_the_setgid_group_of_a_shared_root(scratch):
+    """The Kubernetes root is 2750, group = the trainers': every directory the store makes keeps
+    the setgid bit (and so the group), or trainers could not reach their staging files."""
+    others = [g for g in os.getgroups() if g != os.getegid()]
+    gid = 2000 if os.geteuid() == 0 else (others[0] if others else None)
+    if gid is None:
+        pytest.skip("needs root or a second group to chown the root to")
+    root = scratch / "d"
+    root.mkdir()
+    os.chown(root, -1, gid)
+    os.chmod(root, 0o2750)
+    s = LocalStore(root, "n0", capacity=1 << 30)
+    s.open()
+    _save(s, "j", 1, {"a": b"x"})
+    st = s.begin("j", 2, 0, 1, [("b", 8, "", ())])
+    for p in [root, *root.rglob("*")]:
+        info = p.lstat()
+        assert info.st_gid == gid, p
+        if p.is_dir():
+            assert stat.S_IMODE(info.st_mode) == 0o2750, (p, oct(info.st_mode))
+    assert stat.S_IMODE(st.files["b"].path.lstat().st_mode) == 0o660

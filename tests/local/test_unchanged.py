@@ -13,6 +13,7 @@ import pytest
 import tierckpt
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
+from tierckptd.local.rules import MIN_CHARGE
 
 from ..harness import free_port
 from ..metrics_scrape import scrape as metrics
@@ -51,8 +52,8 @@ def test_unchanged_shard_shares_the_base_file(daemon_factory, transfer):
         used1 = c.status().used_bytes
         r2 = c.save("job", 2, 0, 1, {"frozen": frozen, "w": w2}, unchanged=["frozen"]).result(30)
         assert r2.shared_bytes == frozen.nbytes and r2.nbytes == frozen.nbytes + w2.nbytes
-        # Charged once: step 2 added only w2 (the linked file is not counted twice).
-        assert c.status().used_bytes - used1 == w2.nbytes
+        # Charged once: step 2 added only w2 and its manifest (the linked file is not counted twice).
+        assert c.status().used_bytes - used1 == w2.nbytes + MIN_CHARGE
         _check(c, "job", 1, {"frozen": frozen, "w": w1})
         _check(c, "job", 2, {"frozen": frozen, "w": w2})
     f1, f2 = os.stat(_file(d, "job", 1, "frozen")), os.stat(_file(d, "job", 2, "frozen"))
@@ -125,9 +126,9 @@ def test_capacity_counts_a_shared_file_once_and_credits_it_with_its_last_name(da
     with d.client() as c:
         for step in (1, 2, 3):  # one inode for the three steps
             c.save("job", step, 0, 1, {"frozen": frozen}, unchanged=["frozen"]).result(30)
-        assert c.status().used_bytes == MIB
+        assert c.status().used_bytes == MIB + 3 * MIN_CHARGE  # one file, three manifests
         c.save("other", 1, 0, 1, {"x": _rand(2), "y": _rand(3)}).result(30)  # fits only if counted once
-        assert c.status().used_bytes == 3 * MIB
+        assert c.status().used_bytes == 3 * MIB + 4 * MIN_CHARGE
         with pytest.raises(tierckpt.CapacityError):  # evicting steps 1 and 2 of "job" frees nothing
             c.save("other", 2, 0, 1, {"x": _rand(4)})
         assert [i.step for i in c.list("job")] == [1, 2, 3]
@@ -144,7 +145,7 @@ def test_restart_recovers_linked_steps(daemon_factory):
     d.restart()
     with d.client() as c:
         assert [i.step for i in c.list("job")] == [1, 2]
-        assert c.status().used_bytes == used == frozen.nbytes + w.nbytes
+        assert c.status().used_bytes == used == frozen.nbytes + w.nbytes + 2 * MIN_CHARGE  # and two manifests
         _check(c, "job", 1, {"frozen": frozen, "w": w})
         _check(c, "job", 2, {"frozen": frozen, "w": w})
     assert not list(d.local_dir.glob("quarantine/**/manifest.json"))

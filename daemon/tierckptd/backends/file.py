@@ -15,6 +15,7 @@ from typing import BinaryIO
 
 from tierckpt.errors import NotFoundError, TierckptError
 
+from ..local.localfs import open_checked
 from .base import (
     _TMP_MARK,
     Backend,
@@ -162,7 +163,7 @@ class FileBackend(Backend):
         ``path`` is opened without following a symlink in its last component and must be a
         regular file (the local tier's data files are; a swapped one is refused, not uploaded).
         """
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # missing/unreadable: OSError here
+        fd = open_checked(path, os.O_RDONLY, os.fspath(path))  # missing/unreadable/a FIFO: OSError here
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise OSError(errno.EINVAL, f"{os.fspath(path)} is not a regular file")

@@ -30,9 +30,12 @@ from .staging import Staging
 __all__ = ["Committer"]
 
 
-def _check_digests(save_id: str, files: Iterable[str], digests: dict[str, str], metadata_json: str) -> None:
-    if len(metadata_json.encode()) > MAX_METADATA_BYTES:
-        raise InvalidArgumentError(f"metadata: larger than {MAX_METADATA_BYTES} bytes")
+def _check_digests(save_id: str, files: Iterable[str], digests: dict[str, str], metadata_json: str,
+                   max_metadata: int) -> None:
+    size = len(metadata_json.encode("utf-8", "surrogatepass"))
+    if size > min(max_metadata, MAX_METADATA_BYTES):
+        raise InvalidArgumentError(f"metadata: {size} bytes exceed max_metadata_bytes "
+                                   f"({min(max_metadata, MAX_METADATA_BYTES)})")
     missing = set(files) - set(digests)
     extra = set(digests) - set(files)
     if missing or extra:
@@ -51,7 +54,9 @@ class Committer:
     """
 
     def __init__(self, lock: threading.RLock, saves: OpenSaves, layout: StoreLayout, catalog: Catalog,
-                 recycle: RecyclePool, retain_locked: Callable[[str], list[Eviction]]) -> None:
+                 recycle: RecyclePool, retain_locked: Callable[[str], list[Eviction]],
+                 max_metadata: int = MAX_METADATA_BYTES) -> None:
+        self.max_metadata = max_metadata
         self._lock = lock
         self._saves = saves
         self._layout = layout
@@ -66,9 +71,7 @@ class Committer:
         :meth:`.store.LocalStore.commit` for the arguments). Returns the manifest and the
         evictions retention made afterwards (not yet notified)."""
         digests = shared_digests(st, digests)
-        _check_digests(st.save_id, st.files, digests, metadata_json)
-        stats = self._saves.check_staged(st, digests, verify=verify or st.stream, fsync=fsync)
-        self._saves.take_for_commit(st)
+        _check_digests(st.save_id, st.files, digests, metadata_json, self.max_metadata)
         man = Manifest(
             job=st.job, step=st.step, rank=st.rank, world_size=st.world_size,
             node=node, generation=generation or st.save_id,
@@ -76,6 +79,9 @@ class Committer:
                          for f in st.files.values()),
             metadata_json=metadata_json, created=created if created is not None else time.time(), persist=persist,
         )
+        self._saves.charge_manifest(st, man.stored_bytes)  # metadata counts against the capacity
+        stats = self._saves.check_staged(st, digests, verify=verify or st.stream, fsync=fsync)
+        self._saves.take_for_commit(st)
         tmp = self.place(st, man, stats, fsync)
         if KNOBS.debug_commit_delay:  # test hook: the data files are in place, the manifest is not
             time.sleep(KNOBS.debug_commit_delay)

@@ -24,11 +24,12 @@ log = logging.getLogger(__name__)
 
 
 def charge(x: Staging | Manifest) -> int:
-    """Bytes an open save or a committed rank is charged against the capacity (an open save's
-    shared files are charged to their inode, see :mod:`.links`)."""
+    """Bytes an open save or a committed rank is charged against the capacity: its files and its
+    manifest (metadata included; an open save's manifest is charged the minimum until its commit
+    knows the size). An open save's shared files are charged to their inode, see :mod:`.links`."""
     if isinstance(x, Manifest):
-        return charge_rank(s.size for s in x.shards)
-    return charge_rank(f.size for f in x.files.values() if not f.shared)
+        return charge_rank((s.size for s in x.shards), x.stored_bytes)
+    return charge_rank((f.size for f in x.files.values() if not f.shared), x.manifest_bytes)
 
 
 class Evictor:

@@ -6,13 +6,19 @@ below it may be swapped for a symlink or a hard link at any moment. :class:`Loca
 - holds the root directory open and reaches every directory by walking one component at a time
   with ``openat(O_DIRECTORY | O_NOFOLLOW)`` relative to its parent's descriptor, so no check can
   race with a rename of a parent;
-- opens files with ``O_NOFOLLOW | O_CLOEXEC`` relative to their directory's descriptor, and
-  checks with ``fstat`` on the open descriptor (regular file, size, one link) where it matters;
+- opens files with ``O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC`` relative to their
+  directory's descriptor, then checks with ``fstat`` on the open descriptor that it is a regular
+  file (and its size, one link, where it matters) before anything reads or writes it: a FIFO,
+  socket or device planted where a file should be never blocks the daemon (an open of a FIFO
+  without a writer would wait forever) and is refused as :class:`UnsafeFileError`; every open of a
+  file below the local dir, by name or by path, goes through :func:`open_checked`;
 - renames, unlinks and removes trees relative to directory descriptors (``rename``/``unlink``
   never follow the last component; tree removal uses ``shutil.rmtree(dir_fd=...)``, which is
   symlink-attack resistant where ``shutil.rmtree.avoids_symlink_attacks`` is true, and is never
   pointed at a symlink itself);
-- creates files 0640 and directories 0750 whatever the process umask (explicit mode + fchmod).
+- creates files 0640 and directories 0750 whatever the process umask (explicit mode + fchmod;
+  a directory made in a setgid directory keeps the setgid bit, so the group of the root, the
+  trainers' on Kubernetes, reaches everything below it).
 
 A directory is named by a tuple of components below the root, e.g. ``("jobs", job, step)``.
 """
@@ -29,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 __all__ = ["LocalDir", "Rel", "FILE_MODE", "DIR_MODE", "STAGING_MODE", "fs_is_tmpfs", "UnsafeFileError",
-           "check_regular", "digest_fd"]
+           "check_regular", "digest_fd", "open_checked", "read_small_path"]
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
@@ -39,8 +45,14 @@ commit takes group write away (FILE_MODE) before the file is published."""
 Rel = Sequence[str]
 """A directory below the root, as path components (``()`` is the root itself)."""
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEVER_BLOCK = os.O_NONBLOCK | os.O_NOCTTY
+"""On every open below the local dir: opening a FIFO (no writer) or a device may otherwise wait
+forever; the file type is checked on the descriptor right after, and O_NONBLOCK cleared again."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | _NEVER_BLOCK
 _SAFE = os.O_NOFOLLOW | os.O_CLOEXEC
+_NOT_A_FILE = (errno.ENXIO, errno.ENODEV, errno.EWOULDBLOCK, errno.EOPNOTSUPP)
+"""What an open of a socket (ENXIO), a FIFO opened for writing without a reader (ENXIO) or a
+device without its driver fails with: the entry is not a file the store made."""
 
 
 class UnsafeFileError(OSError):
@@ -79,6 +91,65 @@ def check_regular(fd: int, what: str, *, size: int | None = None, single_link: b
     if size is not None and st.st_size != size:
         raise UnsafeFileError(errno.EINVAL, f"{what} has {st.st_size} bytes, expected {size}")
     return st
+
+
+def open_checked(name: str | os.PathLike, flags: int, what: str, *, dir_fd: int | None = None,
+                 mode: int = FILE_MODE, size: int | None = None, single_link: bool = False) -> int:
+    """Open a regular file without following a final link and without ever blocking, then check it.
+
+    The one place every file below the local dir is opened (by :class:`LocalDir` relative to a
+    directory descriptor, by the persistent tier by path): ``O_NOFOLLOW | O_NONBLOCK | O_NOCTTY``,
+    then :func:`check_regular` on the descriptor (a FIFO, socket or device is refused before a
+    byte is read or written), then O_NONBLOCK is cleared (a no-op for regular files).
+
+    Raises:
+        FileNotFoundError: it does not exist (and ``flags`` has no O_CREAT).
+        UnsafeFileError: a symlink, a FIFO, socket or device, of the wrong size or linked elsewhere.
+    """
+    try:
+        fd = os.open(name, flags | _SAFE | _NEVER_BLOCK, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeFileError(e.errno, f"{what} is a symlink") from None
+        if e.errno in _NOT_A_FILE:
+            raise UnsafeFileError(e.errno, f"{what} is not a regular file (a FIFO, socket or device)") from None
+        raise
+    try:
+        check_regular(fd, what, size=size, single_link=single_link)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small_path(path: str | os.PathLike, limit: int) -> bytes:
+    """The whole of a small regular file at ``path`` (at most ``limit`` bytes), opened with
+    :func:`open_checked`.
+
+    Raises:
+        FileNotFoundError, UnsafeFileError: see :func:`open_checked`; UnsafeFileError also when
+            it is larger than ``limit``.
+    """
+    fd = open_checked(path, os.O_RDONLY, os.fspath(path))
+    try:
+        return _read_all(fd, limit, os.fspath(path))
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int, limit: int, what: str) -> bytes:
+    st = os.fstat(fd)
+    if st.st_size > limit:
+        raise UnsafeFileError(errno.EFBIG, f"{what} is larger than {limit} bytes")
+    chunks, total = [], 0
+    while total <= st.st_size:
+        b = os.read(fd, st.st_size + 1 - total)
+        if not b:
+            break
+        chunks.append(b)
+        total += len(b)
+    return b"".join(chunks)
 
 
 def digest_fd(fd: int, size: int) -> str:
@@ -197,8 +268,8 @@ class LocalDir:
             if _is_symlink_error(e):
                 raise UnsafeFileError(e.errno, f"{name} is a symlink or not a directory") from None
             raise
-        if made:
-            os.fchmod(fd, DIR_MODE)
+        if made:  # keep the setgid bit a setgid parent passed on (the group stays the socket group's)
+            os.fchmod(fd, DIR_MODE | (os.fstat(fd).st_mode & stat.S_ISGID))
         return fd
 
     def entries(self, dir_fd: int) -> list[tuple[str, str]]:
@@ -222,7 +293,7 @@ class LocalDir:
     @staticmethod
     def create(dir_fd: int, name: str, size: int = 0, mode: int = FILE_MODE) -> int:
         """Create ``name`` exclusively (``mode``, default 0640), sized to ``size``; returns a read-write descriptor."""
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _SAFE, mode, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _SAFE, mode, dir_fd=dir_fd)  # new: never a FIFO
         try:
             os.fchmod(fd, mode)
             if size:
@@ -241,18 +312,7 @@ class LocalDir:
             FileNotFoundError: it does not exist.
             UnsafeFileError: a symlink, not a regular file, of the wrong size or linked elsewhere.
         """
-        try:
-            fd = os.open(name, flags | _SAFE, dir_fd=dir_fd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UnsafeFileError(e.errno, f"{what} is a symlink") from None
-            raise
-        try:
-            check_regular(fd, what, size=size, single_link=single_link)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return open_checked(name, flags, what, dir_fd=dir_fd, size=size, single_link=single_link)
 
     @staticmethod
     def same_file(dir_fd: int, name: str, st: os.stat_result) -> bool:
@@ -267,17 +327,7 @@ class LocalDir:
         """The whole of a small regular file (a manifest), at most ``limit`` bytes."""
         fd = self.open_regular(dir_fd, name, os.O_RDONLY, name)
         try:
-            st = os.fstat(fd)
-            if st.st_size > limit:
-                raise UnsafeFileError(errno.EFBIG, f"{name} is larger than {limit} bytes")
-            chunks, total = [], 0
-            while total <= st.st_size:
-                b = os.read(fd, st.st_size + 1 - total)
-                if not b:
-                    break
-                chunks.append(b)
-                total += len(b)
-            return b"".join(chunks)
+            return _read_all(fd, limit, name)
         finally:
             os.close(fd)
 

@@ -70,6 +70,12 @@ class Manifest:
         return self._by_name[name]
 
     @cached_property
+    def stored_bytes(self) -> int:
+        """Size of the manifest as stored (its JSON, metadata included): charged against the
+        local capacity like a file (computed once per manifest)."""
+        return len(self.to_json())
+
+    @cached_property
     def _by_name(self) -> dict[str, ShardEntry]:
         # Built once per manifest: a rank may hold thousands of shards, and every commit,
         # restore and eviction looks each one up.

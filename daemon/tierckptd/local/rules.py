@@ -16,7 +16,8 @@ Rules (DESIGN.md, Policies):
   step loses nothing.
 - Capacity is decided before anything is evicted: a reservation that cannot fit even after
   every evictable step and the recycle pool are gone evicts nothing (:func:`plan_room`).
-- Every file and manifest is charged at least :data:`MIN_CHARGE` bytes (:func:`charge_rank`).
+- Every file is charged at least :data:`MIN_CHARGE` bytes, every manifest its size (its
+  metadata included) and at least :data:`MIN_CHARGE` (:func:`charge_rank`).
 """
 
 from __future__ import annotations
@@ -87,9 +88,9 @@ def charge_file(size: int) -> int:
     return max(size, MIN_CHARGE)
 
 
-def charge_rank(sizes: Iterable[int]) -> int:
-    """Bytes one rank (its data files and its manifest) is charged."""
-    return sum(charge_file(s) for s in sizes) + MIN_CHARGE
+def charge_rank(sizes: Iterable[int], manifest_bytes: int = 0) -> int:
+    """Bytes one rank (its data files and its manifest of ``manifest_bytes``) is charged."""
+    return sum(charge_file(s) for s in sizes) + charge_file(manifest_bytes)
 @dataclass(frozen=True)
 class RoomPlan:
     """What :func:`plan_room` decided: ``fits`` and, if so, the steps to evict in order."""

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from tierckpt.common.fileio import pwrite_all
-from tierckpt.common.names import check_job, check_rank, check_step
+from tierckpt.common.names import MAX_SHARDS_PER_RANK, check_job, check_rank, check_step
 from tierckpt.errors import AbortedError, CapacityError, FailedPreconditionError, InvalidArgumentError
 
 from .eviction import charge
@@ -27,6 +27,7 @@ from .localfs import LocalDir
 from .manifest import Manifest, ShardEntry
 from .paths import StoreLayout
 from .recycle import RecyclePool
+from .rules import charge_file
 from .staging import ShardSpec, StagedFile, Staging, check_specs
 
 __all__ = ["OpenSaves", "ShareFn"]
@@ -51,11 +52,13 @@ class OpenSaves:
 
     def __init__(self, lock: threading.RLock, fs: LocalDir, layout: StoreLayout, recycle: RecyclePool,
                  make_room: Callable[[int, Callable[[str], bool] | None, str], None], *, max_open_saves: int,
-                 max_shard_bytes: int, counters: dict[str, int], catalog: Catalog) -> None:
+                 max_shard_bytes: int, counters: dict[str, int], catalog: Catalog,
+                 max_shards: int = MAX_SHARDS_PER_RANK) -> None:
         self._lock, self._fs, self._layout, self._recycle = lock, fs, layout, recycle
         self._catalog = catalog
         self._make_room = make_room
         self.max_open_saves, self.max_shard_bytes, self.counters = max_open_saves, max_shard_bytes, counters
+        self.max_shards = max_shards
         self._open: dict[str, Staging] = {}
         self._by_key: dict[tuple[str, int, int], str] = {}
         self.last_begin = time.monotonic()
@@ -74,7 +77,7 @@ class OpenSaves:
         check_job(job)
         check_step(step)
         check_rank(rank, world_size)
-        check_specs(specs, self.max_shard_bytes)
+        check_specs(specs, self.max_shard_bytes, self.max_shards)
         save_id = secrets.token_hex(8)  # the form _SAVE_ID checks
         sdir = self._fs.path(StoreLayout.staging_rel(save_id))
         staging = Staging(save_id=save_id, job=job, step=step, rank=rank, world_size=world_size,
@@ -233,6 +236,26 @@ class OpenSaves:
         except BaseException:
             self.abort(st.save_id)
             raise
+
+    def charge_manifest(self, st: Staging, nbytes: int) -> None:
+        """Charge the manifest the commit of ``st`` is about to write (``nbytes``, metadata
+        included) instead of the minimum charged at begin, making room for the difference.
+
+        Raises:
+            AbortedError: ``st`` is no longer open.
+            CapacityError: the manifest does not fit even after eviction (the save stays open).
+        """
+        with self._lock:
+            if self._open.get(st.save_id) is not st:
+                raise AbortedError(f"save_id: {st.save_id!r} was aborted or superseded")
+            extra = charge_file(nbytes) - charge_file(st.manifest_bytes)
+            if extra > 0:
+                try:
+                    self._make_room(extra, st.evictable, st.job)
+                except CapacityError as e:
+                    raise CapacityError(f"metadata: the manifest ({nbytes} bytes with its metadata) does not fit "
+                                        f"in the local tier: {e}") from None
+            st.manifest_bytes = nbytes
 
     def take_for_commit(self, st: Staging) -> None:
         """Move the save from the open ones to the committing ones (its bytes stay counted)."""

@@ -68,6 +68,7 @@ class Staging:
     begun_wall: float = field(default_factory=time.time)
     evictable: Callable[[str], bool] | None = None  # jobs whose steps this reservation may evict (None: any)
     inbound: bool = False  # written by this daemon (peer copy, restore fetch), not by a local trainer
+    manifest_bytes: int = 0  # size of the manifest its commit writes (charged from then on; 0: not known yet)
 
     @property
     def nbytes(self) -> int:
@@ -79,16 +80,18 @@ class Staging:
         return sum(f.size for f in self.files.values() if not f.shared)
 
 
-def check_specs(specs: Sequence[ShardSpec], max_shard_bytes: int) -> None:
-    """Validate one rank's shard specs (names, sizes, count, duplicates).
+def check_specs(specs: Sequence[ShardSpec], max_shard_bytes: int, max_shards: int = MAX_SHARDS_PER_RANK) -> None:
+    """Validate one rank's shard specs (names, sizes, count, duplicates); at most ``max_shards``
+    (the daemon's ``max_shards_per_save``).
 
     Raises:
         InvalidArgumentError: the message names the field.
     """
     if not specs:
         raise InvalidArgumentError("shards: at least one shard is required")
-    if len(specs) > MAX_SHARDS_PER_RANK:
-        raise InvalidArgumentError(f"shards: at most {MAX_SHARDS_PER_RANK} shards per rank")
+    if len(specs) > min(max_shards, MAX_SHARDS_PER_RANK):
+        raise InvalidArgumentError(f"shards: {len(specs)} shards in one save exceed max_shards_per_save "
+                                   f"({min(max_shards, MAX_SHARDS_PER_RANK)})")
     names: set[str] = set()
     for name, size, dtype, shape in specs:
         check_stored_shard(name, "shards.name")

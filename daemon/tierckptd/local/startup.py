@@ -9,17 +9,21 @@ Rules:
 - A rank directory whose manifest fails a rule (malformed, names another location, a data file
   missing, of the wrong size, not a regular file, or linked elsewhere) is never deleted: it is
   moved to ``quarantine/<job>/<step>/<rank>.<id>``, logged as an error and counted.
-- Anything in ``jobs/`` that is not a real directory where one is expected (a symlink, a file)
-  is removed as an entry; a link's target is never touched.
+- Anything in ``jobs/`` that is not a real directory where one is expected (a symlink, a file,
+  a FIFO) is removed as an entry; a link's target is never touched.
+- Nothing is opened in a way that can block: a FIFO, socket or device where a manifest or a data
+  file should be fails the rank's rules (quarantined, like any other failure), one in
+  ``staging/`` or ``recycle/`` is removed, one under a top-level directory's name is moved aside
+  (see :func:`prepare_local_dir`).
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,8 +31,9 @@ from typing import TYPE_CHECKING
 from tierckpt.errors import DataLossError
 
 from .eviction import charge
-from .localfs import LocalDir, UnsafeFileError, check_regular
+from .localfs import LocalDir, UnsafeFileError, open_checked
 from .manifest import MANIFEST_NAME, Manifest
+from .policies import POLICY_DIR
 
 if TYPE_CHECKING:
     from .index import Catalog
@@ -55,17 +60,12 @@ def take_dir_lock(fs: LocalDir) -> int:
     from ..config import ConfigError
 
     try:
-        fd = os.open(".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640, dir_fd=fs.fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ConfigError(f"local_dir: {fs.root}/.lock is a symlink; refusing to follow it") from None
-        raise
-    try:
-        check_regular(fd, f"{fs.root}/.lock", single_link=True)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = open_checked(".lock", os.O_CREAT | os.O_RDWR, f"{fs.root}/.lock", dir_fd=fs.fd, mode=0o640,
+                          single_link=True)
     except UnsafeFileError as e:
-        os.close(fd)
         raise ConfigError(f"local_dir: {e.strerror}; refusing to use it as the lock") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
@@ -75,23 +75,45 @@ def take_dir_lock(fs: LocalDir) -> int:
     return fd
 
 
-def prepare_local_dir(fs: LocalDir) -> int:
-    """Open the local dir, take its lock and create its top-level directories; returns the lock fd.
+TOP_DIRS = ("staging", "recycle", "jobs", QUARANTINE_DIR, POLICY_DIR, "drain-queue")
+"""The directories directly below the local dir (``drain-queue`` is the persistent tier's queue)."""
+
+
+def prepare_local_dir(fs: LocalDir, counters: dict[str, int] | None = None) -> int:
+    """Open the local dir, take its lock and make sure its top-level directories are real
+    directories; returns the lock fd. Anything else found under one of their names (a symlink,
+    a FIFO, a socket, a file) is moved aside to ``.<name>.unsafe.<id>`` (kept for the operator,
+    logged as a warning) and a fresh directory made: it cannot stall or redirect the start-up.
 
     Raises:
-        ConfigError: another live daemon holds the dir, or the dir, its ``.lock`` or a top-level
-            directory is a symlink.
+        ConfigError: another live daemon holds the dir, or the dir or its ``.lock`` is a symlink
+            or not what the store made.
     """
     from ..config import ConfigError
 
     try:
         fs.open()
         lock_fd = take_dir_lock(fs)
-        for sub in ("staging", "recycle", "jobs", QUARANTINE_DIR):
-            with fs.dir((sub,), create=True):
-                pass
     except UnsafeFileError as e:
         raise ConfigError(f"local_dir: {fs.root}: {e.strerror}; refusing to follow a symlink") from None
+    mode = os.fstat(fs.fd).st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+        log.warning("local_dir %s is mode %o: its group or others may rename or replace the daemon's directories "
+                    "(jobs/, staging/, ...); make it 2750 (trainers need no write permission on directories)",
+                    fs.root, stat.S_IMODE(mode))
+    for sub in TOP_DIRS:
+        try:
+            with fs.dir((sub,), create=True):
+                continue
+        except UnsafeFileError:
+            aside = f".{sub}.unsafe.{secrets.token_hex(4)}"
+            os.rename(sub, aside, src_dir_fd=fs.fd, dst_dir_fd=fs.fd)
+            log.warning("local dir: %s/%s is not a directory (a link, FIFO, socket or file); moved aside to %s",
+                        fs.root, sub, aside)
+            if counters is not None:
+                counters["quarantined"] = counters.get("quarantined", 0) + 1
+        with fs.dir((sub,), create=True):
+            pass
     return lock_fd
 
 
@@ -225,8 +247,8 @@ def _check_rank_dir(fs: LocalDir, rfd: int, rel: tuple[str, ...], rank_rel: Rank
             fd = fs.open_regular(rfd, s.file, os.O_RDONLY, s.file, size=s.size)
         except FileNotFoundError:
             return "quarantine", f"{s.file} is missing"
-        except UnsafeFileError as e:
-            return "quarantine", e.strerror
+        except OSError as e:  # UnsafeFileError: a link, FIFO, socket or device; or unreadable
+            return "quarantine", e.strerror or str(e)
         st = os.fstat(fd)
         os.close(fd)
         if st.st_nlink > 1:

@@ -20,8 +20,10 @@ The local dir is writable by trainers in the socket group, so every file operati
 regular files of exactly the declared size, and the daemon reads committed shards through
 :meth:`LocalStore.open_shard`. Files are created 0640 and directories 0750.
 
-Resource bounds: every file and manifest is charged at least ``rules.MIN_CHARGE`` bytes;
-capacity is decided before anything is evicted; at most ``max_open_saves`` saves are open.
+Resource bounds: every file is charged at least ``rules.MIN_CHARGE`` bytes and every manifest its
+stored size (metadata included) and at least that; capacity is decided before anything is
+evicted; at most ``max_open_saves`` saves are open, each of at most ``max_shards_per_save``
+shards, each rank's metadata at most ``max_metadata_bytes``.
 
 Pieces: :mod:`.index` (in-memory state, the catalog), :mod:`.rules` (which steps go),
 :mod:`.recycle` (reuse of evicted files), :mod:`.staging` (open saves and spec rules),
@@ -45,6 +47,8 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tierckpt.common.names import MAX_METADATA_BYTES, MAX_SHARDS_PER_RANK
 
 from ..knobs import KNOBS
 from .commit import Committer
@@ -72,7 +76,10 @@ DEFAULT_MAX_OPEN_SAVES = 1024
 @dataclass(frozen=True)
 class Usage:
     """Shard bytes held (committed, being saved, in the recycle pool), and ``charged``: what
-    counts against the capacity (every file and manifest at least ``rules.MIN_CHARGE``)."""
+    counts against the capacity (every file at least ``rules.MIN_CHARGE``, every manifest its
+    size with its metadata and at least that), of which ``staging_charged`` by open and committing
+    saves and ``recycle_charged`` by the recycle pool. Status and /metrics report the charged
+    figures."""
 
     capacity: int
     committed: int
@@ -80,6 +87,8 @@ class Usage:
     recycle: int
     charged: int = 0
     warm: int = 0  # the part of ``recycle`` allocated ahead of need (see :mod:`.warm`)
+    staging_charged: int = 0
+    recycle_charged: int = 0
 
     @property
     def used(self) -> int:
@@ -105,12 +114,16 @@ class LocalStore:
         on_evict: called (from the evicting thread) with every eviction.
         max_open_saves: saves begun and not yet committed or aborted, in total; one more is
             refused with CapacityError (RESOURCE_EXHAUSTED).
+        max_shards_per_save: shards one save may declare (InvalidArgumentError naming ``shards``).
+        max_metadata_bytes: metadata one rank's commit may carry (InvalidArgumentError naming
+            ``metadata``); the manifest it is stored in is charged against the capacity.
     """
 
     def __init__(self, root: str | os.PathLike, node_id: str, *, capacity: int = 0, keep_local: int = 2,
                  fsync: str = "auto", max_shard_bytes: int = 1 << 40, is_complete: CompletenessFn | None = None,
                  on_evict: Callable[[Eviction], None] | None = None,
-                 max_open_saves: int = DEFAULT_MAX_OPEN_SAVES, policies: JobPolicies | None = None) -> None:
+                 max_open_saves: int = DEFAULT_MAX_OPEN_SAVES, policies: JobPolicies | None = None,
+                 max_shards_per_save: int = MAX_SHARDS_PER_RANK, max_metadata_bytes: int = MAX_METADATA_BYTES) -> None:
         self.root = Path(root).absolute()
         self.node_id = node_id
         self._capacity_arg = capacity
@@ -135,7 +148,7 @@ class LocalStore:
         set by the node from its tiers; called under the lock, so it must be cheap."""
         self._saves = OpenSaves(self._lock, self._fs, self._layout, self._recycle, self._make_room_locked,
                                 max_open_saves=max_open_saves, max_shard_bytes=max_shard_bytes,
-                                counters=self.counters, catalog=self._catalog)
+                                counters=self.counters, catalog=self._catalog, max_shards=max_shards_per_save)
         self._lock_fd: int | None = None
         self._on_evict = on_evict
         # Warm pages (see tierckptd.local.warm): counters(), expect() for peer hints, sending() for transfers.
@@ -143,7 +156,7 @@ class LocalStore:
                               self._saves.busy, self._saves.open_jobs_locked, self.policies.keep_local,
                               lambda tmpfs: machine_headroom(self._fs.fd, tmpfs))
         self._committer = Committer(self._lock, self._saves, self._layout, self._catalog, self._recycle,
-                                    self._retain_locked)
+                                    self._retain_locked, max_metadata_bytes)
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -155,7 +168,7 @@ class LocalStore:
                 reclaimed that daemon's staging files), or the local dir, its ``.lock`` or its
                 ``jobs`` directory is a symlink.
         """
-        self._lock_fd = prepare_local_dir(self._fs)  # held (and the lock with it) until the process exits
+        self._lock_fd = prepare_local_dir(self._fs, self.counters)  # held (with the lock) until the process exits
         self.warm.tmpfs = fs_is_tmpfs(self.root)
         if touching(self.warm.tmpfs):
             log.info("warm pages are touched, not only allocated (warm_touch=%d; free memory goes back to a "
@@ -344,7 +357,8 @@ class LocalStore:
             staging = self._saves.data_bytes_locked()
             committed = self._catalog.data_bytes + self._catalog.links.data_bytes
             return Usage(self.capacity, committed, staging, self._recycle.data_bytes,
-                         charged=self._used_locked(), warm=self._recycle.warm_bytes)
+                         charged=self._used_locked(), warm=self._recycle.warm_bytes,
+                         staging_charged=self._saves.charged_locked(), recycle_charged=self._recycle.bytes)
 
     def _used_locked(self) -> int:
         return (self._catalog.committed_bytes + self._catalog.links.charged + self._saves.charged_locked()

@@ -15,7 +15,7 @@ from pathlib import Path
 from tierckpt.errors import DataLossError, NotFoundError
 
 from ..backends import BackendError
-from ..local.localfs import digest_fd
+from ..local.localfs import digest_fd, open_checked
 from ..local.manifest import Manifest, ShardEntry, unsigned_note
 from ..local.store import LocalStore
 from ..offload import run_blocking
@@ -30,7 +30,7 @@ __all__ = ["Auditor"]
 
 
 def _hash_file(path: Path, size: int) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = open_checked(path, os.O_RDONLY, str(path))
     try:
         if os.fstat(fd).st_size != size:
             return f"size {os.fstat(fd).st_size}"

@@ -54,6 +54,7 @@ from tierckpt.errors import DataLossError, UnavailableError
 
 from ..backends import BackendError
 from ..knobs import KNOBS
+from ..local.localfs import open_checked
 from ..local.manifest import Manifest, ShardEntry
 from ..local.store import LocalStore
 from .calls import BackendCalls
@@ -302,7 +303,7 @@ class ContentStore:
             self._report_damaged(job, key, err)
             raise
         self.stored[key] = len(stored)
-        fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = open_checked(path, os.O_WRONLY, f"staging file {path}")  # never blocks on a planted FIFO
         try:
             os.pwrite(fd, data, offset)
         finally:

@@ -24,6 +24,7 @@ from typing import Any
 
 from tierckpt.common.fileio import atomic_write
 
+from ..local.localfs import read_small_path
 from ..local.manifest import Manifest
 from ..offload import run_blocking
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 QUEUE_DIR = "drain-queue"
 """Name of the queue directory inside the local dir."""
 _QUEUE_FORMAT = 1
+_MAX_ENTRY_BYTES = 64 << 10
 
 
 class DrainQueue:
@@ -75,7 +77,7 @@ class DrainQueue:
                 p.unlink(missing_ok=True)
                 continue
             try:
-                doc = json.loads(p.read_bytes())
+                doc = json.loads(read_small_path(p, _MAX_ENTRY_BYTES))  # no link, FIFO or device
                 named = self._path(doc["job"], int(doc["step"]), int(doc["rank"]))
                 if doc.get("format") != _QUEUE_FORMAT or p != named:
                     raise ValueError("unexpected format or name")
