@@ -135,9 +135,15 @@ def test_daemonset_args_are_valid_flags_and_config(k8s: dict[str, dict[str, Any]
     assert Path(config_path).name in k8s["ConfigMap"]["data"]
 
 
-def _probe_commands(k8s: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+def _probe_paths(k8s: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """probe -> the HTTP path it asks on the metrics port."""
     c = _daemon_container(k8s)
-    return {probe: c[probe]["exec"]["command"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+    out = {}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert set(c[probe]) & {"exec", "grpc", "tcpSocket"} == set(), probe  # no interpreter per probe
+        assert c[probe]["httpGet"]["port"] == "metrics", probe
+        out[probe] = c[probe]["httpGet"]["path"]
+    return out
 
 
 def test_probes_and_ports(k8s: dict[str, dict[str, Any]]) -> None:
@@ -146,9 +152,9 @@ def test_probes_and_ports(k8s: dict[str, dict[str, Any]]) -> None:
     cfg = load_config(_configmap_toml(k8s))
     assert ports["metrics"] == cfg.metrics_port
     # The TCP port requires a client certificate, which the kubelet's gRPC probe cannot present:
-    # the probes check grpc.health.v1 over the Unix socket instead.
-    for probe, command in _probe_commands(k8s).items():
-        assert "grpc" not in c[probe] and "unix://" + cfg.socket in command[-1], probe
+    # the probes ask the HTTP health endpoints of the metrics port instead.
+    assert _probe_paths(k8s) == {"startupProbe": "/readyz", "readinessProbe": "/readyz", "livenessProbe": "/healthz"}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["timeoutSeconds"] >= 5, probe
     svc = k8s["Service"]["spec"]
     for p in svc["ports"]:
@@ -218,20 +224,20 @@ def test_kubeconform_when_available() -> None:
 
 
 @pytest.mark.slow
-def test_probe_command_reports_a_real_daemon(k8s: dict[str, dict[str, Any]], daemon_factory) -> None:
-    import sys
+def test_probes_ask_a_real_daemon(k8s: dict[str, dict[str, Any]], daemon_factory) -> None:
+    """The probes' paths on a real daemon's metrics port: 200 while it serves; /metrics unchanged."""
+    import urllib.request
 
-    cfg = load_config(_configmap_toml(k8s))
-    d = daemon_factory("probe")
-    for probe, command in _probe_commands(k8s).items():
-        assert command[:2] == ["python3", "-c"], probe
-        code = command[2].replace("unix://" + cfg.socket, d.address)
-        ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-        assert ok.returncode == 0, ok.stderr
+    from tierckptd.testing import free_port
+
+    port = free_port()
+    d = daemon_factory("probe", args=("--metrics-port", str(port)))
+    for path in set(_probe_paths(k8s).values()):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            assert r.status == 200 and r.read() in (b"ready\n", b"alive\n"), path
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert b"tierckpt_local_used_bytes" in r.read()
     d.kill()
-    down = subprocess.run([sys.executable, "-c", command[2].replace("unix://" + cfg.socket, d.address)],
-                          capture_output=True, text=True, timeout=60)
-    assert down.returncode != 0
 
 
 def test_daemonset_serves_mtls_from_the_cert_manager_secret(k8s: dict[str, dict[str, Any]]) -> None:
@@ -394,8 +400,8 @@ def test_dockerfile_builds_a_non_root_venv_image(k8s: dict[str, dict[str, Any]])
     pod = k8s["DaemonSet"]["spec"]["template"]["spec"]
     (user,) = re.findall(r"^USER (\d+)", text, re.M)
     assert int(user) == pod["securityContext"]["runAsUser"] != 0
-    # the probes run python3 from the image: the venv's, which has grpcio and the health stubs
-    assert _daemon_container(k8s)["startupProbe"]["exec"]["command"][0] == "python3"
+    # the probes are the kubelet's own HTTP GETs on the metrics port: nothing from the image runs for them
+    assert "exec" not in _daemon_container(k8s)["startupProbe"]
     for src in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
         for part in src.split():
             assert (DEPLOY.parent / part).exists(), part

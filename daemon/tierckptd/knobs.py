@@ -199,6 +199,10 @@ class Knobs:
     metrics_http_timeout: float = 10.0
     """Seconds a /metrics connection may take from its accept to the end of its answer (an idle
     one is closed then; one sending its request slowly is cut off)."""
+    health_beat_interval: float = 1.0
+    """Seconds between the event loop's heartbeats that /healthz reads (:mod:`tierckptd.httphealth`)."""
+    health_stale_after: float = 30.0
+    """/healthz answers 503 once the loop's last heartbeat is this many seconds old (a stuck loop)."""
 
     # -- node
     restore_pin_seconds: float = 60.0

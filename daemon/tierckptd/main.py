@@ -63,6 +63,7 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
         ConfigError: a start-up check failed; the message names the key (exit 2).
         StartupError: start-up failed otherwise; the message is one line (exit 2).
     """
+    from .httphealth import heartbeat_loop
     from .metrics import Metrics
     from .sdnotify import Notifier, watchdog_loop
 
@@ -96,14 +97,18 @@ async def serve(config: DaemonConfig, *, ready_out=None) -> int:
         return f"{u.charged}/{u.capacity} bytes used, {node.store.open_saves()} saves open"
 
     wd = asyncio.create_task(watchdog_loop(notifier, status_text))
+    metrics.health.set_ready(True)
+    beat = asyncio.create_task(heartbeat_loop(metrics.health))
     await stop.wait()
     log.info("shutdown: stop accepting saves")
+    metrics.health.set_ready(False)
     notifier.stopping()
     await grpc_side.set_serving(False)
     await node.stop(config.shutdown_timeout)
     log.info("shutdown: in-flight work finished; stopping gRPC server")
     await grpc_side.stop(min(5.0, config.shutdown_timeout))
     wd.cancel()
+    beat.cancel()
     metrics.stop()
     log.info("shutdown complete")
     return 0

@@ -34,6 +34,7 @@ from prometheus_client import (
 )
 
 from . import __version__
+from .httphealth import HealthState
 
 __all__ = ["Metrics", "TIERS", "RESULTS", "EVICTION_REASONS", "LATENCY_BUCKETS"]
 
@@ -74,6 +75,7 @@ class Metrics:
         PlatformCollector(registry=r)
         GCCollector(registry=r)
         self._server: WSGIServer | None = None
+        self.health = HealthState()  # /healthz and /readyz on the same port (tierckptd.httphealth)
         self._thread: threading.Thread | None = None
 
     def _saves_and_restores(self, r: CollectorRegistry) -> None:
@@ -223,9 +225,10 @@ class Metrics:
         """
         if self._server is not None:
             raise RuntimeError("metrics HTTP server already started")
+        from .httphealth import health_app
         from .metrics_http import BoundedMetricsServer
 
-        server = BoundedMetricsServer(host, port, make_wsgi_app(self.registry))
+        server = BoundedMetricsServer(host, port, health_app(self.health, make_wsgi_app(self.registry)))
         self._server, self._thread = server, server.start()
         return int(server.server_address[1])
 
