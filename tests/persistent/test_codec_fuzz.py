@@ -49,7 +49,7 @@ def _planes(body: bytes, width: int) -> list[tuple[int, bytes]]:
         length = int.from_bytes(body[pos + 1:pos + 5], "little")
         out.append((body[pos], body[pos + 5:pos + 5 + length]))
         pos += 5 + length
-    return out + [(-1, body[pos:])]
+    return [*out, (-1, body[pos:])]
 
 
 def _join(planes: list[tuple[int, bytes]]) -> bytes:
@@ -70,7 +70,8 @@ def _forgeries(codec: str, stored: bytes, rng: random.Random, n: int) -> list[by
             mode, body = p[k]
             choice = rng.randrange(4)
             if choice == 0:  # another body, its length fixed up
-                body = rng.randbytes(rng.randrange(1, 64)) if rng.random() < 0.5 else body[:rng.randrange(len(body) + 1)]
+                cut = body[:rng.randrange(len(body) + 1)]
+                body = rng.randbytes(rng.randrange(1, 64)) if rng.random() < 0.5 else cut
             elif choice == 1:  # a zstd frame announcing another size, up to 1 TiB
                 body, mode = _frame(rng.choice([0, 1, len(body) + 1, 1 << 20, 1 << 40])), 1
             elif choice == 2:  # the mode byte
