@@ -56,7 +56,7 @@ from tierckpt.errors import DataLossError, FailedPreconditionError
 from .codec import ChunkCodec, chunk_codec, register_codec
 from .zipnn import ZIPNN, ZipNNCodec
 
-__all__ = ["CODECS", "SETTINGS", "PLANES", "ZIPNN", "choose", "encode", "decode", "LEVEL"]
+__all__ = ["CODECS", "SETTINGS", "PLANES", "ZIPNN", "choose", "encode", "decode", "warm", "LEVEL"]
 
 LEVEL = 3
 """zstd level of the ``zstd`` codec (zstd's default)."""
@@ -88,6 +88,16 @@ _UINT = {2: "<u2", 4: "<u4"}
 _SAMPLE = 1 << 16  # bytes of a large plane compressed first: a plane that does not shrink there is stored raw
 _local = threading.local()
 _NUMPY = {"<f4": "float32", "<f2": "float16", "<i2": "int16", "<u2": "uint16", "<i4": "int32", "<u4": "uint32"}
+
+
+def warm() -> None:
+    """Import what the codecs run on (numpy ~0.2 s, zstandard) and make this thread's coders, so
+    that a persistent tier's first restore or drain does not pay it (issue 28: the first restore of
+    a fresh daemon took 2.5x a warm one before; bench/first_restore.py). Called at the tier's start."""
+    import numpy  # noqa: F401
+
+    _zstd(None)
+    _zstd()
 
 
 def dtype_name(dtype: str) -> str:
