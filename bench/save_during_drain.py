@@ -5,9 +5,9 @@ Two daemons, each with its own ``file://`` persistent store on disk (not tmpfs),
 ``codec = auto`` (byte planes + zstd for floats): one with ``--knobs upload_threads=1``, one with
 ``upload_threads=2``. Per round and daemon (alternating): a --mib MiB float32 rank (16 shards,
 trained-weight-like values) is saved with ``persist=True``; from its local commit until its drain
-has stored the manifest, small saves (--small MiB, not persisted) run back to back: their
-blocking times are "during a drain"; then as many small saves run with no drain in flight: "no
-drain". Reported: median blocking during / no drain (same daemon, same run), and the drain time of
+has stored the manifest, small saves (--small MiB, not persisted) run --gap seconds apart (0: back
+to back): their blocking times are "during a drain"; then as many small saves run with no drain
+in flight: "no drain". Reported: median blocking during / no drain (same daemon, same run), and the drain time of
 the big rank per daemon (its MB/s: 2 threads / 1 thread).
 
 Command: PYTHONPATH=client:daemon .venv/bin/python bench/save_during_drain.py
@@ -36,7 +36,7 @@ def _state(mib: int, shards: int, seed: int) -> dict[str, np.ndarray]:
     return {f"layer{i}": (rng.standard_normal(n) * 0.02).astype(np.float32) for i in range(shards)}
 
 
-def _round(c: object, big: dict, small: dict, step: int) -> tuple[list[float], list[float], float]:
+def _round(c: object, big: dict, small: dict, step: int, gap: float) -> tuple[list[float], list[float], float]:
     """(blocking during the drain, blocking with no drain, drain seconds) of one round."""
     fut = c.save("big", step, 0, 1, big, persist=True)  # type: ignore[attr-defined]
     fut.result(600)
@@ -58,11 +58,13 @@ def _round(c: object, big: dict, small: dict, step: int) -> tuple[list[float], l
         c.save("small", step * 1000 + k, 0, 1, small).result(600)  # type: ignore[attr-defined]
         if not done.is_set():  # only saves that ended while the drain still ran
             during.append(time.perf_counter() - s0)
+        time.sleep(gap)
     idle = []
     for j in range(max(3, len(during))):
         s0 = time.perf_counter()
         c.save("small", step * 1000 + 500 + j, 0, 1, small).result(600)  # type: ignore[attr-defined]
         idle.append(time.perf_counter() - s0)
+        time.sleep(gap)
     return during, idle, drain[0]
 
 
@@ -71,12 +73,15 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--small", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--gap", type=float, default=0.05, help="seconds between two small saves (a trainer's step)")
+    ap.add_argument("--knobs", default="", help="more daemon knobs, e.g. drain_nice=0 (the drain at full priority)")
     args = ap.parse_args()
     root = scratch_dir("tck-sdd-")
     workers = (1, 2)
     stores = {w: Path(tempfile.mkdtemp(prefix="tck-sdd-store-")) for w in workers}
+    knobs = {w: f"upload_threads={w}" + (f",{args.knobs}" if args.knobs else "") for w in workers}
     ds = {w: Daemon(root, f"w{w}", args=("--persistent", stores[w].as_uri(), "--codec", "auto", "--keep-local", "2",
-                                          "--log-level", "WARNING", "--knobs", f"upload_threads={w}"))
+                                          "--log-level", "WARNING", "--knobs", knobs[w]))
           for w in workers}
     during: dict[int, list[float]] = {w: [] for w in workers}
     idle: dict[int, list[float]] = {w: [] for w in workers}
@@ -89,7 +94,7 @@ def main() -> int:
         for r in range(1, args.rounds + 1):
             big = _state(args.mib, 16, r)
             for w, c in clients.items():
-                a, b, t = _round(c, big, small, r)
+                a, b, t = _round(c, big, small, r, args.gap)
                 during[w] += a
                 idle[w] += b
                 drains[w].append(t)
