@@ -16,7 +16,7 @@ A shard is stored as chunks; every chunk of a shard goes through the codec its m
   sample first for planes over 256 KiB: the mantissa planes are noise). Body: per plane a mode byte
   (0 raw, 1 zstd), its length (4 bytes, little endian) and its bytes; then the tail shorter than
   an element as it is. Measured against ZipNN in bench/README.md ("Issue 28: a float codec
-  without torch"): at most 1.013x ZipNN's bytes on bench/incremental.py's tensors;
+  without torch"): at most 1.015x ZipNN's bytes on bench/incremental.py's tensors;
 - ``zipnn-bf16`` / ``zipnn-f16`` / ``zipnn-f32``: ZipNN, what ``auto`` wrote before issue 28;
   still read (:mod:`.zipnn`: its decoder runs in a child process, and needs ZipNN's C module);
 - ``bg2-zstd`` / ``bg4-zstd`` (written before the ZipNN codecs, still read; also the
