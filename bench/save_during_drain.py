@@ -74,13 +74,14 @@ def main() -> int:
     ap.add_argument("--small", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--gap", type=float, default=0.05, help="seconds between two small saves (a trainer's step)")
+    ap.add_argument("--codec", default="auto", help="the daemons' codec setting (none: the drain without a codec)")
     ap.add_argument("--knobs", default="", help="more daemon knobs, e.g. drain_nice=0 (the drain at full priority)")
     args = ap.parse_args()
     root = scratch_dir("tck-sdd-")
     workers = (1, 2)
     stores = {w: Path(tempfile.mkdtemp(prefix="tck-sdd-store-")) for w in workers}
     knobs = {w: f"upload_threads={w}" + (f",{args.knobs}" if args.knobs else "") for w in workers}
-    ds = {w: Daemon(root, f"w{w}", args=("--persistent", stores[w].as_uri(), "--codec", "auto", "--keep-local", "2",
+    ds = {w: Daemon(root, f"w{w}", args=("--persistent", stores[w].as_uri(), "--codec", args.codec, "--keep-local", "2",
                                           "--log-level", "WARNING", "--knobs", knobs[w]))
           for w in workers}
     during: dict[int, list[float]] = {w: [] for w in workers}
