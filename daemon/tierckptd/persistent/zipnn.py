@@ -18,7 +18,7 @@ own length, and its chunk index (a type and an end per byte group per 256 KiB) m
 stream exactly. Even so ZipNN's C decoder is not safe on a crafted stream (one with a recomputed
 digest crashed a daemon: "free(): invalid pointer"), so it runs in a one-shot child process
 (:func:`_combine_isolated`): a crash, a hang (``DECODE_TIMEOUT``) or a wrong output length there is
-a :class:`DataLossError`, and the daemon goes on. That costs a process start per chunk (~30 ms):
+a :class:`DataLossError`, and the daemon goes on. That costs a process start per chunk (~50 ms):
 a legacy path. Encoding (tests and benchmarks only: no ``codec`` setting writes ZipNN) calls
 ``zipnn_core`` in process, on the daemon's own bytes. Nothing here imports torch.
 """
