@@ -34,18 +34,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zipnn  # the wrapper, for comparison only (imports torch; the daemon does not)
 from incremental import _best, _model, _tensors
 from tierckptd.persistent import compress
+from tierckptd.persistent import zipnn as legacy
 
 
 def _coders(dtype: str) -> dict[str, Any]:
-    codec = compress.ZIPNN[dtype]
-    _, groups, bits, order = compress._ZN_PARAMS[codec]
-    core = compress._zipnn_core()
+    codec = legacy.ZIPNN[dtype]
+    _, groups, bits, order = legacy._ZN_PARAMS[codec]
+    core = legacy._zipnn_core(codec)
     z = zipnn.ZipNN(bytearray_dtype=dtype, threads=1, input_format="byte")
-    chunk, th, after = compress._ZN_CHUNK, compress._ZN_THRESHOLD, compress._ZN_CHECK_AFTER_PERCENT
+    chunk, th, after = legacy._ZN_CHUNK, legacy._ZN_THRESHOLD, legacy._ZN_CHECK_AFTER_PERCENT
     return {
         f"codec ({codec})": (lambda p: compress.encode(codec, p, consume=True),
                              lambda e, n: compress.decode(codec, e, n)),
-        "zipnn_core bare": (lambda p: core.zipnn_core(compress._zn_header(codec, len(p)), p, groups, bits, order, 0,
+        "zipnn_core bare": (lambda p: core.zipnn_core(legacy._zn_header(codec, len(p)), p, groups, bits, order, 0,
                                                       chunk, th, after, 1),
                             lambda e, n: core.combine_dtype(memoryview(e)[32:], groups, bits, order, chunk, n, 1)),
         "before": (lambda p: _before_encode(z, p, groups), lambda e, n: _before_decode(z, e, n, groups)),
@@ -57,7 +58,7 @@ def _before_encode(z: Any, data: bytearray, width: int) -> bytes:
     n = len(data) - len(data) % width
     tail = bytes(data[n:])
     stream = z.compress(data if n == len(data) else bytearray(data[:n]))
-    return b"".join([b"\x01", compress._digest(stream, tail), stream, tail])
+    return b"".join([b"\x01", legacy._digest(stream, tail), stream, tail])
 
 
 def _before_decode(z: Any, stored: bytes, size: int, width: int) -> bytes | bytearray:
@@ -65,7 +66,7 @@ def _before_decode(z: Any, stored: bytes, size: int, width: int) -> bytes | byte
     tail = size % width
     end = len(body) - tail
     stream = body[8:end]
-    assert compress._digest(stream, body[end:]) == bytes(body[:8])
+    assert legacy._digest(stream, body[end:]) == bytes(body[:8])
     assert bytes(stream[:2]) == b"ZN" and int.from_bytes(stream[16:24], "little") == size - tail
     out = z.decompress(stream)
     return out + body[end:] if tail else out
@@ -95,7 +96,7 @@ def main() -> None:
         z = zipnn.ZipNN(bytearray_dtype=dtype, threads=1, input_format="byte")
         for part in parts:  # the stored stream is the wrapper's, byte for byte
             n = len(part) - len(part) % width
-            assert compress.encode(compress.ZIPNN[dtype], part)[9:9 + n] == bytes(z.compress(bytearray(part[:n])))[:n]
+            assert compress.encode(legacy.ZIPNN[dtype], part)[9:9 + n] == bytes(z.compress(bytearray(part[:n])))[:n]
         mb = len(data) / 1e6
         rows = {label: (len(data) / r[0], mb / r[1], mb / r[2])
                 for label, r in _best(args.reps, parts, _coders(dtype)).items()}

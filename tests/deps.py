@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("daemon", "s3", "gcs", "torch", "dev")  # the Makefile's venv target
 
 
-def declared(root: Path = ROOT, extras: Iterable[str] = EXTRAS) -> list[str]:
-    """Every requirement line ``make test`` installs (the project's own extras expanded)."""
+def declared(root: Path = ROOT, extras: Iterable[str] = EXTRAS, tests: bool = True) -> list[str]:
+    """Every requirement line ``make test`` installs (the project's own extras expanded; with
+    ``tests``, requirements-test.txt's too)."""
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     optional = project["optional-dependencies"]
     lines = list(project["dependencies"])
@@ -36,7 +37,7 @@ def declared(root: Path = ROOT, extras: Iterable[str] = EXTRAS) -> list[str]:
                 todo.extend(req.extras)
             else:
                 lines.append(line)
-    for line in (root / "requirements-test.txt").read_text().splitlines():
+    for line in (root / "requirements-test.txt").read_text().splitlines() if tests else []:
         line = line.split("#", 1)[0].strip()
         if line:
             lines.append(line)

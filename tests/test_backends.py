@@ -83,6 +83,19 @@ def test_bytes_round_trip_and_overwrite(be: Backend) -> None:
     assert be.get_bytes("empty") == b""
 
 
+def test_get_bytes_refuses_an_object_over_the_limit_without_reading_it(be: Backend) -> None:
+    """Issue 27: a reader that knows how large an object may be (a chunk: its size + 1) is never
+    handed more; exactly the limit is fine; not retryable."""
+    from tierckptd.backends import ObjectTooLargeError
+
+    be.put_bytes("big", b"x" * 100_000)
+    assert be.get_bytes("big", limit=100_000) == b"x" * 100_000
+    with pytest.raises(ObjectTooLargeError, match="100000 bytes or more|100001 bytes or more") as err:
+        be.get_bytes("big", limit=99_999)
+    assert not err.value.retryable
+    assert be.get_bytes("big") == b"x" * 100_000
+
+
 def test_small_file_round_trip(be: Backend, tmp_path: Path) -> None:
     src = tmp_path / "src.bin"
     digest = _random_file(src, 300_000)

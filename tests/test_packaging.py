@@ -44,3 +44,18 @@ def test_declared_test_dependencies_are_required(monkeypatch):
     monkeypatch.setattr(deps, "unmet", lambda lines: ["jax (not installed)"])
     with pytest.raises(pytest.UsageError, match=r"missing or too old: jax \(not installed\)"):
         conftest.pytest_sessionstart(None)
+
+
+def test_the_daemon_extra_installs_no_torch_and_no_zipnn():
+    """Issue 28: ``pip install 'tierckpt[daemon]'`` pulls no torch: neither torch nor zipnn (whose
+    distribution declares torch) is a requirement of the extra, its nested extras included. The
+    legacy ZipNN reader is installed apart (``pip install --no-deps``), as README says."""
+    from packaging.requirements import Requirement
+
+    from . import deps
+
+    names = {Requirement(line).name.lower() for line in deps.declared(extras=("daemon",), tests=False)}
+    assert {"zstandard", "numpy"} <= names
+    assert not {n for n in names if "torch" in n or "zipnn" in n}, names
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install --no-deps 'zipnn>=0.5.4,<0.6'" in readme

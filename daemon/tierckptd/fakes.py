@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 from tierckpt.errors import NotFoundError
 
-from .backends.base import Backend, BackendError, atomic_local_file, check_key, check_prefix, read_exactly
+from .backends.base import Backend, BackendError, atomic_local_file, check_key, check_limit, check_prefix, read_exactly
 
 __all__ = ["MemoryBackend", "FaultyBackend"]
 
@@ -75,13 +75,14 @@ class MemoryBackend(Backend):
             with open(tmp, "wb") as f:
                 f.write(data)
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, limit: int | None = None) -> bytes:
         check_key(key)
         self._open()
         with self._lock:
             data = self.objects.get(key)
         if data is None:
             raise NotFoundError(f"{self.url}{key} does not exist")
+        check_limit(f"get {self.url}{key}", len(data), limit)
         return data
 
     def list(self, prefix: str = "") -> list[str]:
@@ -214,9 +215,9 @@ class FaultyBackend(Backend):
                 f.seek(-1, os.SEEK_CUR)
                 f.write(bytes([b[0] ^ 0xFF]))
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, limit: int | None = None) -> bytes:
         self._enter("get_bytes", key)
-        data = self.inner.get_bytes(key)
+        data = self.inner.get_bytes(key, limit)
         if self._corrupts("get_bytes", key) and data:
             mid = len(data) // 2
             data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:]

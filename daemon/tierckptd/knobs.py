@@ -98,6 +98,9 @@ class Knobs:
     # -- persistent tier
     upload_threads: int = 8
     """Shard uploads in flight at once (each S3 upload also splits into parts on the backend's pool)."""
+    drain_nice: int = 19
+    """Niceness of the persistent tier's upload threads (the drain reads, hashes, encodes and
+    uploads chunks on them): saves and trainer threads come first on a busy node; 0: the daemon's."""
     ranks_at_once: int = 4
     """Ranks drained concurrently; their shards share the upload threads."""
     read_threads: int = 16

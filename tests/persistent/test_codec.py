@@ -21,7 +21,7 @@ import xxhash
 from tierckpt.errors import DataLossError
 from tierckptd.knobs import KNOBS
 from tierckptd.local.manifest import Manifest
-from tierckptd.persistent import ShardCodec, compress, manifest_key, register_codec
+from tierckptd.persistent import ShardCodec, compress, manifest_key, register_codec, zipnn
 from tierckptd.persistent.layout import content_key
 
 from .rig import Rig
@@ -116,9 +116,9 @@ def test_every_setting_round_trips_every_width_with_odd_tails_and_empty(dtype: s
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_auto_stores_floats_with_zipnn_and_shrinks_them(dtype: str) -> None:
+def test_auto_stores_floats_in_byte_planes_and_shrinks_them(dtype: str) -> None:
     codec = compress.choose("auto", dtype)
-    assert codec == compress.ZIPNN[dtype] and compress.choose("bg-zstd", dtype).startswith("bg")
+    assert codec == compress.PLANES[dtype] and compress.choose("bg-zstd", dtype).startswith("bg")
     data = _tensor(dtype, 100_000) + b"\x01"
     stored = compress.encode(codec, data)
     assert stored[:1] == b"\x01" and len(stored) < 0.9 * len(data)
@@ -134,12 +134,12 @@ def test_zipnn_is_given_a_copy_and_noise_is_stored_raw() -> None:
     stored = compress.encode("zipnn-f32", mine, consume=True)  # the caller is done with it: no copy
     assert compress.decode("zipnn-f32", stored, len(data)) == data
     noise = np.random.default_rng(2).bytes(40_000)
-    for codec in ("zipnn-f32", "zipnn-bf16", "zstd", "bg4-zstd"):
+    for codec in ("zipnn-f32", "zipnn-bf16", "zstd", "bg4-zstd", "bp4-zstd", "bp2-zstd"):
         assert compress.encode(codec, noise) == b"\x00" + noise
 
 
 def test_chunks_stored_under_every_name_still_decode() -> None:
-    assert set(_GOLDEN) == {"zstd", "bg4-zstd", "bg2-zstd", "zipnn-f32", "zipnn-bf16"}
+    assert set(_GOLDEN) == {"zstd", "bp4-zstd", "bp2-zstd", "bg4-zstd", "bg2-zstd", "zipnn-f32", "zipnn-bf16"}
     for codec, g in _GOLDEN.items():
         plain = _golden_plain(g["plain"])
         assert compress.decode(codec, bytes.fromhex(g["stored"]), len(plain)) == plain, codec
@@ -151,9 +151,11 @@ def _corruptions(stored: bytes) -> list[bytes]:
             b"\x01" + bytes(len(stored) - 1), b"\x00" + stored[1:]]
 
 
-@pytest.mark.parametrize("codec", ["zstd", "bg2-zstd", "bg4-zstd", "zipnn-f32", "zipnn-bf16", "zipnn-f16"])
+@pytest.mark.parametrize("codec", ["zstd", "bp2-zstd", "bp4-zstd", "bg2-zstd", "bg4-zstd", "zipnn-f32", "zipnn-bf16",
+                                   "zipnn-f16"])
 def test_corrupt_chunks_raise_data_loss(codec: str) -> None:
-    dtype = {"zipnn-f32": "float32", "bg4-zstd": "float32", "zstd": "float32"}.get(codec, "bfloat16")
+    dtype = {"zipnn-f32": "float32", "bg4-zstd": "float32", "bp4-zstd": "float32", "zstd": "float32"}.get(
+        codec, "bfloat16")
     data = _tensor(dtype if codec != "zipnn-f16" else "float16", 50_000) + b"\x03"
     stored = compress.encode(codec, data)
     assert stored[:1] == b"\x01"
@@ -190,12 +192,12 @@ def test_a_zipnn_stream_announcing_another_size_is_refused_before_decoding() -> 
 
 def _wrapper_encode(codec: str, data: bytes) -> bytes:
     """A chunk as the codec stored it through the zipnn wrapper (compress.py up to 8d8af13)."""
-    zipnn = pytest.importorskip("zipnn")  # imports torch: fine here, the test process is no daemon
+    wrapper = pytest.importorskip("zipnn")  # imports torch: fine here, the test process is no daemon
     dtype = {"zipnn-bf16": "bfloat16", "zipnn-f16": "float16", "zipnn-f32": "float32"}[codec]
     n = len(data) - len(data) % (4 if dtype == "float32" else 2)
     if n == 0:
         return b"\x00" + data
-    stream = bytes(zipnn.ZipNN(bytearray_dtype=dtype, threads=1, input_format="byte").compress(bytearray(data[:n])))
+    stream = bytes(wrapper.ZipNN(bytearray_dtype=dtype, threads=1, input_format="byte").compress(bytearray(data[:n])))
     parts = [xxhash.xxh3_64_intdigest(stream + data[n:]).to_bytes(8, "little"), stream, data[n:]]
     return b"\x00" + data if sum(map(len, parts)) >= len(data) else b"".join([b"\x01", *parts])
 
@@ -261,7 +263,7 @@ def test_a_zipnn_stream_whose_header_or_index_lies_is_refused_before_decoding(co
         del s[-5:]
         s[24:32] = len(s).to_bytes(8, "little")
 
-    edits = [put(2, 1), put(3, 4), put(5, 9), put(6, 1 - compress._ZN_PARAMS[codec][2]), put(7, 2), put(8, 2),
+    edits = [put(2, 1), put(3, 4), put(5, 9), put(6, 1 - zipnn._ZN_PARAMS[codec][2]), put(7, 2), put(8, 2),
              put(9, 1), put(10, 1), put(13, 130), put(14, 17), put(15, 1 if codec != "zipnn-f32" else 6),
              put(16, len(data) // 2, 8), put(24, 1 << 40, 8), put(32, 2), put(33, 7),
              put(ends, 1 << 62, 8), put(ends, 0, 8), put(ends + 8 * (groups * chunks - 1), 3, 8), cut]
@@ -300,7 +302,7 @@ def test_a_drain_records_codec_and_stored_sizes_and_restores_byte_exact(tmp_path
             writer.save("job", 1, 0, shards, dtypes=dtypes)
             await asyncio.wait_for(writer.tier.wait("job", 1, 0, None), 10)
             man = Manifest.from_json(writer.memory.get_bytes(manifest_key("job", 1, 0, 1)))
-            assert {s.name: s.codec for s in man.shards} == {"w": "zipnn-f32", "b": "zipnn-bf16", "n": "zstd"}
+            assert {s.name: s.codec for s in man.shards} == {"w": "bp4-zstd", "b": "bp2-zstd", "n": "zstd"}
             for s in man.shards:
                 assert [(n, len(writer.memory.get_bytes(content_key("job", d, n, s.codec))))
                         for d, n, _ in s.chunks] == [(n, stored) for _, n, stored in s.chunks]
@@ -318,7 +320,7 @@ def test_a_drain_records_codec_and_stored_sizes_and_restores_byte_exact(tmp_path
 
 def test_manifest_dtype_strings_pick_the_codec_of_their_dtype() -> None:
     assert [compress.choose("auto", d) for d in ("<f4", "torch:float32", "torch:bfloat16", "<f2", "torch:float16")] \
-        == ["zipnn-f32", "zipnn-f32", "zipnn-bf16", "zipnn-f16", "zipnn-f16"]
+        == ["bp4-zstd", "bp4-zstd", "bp2-zstd", "bp2-zstd", "bp2-zstd"]
     assert [compress.choose("auto", d) for d in (">f4", "<i8", "torch:int64", "|u1", "")] == ["zstd"] * 5
     assert compress.choose("bg-zstd", "<i4") == "bg4-zstd"
     assert compress.choose("bg-zstd", "torch:bfloat16") == "bg2-zstd"

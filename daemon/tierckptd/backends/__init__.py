@@ -24,10 +24,10 @@ from tierckpt.errors import InvalidArgumentError
 from tierckptd.config import ConfigError
 from tierckptd.redact import redact_text, redact_url
 
-from .base import Backend, BackendError, MissingExtraError, check_key
+from .base import Backend, BackendError, MissingExtraError, ObjectTooLargeError, check_key
 
-__all__ = ["Backend", "BackendError", "MissingExtraError", "backend_options", "open_backend", "parse_url",
-           "redact_text", "redact_url"]
+__all__ = ["Backend", "BackendError", "MissingExtraError", "ObjectTooLargeError", "backend_options", "open_backend",
+           "parse_url", "redact_text", "redact_url"]
 
 _FIELD = "persistent"
 _BUCKET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,221}[A-Za-z0-9]")

@@ -17,7 +17,7 @@ from typing import BinaryIO
 from tierckpt.errors import InvalidArgumentError, TierckptError
 
 __all__ = [
-    "Backend", "BackendError", "MissingExtraError",
+    "Backend", "BackendError", "MissingExtraError", "ObjectTooLargeError", "check_limit",
     "atomic_local_file", "check_key", "check_prefix", "read_exactly", "translate_errors",
 ]
 
@@ -42,6 +42,23 @@ class BackendError(TierckptError):
 
 def _rebuild_backend_error(message: str, retryable: bool) -> BackendError:
     return BackendError(message, retryable=retryable)
+
+
+class ObjectTooLargeError(BackendError):
+    """An object is larger than the caller accepts (:meth:`Backend.get_bytes` with ``limit``);
+    not retryable: a stored object does not shrink."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
+
+    def __reduce__(self) -> tuple[Callable[[str], ObjectTooLargeError], tuple[str]]:  # type: ignore[override]
+        return (ObjectTooLargeError, (self.args[0] if self.args else "",))
+
+
+def check_limit(what: str, size: int | None, limit: int | None) -> None:
+    """Raise :class:`ObjectTooLargeError` when ``size`` (None: unknown) exceeds ``limit`` (None: any)."""
+    if limit is not None and size is not None and size > limit:
+        raise ObjectTooLargeError(f"{what}: {size} bytes or more, more than the {limit} accepted (not read)")
 
 
 class MissingExtraError(TierckptError, ImportError):
@@ -191,11 +208,18 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, limit: int | None = None) -> bytes:
         """Return the whole content of ``key``.
+
+        Args:
+            limit: the most bytes the caller accepts (stored bytes are hostile): a larger object is
+                refused before its body is read where the store tells its size first (the file
+                backend's fstat, S3's GET headers), and the read is bounded to ``limit + 1`` bytes
+                everywhere (GCS: a ranged GET).
 
         Raises:
             NotFoundError: ``key`` does not exist.
+            ObjectTooLargeError: the object has more than ``limit`` bytes.
             BackendError: The download failed.
         """
 

@@ -22,6 +22,7 @@ from .base import (
     BackendError,
     atomic_local_file,
     check_key,
+    check_limit,
     check_prefix,
     read_exactly,
     translate_errors,
@@ -198,10 +199,14 @@ class FileBackend(Backend):
             with self._errors("read", key):
                 shutil.copyfileobj(src, out, _COPY_CHUNK)
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, limit: int | None = None) -> bytes:
         """See :meth:`Backend.get_bytes`."""
-        with self._open_object(key) as src, self._errors("read", key):
-            return src.read()
+        with self._open_object(key) as src:
+            check_limit(f"get {self.url}/{key}", os.fstat(src.fileno()).st_size, limit)
+            with self._errors("read", key):
+                data = src.read() if limit is None else src.read(limit + 1)
+        check_limit(f"get {self.url}/{key}", len(data), limit)
+        return data
 
     def list(self, prefix: str = "") -> list[str]:
         """See :meth:`Backend.list`. Symlinks below the root are neither listed nor descended."""

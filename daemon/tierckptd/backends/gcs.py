@@ -19,7 +19,16 @@ from typing import Any, BinaryIO
 from tierckpt.errors import NotFoundError, TierckptError
 
 from ..redact import redact_text, redact_url
-from .base import Backend, BackendError, MissingExtraError, atomic_local_file, check_key, check_prefix, translate_errors
+from .base import (
+    Backend,
+    BackendError,
+    MissingExtraError,
+    atomic_local_file,
+    check_key,
+    check_limit,
+    check_prefix,
+    translate_errors,
+)
 
 __all__ = ["GcsBackend"]
 
@@ -174,11 +183,14 @@ class GcsBackend(Backend):
                         worker_type=self._sdk.transfer_manager.THREAD, max_workers=self._download_workers,
                     )
 
-    def get_bytes(self, key: str) -> bytes:
-        """See :meth:`Backend.get_bytes`."""
+    def get_bytes(self, key: str, limit: int | None = None) -> bytes:
+        """See :meth:`Backend.get_bytes` (with ``limit``: a ranged GET of ``limit + 1`` bytes)."""
         blob = self._blob(key)
         with self._errors("get", key):
-            return blob.download_as_bytes(**self._kw)
+            data = blob.download_as_bytes(**self._kw) if limit is None else blob.download_as_bytes(
+                start=0, end=limit, **self._kw)
+        check_limit(f"get {self.url}{key}", len(data), limit)
+        return data
 
     def list(self, prefix: str = "") -> list[str]:
         """See :meth:`Backend.list`."""

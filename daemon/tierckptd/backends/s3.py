@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from tierckpt.errors import NotFoundError, TierckptError
 
 from ..redact import redact_text, redact_url  # no secret in a log or an error
-from .base import Backend, BackendError, MissingExtraError, check_key, check_prefix, translate_errors
+from .base import Backend, BackendError, MissingExtraError, check_key, check_limit, check_prefix, translate_errors
 
 if TYPE_CHECKING:
     from boto3.s3.transfer import TransferConfig
@@ -209,13 +209,17 @@ class S3Backend(Backend):
         with self._errors("get", key):
             self._manager.download(self.bucket, name, os.fspath(path)).result()
 
-    def get_bytes(self, key: str) -> bytes:
-        """See :meth:`Backend.get_bytes`."""
+    def get_bytes(self, key: str, limit: int | None = None) -> bytes:
+        """See :meth:`Backend.get_bytes` (the size is the GET's Content-Length, checked before the
+        body is read; a refused body is not read and its connection is closed)."""
         name = self._key(key)
         with self._errors("get", key):
-            body = self.client.get_object(Bucket=self.bucket, Key=name)["Body"]
-            with contextlib.closing(body):
-                return body.read()
+            got = self.client.get_object(Bucket=self.bucket, Key=name)
+            with contextlib.closing(got["Body"]) as body:
+                check_limit(f"get {self.url}{key}", got.get("ContentLength"), limit)
+                data = body.read() if limit is None else body.read(limit + 1)
+        check_limit(f"get {self.url}{key}", len(data), limit)
+        return data
 
     def list(self, prefix: str = "") -> list[str]:
         """See :meth:`Backend.list`."""

@@ -6,9 +6,12 @@ drains, loses nothing); reads (restore downloads, manifests, listings) retry wit
 ``KNOBS.read_retry`` or a tighter policy. A non-retryable error is raised at once.
 
 Every call runs through :func:`~tierckptd.offload.run_blocking` on :class:`DaemonThreads`, the
-tier's pool: a fresh daemon thread per call (at most ``KNOBS.upload_threads`` uploads and
+tier's pools: a fresh daemon thread per call (at most ``KNOBS.upload_threads`` uploads and
 ``KNOBS.read_threads`` reads at once), so a slow object store cannot starve the default pool
-and a hung SDK call never blocks the daemon's exit.
+and a hung SDK call never blocks the daemon's exit. Uploads (the drain: reading, hashing and
+encoding chunks, on as many cores as ``upload_threads``: the codecs release the GIL) run at nice
+``KNOBS.drain_nice``, so that a drain takes the CPU that saves and the trainers' own threads leave
+idle (bench/save_during_drain.py); reads (restores) run at the daemon's priority.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -42,8 +46,9 @@ class DaemonThreads(cf.Executor):
     Concurrency is bounded by the caller (:class:`BackendCalls`' semaphores), not here.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, nice: Callable[[], int] = lambda: 0) -> None:
         self.name = name
+        self.nice = nice
         self.active = 0
         self._lock = threading.Lock()
 
@@ -52,6 +57,11 @@ class DaemonThreads(cf.Executor):
 
         def run() -> None:
             outcome: tuple[bool, Any]
+            if niceness := self.nice():
+                try:  # this thread only (Linux: a thread id is a process id for setpriority); it ends with the call
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+                except (OSError, AttributeError):  # pragma: no cover - not Linux
+                    pass
             try:
                 outcome = (True, fn(*args, **kwargs))
             except BaseException as err:  # thread boundary: the awaiting coroutine re-raises it
@@ -85,6 +95,7 @@ class BackendCalls:
         self.metrics = metrics
         self.backend = backend
         self.threads = DaemonThreads("tierckpt-persistent")
+        self.drain_threads = DaemonThreads("tierckpt-drain", lambda: KNOBS.drain_nice)
         self.halt = threading.Event()
         self._uploads = asyncio.Semaphore(KNOBS.upload_threads)
         self._reads = asyncio.Semaphore(KNOBS.read_threads)
@@ -113,7 +124,7 @@ class BackendCalls:
 
         call = functools.partial(call_with_retry, fn, KNOBS.drain_retry, on_retry=self._on_retry, sleep=sleep)
         async with self._uploads:
-            return await run_blocking(call, pool=self.threads)
+            return await run_blocking(call, pool=self.drain_threads)
 
     async def read(self, fn: Callable[[], T], policy: RetryPolicy | None = None) -> T:
         """``fn()`` in a worker thread, retrying retryable errors within ``policy`` (default
@@ -142,5 +153,5 @@ class BackendCalls:
         """Wake every retry sleep (they raise :class:`Stopped`); close the backend unless a call
         is still running in a thread (a hung call keeps it; the process exits anyway)."""
         self.halt.set()
-        if self.backend is not None and self.threads.active == 0:
+        if self.backend is not None and self.threads.active == 0 and self.drain_threads.active == 0:
             self.backend.close()

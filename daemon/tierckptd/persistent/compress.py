@@ -1,27 +1,24 @@
-"""Lossless chunk codecs of the content-addressed layout (:mod:`.content`), chosen per shard.
+"""Lossless chunk codecs of the content layout (:mod:`.content`), chosen per shard.
 
 A shard is stored as chunks; every chunk of a shard goes through the codec its manifest names
 (``shards[].codec``):
 
 - ``raw``: the bytes as they are;
 - ``zstd``: zstandard, level ``LEVEL``;
-- ``zipnn-bf16`` / ``zipnn-f16`` / ``zipnn-f32`` (what ``auto`` picks for floats): ZipNN
-  (https://github.com/zipnn/zipnn; byte grouping with the exponent in a byte of its own, each
-  byte group Huffman-coded per 256 KiB, in C). The stored body is an xxh3-64 (8 bytes, little
-  endian) of what follows it: the ZipNN stream, then the tail shorter than an element as it is.
-  The stream is the one zipnn 0.5.4's wrapper (``ZipNN(input_format="byte", bytearray_dtype=...,
-  threads=1)``) writes, byte for byte, but made here without the wrapper (which imports torch):
-  the 32-byte header is written and parsed in Python and only ZipNN's C coder, the module
-  ``zipnn_core``, is called. Before any byte reaches ``zipnn_core.combine_dtype`` (which trusts
-  its input) the digest is checked, the header must be the one this codec writes (any 0.5.x
-  version) announcing the expected plain size and the stream's own length, and its chunk index
-  (a type and an end per byte group per 256 KiB) must describe the stream exactly; the output is
-  bounded by the chunk's size. ZipNN rewrites the buffer it compresses, so it is given a private
-  copy (or the caller's buffer, when the caller says it is done with it). Chosen against the
-  alternatives measured in bench/README.md ("Incremental and compressed persistent
-  checkpoints"): blosc2 shuffle/bitshuffle/bytedelta + zstd/lz4, pcodec, byte planes + zstd or
-  deflate lose ratio (zstd's match finder codes the exponent plane 10-13% above its entropy) or
-  decode at a fraction of ZipNN's speed;
+- ``bp2-zstd`` / ``bp4-zstd`` (what ``auto`` picks for float16/bfloat16 resp. float32): byte
+  planes, each coded by zstd with its match finder held back. The chunk is split into byte planes
+  (byte 0 of every 2- or 4-byte element, then byte 1, ...: the top plane holds the sign and the
+  exponent's high bits, the others mantissa bits), every plane is compressed by zstd with
+  ``PLANE_PARAMS`` (minimum match 7, a 64-entry hash table, 128 KiB blocks): on these planes matches
+  are rare and cost more than they save (zstd's default levels code the exponent plane 10-13% above
+  its entropy), so almost everything is a literal, Huffman-coded per 128 KiB block, the same code
+  as ZipNN's per 256 KiB. A plane is stored raw when it does not shrink (decided on a 64 KiB
+  sample first for planes over 256 KiB: the mantissa planes are noise). Body: per plane a mode byte
+  (0 raw, 1 zstd), its length (4 bytes, little endian) and its bytes; then the tail shorter than
+  an element as it is. Measured against ZipNN in bench/README.md ("Issue 28: a float codec
+  without torch"): at most 1.015x ZipNN's bytes on bench/incremental.py's tensors;
+- ``zipnn-bf16`` / ``zipnn-f16`` / ``zipnn-f32``: ZipNN, what ``auto`` wrote before issue 28;
+  still read (:mod:`.zipnn`: its decoder runs in a child process, and needs ZipNN's C module);
 - ``bg2-zstd`` / ``bg4-zstd`` (written before the ZipNN codecs, still read; also the
   ``bg-zstd`` setting): byte grouping, then zstd per byte plane. Each element (2 bytes:
   float16, bfloat16; 4 bytes: float32) is rotated left by one bit, so that its top byte holds the
@@ -38,11 +35,14 @@ always cover the plain bytes. :func:`choose` picks the codec for a shard from th
 setting and the shard's dtype (a manifest's dtype string: ``"torch:bfloat16"``, ``"<f4"``).
 Each codec is a :class:`~.codec.ChunkCodec` registered in the one registry of :mod:`.codec` at
 import; :func:`encode` and :func:`decode` find them there (so does a codec a test registers).
-Everything here is blocking; the tier calls it from worker threads. zstd and numpy release the
-GIL; ZipNN holds it for the whole call (~2 ms per MiB compressing on one core here, less
-decoding), so float chunks are coded one at a time per daemon. ``zipnn_core`` keeps no state
-between calls (threads share nothing); zstd coders are per thread. Nothing here imports torch:
-``zipnn_core`` needs only libc and Python (tests/persistent/test_torchfree.py).
+
+Bounds (stored bytes are hostile, issue 27): a decoder never makes more than the size the
+manifest gives the chunk (a zstd frame must announce exactly the size it is read as, before it is
+decoded: zstandard sizes its output by the frame's own header), and anything malformed is a
+:class:`DataLossError` (tests/persistent/test_codec_fuzz.py). Everything here is blocking; the tier
+calls it from worker threads, and zstd and numpy release the GIL: chunks are coded on as many
+cores as there are threads coding (``KNOBS.upload_threads`` / ``read_threads``). zstd coders are
+per thread. Nothing here imports torch (tests/persistent/test_torchfree.py).
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ import struct
 import threading
 from typing import Any
 
-import xxhash
-from tierckpt.errors import DataLossError
+from tierckpt.errors import DataLossError, FailedPreconditionError
 
 from .codec import ChunkCodec, chunk_codec, register_codec
+from .zipnn import ZIPNN, ZipNNCodec
 
-__all__ = ["CODECS", "SETTINGS", "ZIPNN", "choose", "encode", "decode", "LEVEL"]
+__all__ = ["CODECS", "SETTINGS", "PLANES", "ZIPNN", "choose", "encode", "decode", "warm", "LEVEL"]
 
 LEVEL = 3
 """zstd level of the ``zstd`` codec (zstd's default)."""
@@ -64,21 +64,40 @@ LEVEL = 3
 PLANE_LEVEL = 1
 """zstd level of each byte plane of the ``bg*`` codecs."""
 
-ZIPNN = {"bfloat16": "zipnn-bf16", "float16": "zipnn-f16", "float32": "zipnn-f32"}
-"""The ZipNN codec of each float dtype."""
+PLANE_PARAMS = {"window_log": 17, "hash_log": 6, "chain_log": 6, "search_log": 1, "min_match": 7,
+                "target_length": 0}
+"""zstd parameters (strategy "fast") of each byte plane of the ``bp*`` codecs: the smallest hash
+table, the longest minimum match, 128 KiB blocks (a block is at most the window): few matches,
+literals Huffman-coded per block (bench/README.md, "Issue 28": the smallest and fastest setting
+measured on the exponent plane)."""
 
-CODECS = ("raw", "zstd", "bg2-zstd", "bg4-zstd", *ZIPNN.values())
+PLANES = {"bfloat16": "bp2-zstd", "float16": "bp2-zstd", "float32": "bp4-zstd"}
+"""The byte-plane codec of each float dtype (``auto``'s choice)."""
+
+CODECS = ("raw", "zstd", "bp2-zstd", "bp4-zstd", "bg2-zstd", "bg4-zstd", *ZIPNN.values())
 """Every chunk codec a manifest may name."""
 
 SETTINGS = ("auto", "none", "zstd", "bg-zstd")
-"""Values of the ``codec`` setting: ``auto`` (by dtype: ZipNN for float16/bfloat16/float32, zstd for
-the rest), ``none`` (raw), ``zstd`` (plain zstd for every shard), ``bg-zstd`` (the older byte
-planes + zstd by element size where the dtype has one, else zstd)."""
+"""Values of the ``codec`` setting: ``auto`` (by dtype: byte planes + zstd for float16/bfloat16/
+float32, zstd for the rest), ``none`` (raw), ``zstd`` (plain zstd for every shard), ``bg-zstd``
+(the older rotated byte planes + zstd by element size where the dtype has one, else zstd)."""
 
 _WIDTH = {"float16": 2, "bfloat16": 2, "float32": 4, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4}
 _RAW, _PACKED = b"\x00", b"\x01"
+_UINT = {2: "<u2", 4: "<u4"}
+_SAMPLE = 1 << 16  # bytes of a large plane compressed first: a plane that does not shrink there is stored raw
 _local = threading.local()
 _NUMPY = {"<f4": "float32", "<f2": "float16", "<i2": "int16", "<u2": "uint16", "<i4": "int32", "<u4": "uint32"}
+
+
+def warm() -> None:
+    """Import what the codecs run on (numpy ~0.2 s, zstandard) and make this thread's coders, so
+    that a persistent tier's first restore or drain does not pay it (issue 28: the first restore of
+    a fresh daemon took 2.5x a warm one before; bench/first_restore.py). Called at the tier's start."""
+    import numpy  # noqa: F401
+
+    _zstd(None)
+    _zstd()
 
 
 def dtype_name(dtype: str) -> str:
@@ -94,125 +113,38 @@ def choose(setting: str, dtype: str) -> str:
     dtype = dtype_name(dtype)
     if setting == "none":
         return "raw"
-    if setting == "auto" and dtype in ZIPNN:
-        return ZIPNN[dtype]
+    if setting == "auto" and dtype in PLANES:
+        return PLANES[dtype]
     width = _WIDTH.get(dtype, 0)
     if setting != "bg-zstd" or width == 0:
         return "zstd"
     return f"bg{width}-zstd"
 
 
-def _zstd(level: int = LEVEL) -> tuple[Any, Any]:
+def _zstd(level: int | None = LEVEL) -> tuple[Any, Any]:
+    """This thread's (compressor, decompressor) of a zstd level, or of :data:`PLANE_PARAMS` (None)."""
     import zstandard  # the [daemon] extra; imported on first use so a raw tier needs nothing
 
     pairs = getattr(_local, "zstd", None)
     if pairs is None:
         pairs = _local.zstd = {}
     if level not in pairs:
-        pairs[level] = (zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor())
+        comp = (zstandard.ZstdCompressor(level=level) if level is not None else zstandard.ZstdCompressor(
+            compression_params=zstandard.ZstdCompressionParameters(strategy=zstandard.STRATEGY_FAST, **PLANE_PARAMS)))
+        pairs[level] = (comp, zstandard.ZstdDecompressor())
     return pairs[level]
 
 
-_UINT = {2: "<u2", 4: "<u4"}
-_ZIPNN_DTYPE = {codec: dtype for dtype, codec in ZIPNN.items()}
-_DIGEST = 8  # xxh3-64 of the ZipNN stream and the tail, ahead of them
+def _unzstd(frame: bytes | memoryview, size: int, level: int | None = LEVEL) -> bytes:
+    """The ``size`` bytes a zstd frame holds. The frame must announce exactly that size before a
+    byte is decoded: zstandard sizes its output by the frame's header, not by ``max_output_size``
+    (a 12-byte frame announcing 1 TiB would be allocated), and an unknown size is not written here."""
+    import zstandard
 
-# The ZipNN stream (zipnn 0.5.4's ``ZipNN(input_format="byte", bytearray_dtype=..., threads=1)``,
-# written here without its wrapper, which imports torch): a 32-byte header, then what
-# ``zipnn_core.zipnn_core`` appends to it (and reads back in ``zipnn_core.combine_dtype``).
-_ZN_HEADER = 32
-_ZN_VERSION = (0, 5, 4)  # written; a reader takes any 0.5.x (the layout below is checked, not trusted)
-_ZN_CHUNK_LOG2 = 18  # ZipNN codes each 256 KiB of plain bytes apart
-_ZN_CHUNK = 1 << _ZN_CHUNK_LOG2
-_ZN_THRESHOLD, _ZN_CHECK_AFTER_PERCENT = 0.95, 10  # a byte group coding above 95% is stored as it is
-# codec: (ZipNN dtype code, byte groups (= element width), bit reorder, byte reorder); the wrapper's
-# choices for these dtypes: bit reorder moves the sign bit next to the mantissa (bfloat16,
-# float32), byte reorder 10 (0b01_010) is 2 groups, 220 (0b1_10_11_100) 4 groups.
-_ZN_PARAMS = {
-    "zipnn-bf16": (6, 2, 1, 10),
-    "zipnn-f16": (4, 2, 0, 10),
-    "zipnn-f32": (1, 4, 1, 220),
-}
-
-
-def _zn_fields(codec: str) -> bytes:
-    """Bytes [5:16] of the stream header of a codec: byte reorder, bit reorder, method (0: auto),
-    input format (1: bytes), delta (0), lossy type, factor, is-int (0), streaming (0), log2 of
-    the chunk, dtype code."""
-    code, _, bits, byte_order = _ZN_PARAMS[codec]
-    return bytes((byte_order, bits, 0, 1, 0, 0, 0, 0, 0, _ZN_CHUNK_LOG2, code))
-
-
-def _zn_header(codec: str, plain: int) -> bytearray:
-    """The header ZipNN's wrapper writes; ``zipnn_core`` fills the stream's length in [24:32]."""
-    return bytearray(b"ZN" + bytes(_ZN_VERSION) + _zn_fields(codec) + plain.to_bytes(8, "little") + bytes(8))
-
-
-def _zipnn_core() -> Any:
-    import zipnn_core  # ZipNN's C coder alone (the zipnn distribution); no torch, imported on first use
-
-    return zipnn_core
-
-
-def _digest(stream: bytes | memoryview, tail: bytes | memoryview) -> bytes:
-    h = xxhash.xxh3_64(stream)
-    h.update(tail)
-    return h.intdigest().to_bytes(_DIGEST, "little")
-
-
-def _pack_zipnn(data: bytes | bytearray | memoryview, codec: str, consume: bool) -> list[bytes] | None:
-    """The ZipNN body of a chunk (module docstring), or None when it has no whole element."""
-    _, groups, bits, byte_order = _ZN_PARAMS[codec]
-    n = len(data) - len(data) % groups
-    if n == 0:
-        return None
-    tail = bytes(data[n:])
-    mine = data if consume and isinstance(data, bytearray) and n == len(data) else bytearray(data[:n])
-    stream = _zipnn_core().zipnn_core(  # rewrites the buffer it is given (the bit reorder)
-        _zn_header(codec, n), mine, groups, bits, byte_order, 0, _ZN_CHUNK, _ZN_THRESHOLD,
-        _ZN_CHECK_AFTER_PERCENT, 1)
-    return [_digest(stream, tail), stream, tail]
-
-
-def _check_zn_stream(stream: memoryview, codec: str, plain: int) -> None:
-    """Raise DataLossError unless ``stream`` is a ZipNN stream of ``plain`` bytes of this codec
-    whose chunk index stays inside it: the header as written, every byte group of every 256 KiB
-    chunk stored as it is (type 0, exactly its plain length) or Huffman-coded (type 1, 1 byte up
-    to its plain length), the groups ending where the stream ends. ``combine_dtype`` trusts all
-    of it (it reads the index without knowing the stream's length)."""
-    import numpy as np
-
-    groups = _ZN_PARAMS[codec][1]
-    announced = (int.from_bytes(stream[16:24], "little"), int.from_bytes(stream[24:32], "little"))
-    if (bytes(stream[:4]) != b"ZN" + bytes(_ZN_VERSION[:2]) or bytes(stream[5:16]) != _zn_fields(codec)
-            or announced != (plain, len(stream))):
-        raise DataLossError(f"ZipNN stream header does not announce {codec}, {plain} bytes in {len(stream)}")
-    chunks = -(-plain // _ZN_CHUNK)
-    index = _ZN_HEADER + 9 * groups * chunks
-    if len(stream) < index:
-        raise DataLossError("ZipNN stream shorter than its chunk index")
-    types = np.frombuffer(stream, np.uint8, groups * chunks, _ZN_HEADER).reshape(groups, chunks)
-    ends = np.frombuffer(stream, "<u8", groups * chunks, _ZN_HEADER + groups * chunks).reshape(groups, chunks)
-    if int(ends.max()) > len(stream):
-        raise DataLossError("ZipNN chunk index points past the stream")
-    lengths = np.diff(ends.astype(np.int64), axis=1, prepend=0)
-    want = np.full(chunks, _ZN_CHUNK // groups, np.int64)
-    want[-1] = (plain - _ZN_CHUNK * (chunks - 1)) // groups
-    ok = np.where(types == 0, lengths == want, (types == 1) & (lengths > 0) & (lengths <= want))
-    if not ok.all() or index + int(ends[:, -1].sum()) != len(stream):
-        raise DataLossError("ZipNN chunk index does not describe the stream")
-
-
-def _unpack_zipnn(body: memoryview, size: int, codec: str) -> bytes | bytearray:
-    _, groups, bits, byte_order = _ZN_PARAMS[codec]
-    tail = size % groups
-    end = len(body) - tail
-    stream = memoryview(body)[_DIGEST:end]
-    if end < _DIGEST + _ZN_HEADER or _digest(stream, body[end:]) != bytes(body[:_DIGEST]):
-        raise DataLossError("ZipNN stream does not match its digest")
-    _check_zn_stream(stream, codec, size - tail)
-    out = _zipnn_core().combine_dtype(stream[_ZN_HEADER:], groups, bits, byte_order, _ZN_CHUNK, size - tail, 1)
-    return out + body[end:] if tail else out
+    announced = zstandard.frame_content_size(frame)
+    if announced != size:
+        raise DataLossError(f"zstd frame announces {announced} bytes, expected {size}")
+    return _zstd(level)[1].decompress(frame, max_output_size=size, allow_extra_data=False)
 
 
 def _planes(data: bytes | bytearray | memoryview, width: int) -> list[bytes]:
@@ -251,19 +183,86 @@ def _pack_planes(data: bytes | bytearray | memoryview, width: int) -> bytes:
 
 
 def _unpack_planes(body: memoryview, size: int, width: int) -> bytes:
-    dec, pos, planes = _zstd(PLANE_LEVEL)[1], 0, []
+    pos, planes = 0, []
     sizes = [size // width] * width + [size % width]
     for want in sizes:
         mode, (length,) = body[pos:pos + 1], struct.unpack_from("<I", body, pos + 1)
         part = body[pos + 5:pos + 5 + length]
         pos += 5 + length
-        plane = part if mode == _RAW else dec.decompress(part, max_output_size=want, allow_extra_data=False)
+        plane = part if mode == _RAW else _unzstd(part, want, PLANE_LEVEL)
         if len(plane) != want or mode not in (_RAW, _PACKED):
             raise DataLossError(f"byte plane of {len(plane)} bytes, expected {want}")
         planes.append(plane)
     if pos != len(body):
         raise DataLossError("trailing bytes after the byte planes")
     return _unplanes(planes, width)
+
+
+def _pack_plane(plane: Any) -> list[Any]:
+    """Mode, length and bytes of one byte plane of a ``bp*`` body (raw unless zstd shrinks it)."""
+    comp = _zstd(None)[0]
+    if len(plane) > 4 * _SAMPLE and len(comp.compress(plane[:_SAMPLE])) >= _SAMPLE * 0.97:
+        packed = None  # noise (a mantissa plane): not worth coding in full
+    else:
+        packed = comp.compress(plane)
+    body, mode = (packed, _PACKED) if packed is not None and len(packed) < len(plane) else (plane, _RAW)
+    return [mode, len(body).to_bytes(4, "little"), body]
+
+
+def _pack_bp(data: bytes | bytearray | memoryview, width: int) -> list[Any]:
+    """The ``bp*`` body of a chunk (module docstring) as parts to join, or None (no whole element)."""
+    import numpy as np  # imported on first use: the layout reads codec names without numpy
+
+    count = len(data) // width
+    x = np.frombuffer(data, _UINT[width], count)
+    planes = np.empty((width, count), np.uint8)  # plane k: byte k of every element (shift, then truncate)
+    np.copyto(planes[0], x, casting="unsafe")
+    for k in range(1, width):
+        np.right_shift(x, 8 * k, out=planes[k], casting="unsafe")
+    parts = [part for k in range(width) for part in _pack_plane(planes[k])]
+    return [*parts, bytes(data[count * width:])]
+
+
+def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
+    import numpy as np
+
+    count, pos, planes = size // width, 0, []
+    for _ in range(width):
+        if pos + 5 > len(body):
+            raise DataLossError("byte planes cut short")
+        mode, length = body[pos:pos + 1], int.from_bytes(body[pos + 1:pos + 5], "little")
+        part = body[pos + 5:pos + 5 + length]
+        pos += 5 + length
+        if mode == _PACKED:
+            part = memoryview(_unzstd(part, count, None))
+        elif mode != _RAW:
+            raise DataLossError(f"byte plane of unknown mode {bytes(mode)!r}")
+        if len(part) != count:
+            raise DataLossError(f"byte plane of {len(part)} bytes, expected {count}")
+        planes.append(np.frombuffer(part, np.uint8))
+    if len(body) - pos != size - count * width:
+        raise DataLossError(f"{len(body) - pos} bytes after the byte planes, expected {size - count * width}")
+    out = bytearray(size)
+    x, scratch = np.frombuffer(out, _UINT[width], count), np.empty(count, _UINT[width])
+    np.copyto(x, planes[-1])
+    for plane in reversed(planes[:-1]):  # x = (x << 8) | plane, top plane first
+        np.left_shift(x, 8, out=x)
+        np.copyto(scratch, plane)
+        np.bitwise_or(x, scratch, out=x)
+    out[count * width:] = body[pos:]
+    return out
+
+
+class _Planes(ChunkCodec):
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.name = f"bp{width}-zstd"
+
+    def pack(self, data: bytes | bytearray | memoryview, consume: bool) -> list[Any] | None:
+        return _pack_bp(data, self.width) if len(data) >= self.width else None
+
+    def unpack(self, body: memoryview, size: int) -> bytearray:
+        return _unpack_bp(body, size, self.width)
 
 
 class _Raw(ChunkCodec):
@@ -283,7 +282,7 @@ class _Zstd(ChunkCodec):
         return [_zstd()[0].compress(data)]
 
     def unpack(self, body: memoryview, size: int) -> bytes:
-        return _zstd()[1].decompress(body, max_output_size=size, allow_extra_data=False)
+        return _unzstd(body, size)
 
 
 class _BytePlanes(ChunkCodec):
@@ -298,20 +297,8 @@ class _BytePlanes(ChunkCodec):
         return _unpack_planes(body, size, self.width)
 
 
-class _ZipNN(ChunkCodec):
-    overwrites_input = True
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def pack(self, data: bytes | bytearray | memoryview, consume: bool) -> list[bytes] | None:
-        return _pack_zipnn(data, self.name, consume)
-
-    def unpack(self, body: memoryview, size: int) -> bytes | bytearray:
-        return _unpack_zipnn(body, size, self.name)
-
-
-for _codec in (_Raw(), _Zstd(), _BytePlanes(2), _BytePlanes(4), *(_ZipNN(n) for n in ZIPNN.values())):
+for _codec in (_Raw(), _Zstd(), _Planes(2), _Planes(4), _BytePlanes(2), _BytePlanes(4),
+               *(ZipNNCodec(n) for n in ZIPNN.values())):
     register_codec(_codec)
 
 
@@ -349,9 +336,9 @@ def decode(codec: str, stored: bytes, size: int) -> bytes | bytearray:
             out = coder.unpack(body, size)
         else:
             raise DataLossError(f"chunk of codec {codec!r} has an unknown tag {tag!r}")
-    except DataLossError:
+    except (DataLossError, FailedPreconditionError):
         raise
-    except Exception as err:  # zstandard.ZstdError, ZipNN's ValueError and friends: corrupt bytes
+    except Exception as err:  # zstandard.ZstdError, numpy's ValueError and friends: corrupt bytes
         raise DataLossError(f"chunk of codec {codec!r} cannot be decoded: {err}") from err
     if len(out) != size:
         raise DataLossError(f"chunk of codec {codec!r} decodes to {len(out)} bytes, not {size}")

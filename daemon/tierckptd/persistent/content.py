@@ -52,7 +52,7 @@ from typing import Any
 import xxhash
 from tierckpt.errors import DataLossError, UnavailableError
 
-from ..backends import BackendError
+from ..backends import BackendError, ObjectTooLargeError
 from ..knobs import KNOBS
 from ..local.localfs import open_checked
 from ..local.manifest import Manifest, ShardEntry
@@ -289,15 +289,22 @@ class ContentStore:
         """Download, check and decode one chunk into ``path`` at ``offset``.
 
         Raises:
-            DataLossError: the chunk is damaged: it does not decode, or its bytes do not hash
-                to its name. It is remembered,
+            DataLossError: the chunk is damaged: its manifest gives it more than
+                ``KNOBS.chunk_bytes``, the object is larger than the tag byte and those bytes
+                (refused before its body is read), it does not decode (each codec is bounded by
+                that size), or its bytes do not hash to its name. It is remembered,
                 and the next drain of this process holding those bytes stores it again.
             NotFoundError: the chunk is missing.
         """
         digest, size, _ = chunk
         key = content_key(job, digest, size, codec)
-        stored = self.calls.be.get_bytes(key)
         try:
+            if size > KNOBS.chunk_bytes:  # never decoded to, nor allocated, whatever the manifest says
+                raise DataLossError(f"chunk {key}: {size} bytes, more than a chunk ({KNOBS.chunk_bytes})")
+            try:  # stored: at most the tag byte and the plain bytes (encode() never writes more)
+                stored = self.calls.be.get_bytes(key, limit=size + 1)
+            except ObjectTooLargeError as err:
+                raise DataLossError(f"chunk {key}: {err}") from None
             data = _checked(key, codec, stored, chunk)
         except DataLossError as err:
             self._report_damaged(job, key, err)

@@ -106,6 +106,13 @@ class Restorer:
     async def _download(self, remote: Manifest) -> Manifest:
         """Fetch one rank into the local store."""
         job, step, rank = remote.key
+        big = next((s.name for s in remote.shards for c in s.chunks if c[1] > KNOBS.chunk_bytes), None)
+        if big is not None:  # refused before a staging file of its size is made, or any chunk is read
+            count_checksum_failure(self.metrics)
+            log.error("persistent copy of %s step %d rank %d names a chunk over %d bytes (shard %r), refused",
+                      job, step, rank, KNOBS.chunk_bytes, big)
+            raise DataLossError(f"persistent copy of {job} step {step} rank {rank}: shard {big!r} has a chunk of "
+                                f"more than the chunk size ({KNOBS.chunk_bytes} bytes)")
         fetchprogress.started(remote.nbytes, self.catalog.url)
         specs = [(s.name, s.size, s.dtype, s.shape) for s in remote.shards]
         st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, remote.world_size, specs,

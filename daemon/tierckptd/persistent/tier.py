@@ -46,6 +46,12 @@ __all__ = ["PersistentTier"]
 log = logging.getLogger(__name__)
 
 
+def _warm_codecs() -> None:
+    from .compress import warm
+
+    warm()
+
+
 class PersistentTier(RemoteTier):
     """Drains selected ranks to the object store at ``config.persistent`` and restores from it.
 
@@ -130,6 +136,7 @@ class PersistentTier(RemoteTier):
             except (MissingExtraError, BackendError) as e:
                 raise ConfigError(f"persistent: {e}") from e
         self.drainer.resume(await run_blocking(self.queue.load))
+        await run_blocking(_warm_codecs)  # before the daemon is ready: no import on the first restore
         self.takeover.note_store()  # copies held before a restart may still need a take-over
         self._spawn(self.drainer.run())
         self._spawn(self._ticker())

@@ -1,0 +1,126 @@
+"""Issue 28 item 3: save() blocking while a compressed drain runs vs with no drain, and the drain's
+throughput with 1 vs 2 upload threads (the codec runs on them), in one run.
+
+Two daemons, each with its own ``file://`` persistent store on disk (not tmpfs), content layout,
+``codec = auto`` (byte planes + zstd for floats): one with ``--knobs upload_threads=1``, one with
+``upload_threads=2``. Per round and daemon (alternating): a --mib MiB float32 rank (16 shards,
+trained-weight-like values) is saved with ``persist=True``; from its local commit until its drain
+has stored the manifest, small saves (--small MiB, not persisted) run --gap seconds apart (0: back
+to back): their blocking times are "during a drain"; then as many small saves run with no drain
+in flight: "no drain". Reported: median blocking during / no drain (same daemon, same run), and the drain time of
+the big rank per daemon (its MB/s: 2 threads / 1 thread).
+
+Command: PYTHONPATH=client:daemon .venv/bin/python bench/save_during_drain.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.harness import Daemon, scratch_dir
+
+
+def _state(mib: int, shards: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    n = (mib << 20) // shards // 4
+    return {f"layer{i}": (rng.standard_normal(n) * 0.02).astype(np.float32) for i in range(shards)}
+
+
+def _round(c: object, big: dict, small: dict, step: int, gap: float) -> tuple[list[float], list[float], float]:
+    """(blocking during the drain, blocking with no drain, drain seconds) of one round."""
+    fut = c.save("big", step, 0, 1, big, persist=True)  # type: ignore[attr-defined]
+    fut.result(600)
+    t0 = time.perf_counter()
+    done = threading.Event()
+    drain = [0.0]
+
+    def wait() -> None:
+        fut.wait("persistent", timeout=600)
+        drain[0] = time.perf_counter() - t0
+        done.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    during: list[float] = []
+    k = 0
+    while not done.is_set():
+        k += 1
+        s0 = time.perf_counter()
+        c.save("small", step * 1000 + k, 0, 1, small).result(600)  # type: ignore[attr-defined]
+        if not done.is_set():  # only saves that ended while the drain still ran
+            during.append(time.perf_counter() - s0)
+        time.sleep(gap)
+    idle = []
+    for j in range(max(3, len(during))):
+        s0 = time.perf_counter()
+        c.save("small", step * 1000 + 500 + j, 0, 1, small).result(600)  # type: ignore[attr-defined]
+        idle.append(time.perf_counter() - s0)
+        time.sleep(gap)
+    return during, idle, drain[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=512)
+    ap.add_argument("--small", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--gap", type=float, default=0.05, help="seconds between two small saves (a trainer's step)")
+    ap.add_argument("--codec", default="auto", help="the daemons' codec setting (none: the drain without a codec)")
+    ap.add_argument("--knobs", default="", help="more daemon knobs, e.g. drain_nice=0 (the drain at full priority)")
+    args = ap.parse_args()
+    root = scratch_dir("tck-sdd-")
+    workers = (1, 2)
+    stores = {w: Path(tempfile.mkdtemp(prefix="tck-sdd-store-")) for w in workers}
+    knobs = {w: f"upload_threads={w}" + (f",{args.knobs}" if args.knobs else "") for w in workers}
+    ds = {w: Daemon(root, f"w{w}", args=("--persistent", stores[w].as_uri(), "--codec", args.codec, "--keep-local", "2",
+                                          "--log-level", "WARNING", "--knobs", knobs[w]))
+          for w in workers}
+    during: dict[int, list[float]] = {w: [] for w in workers}
+    idle: dict[int, list[float]] = {w: [] for w in workers}
+    drains: dict[int, list[float]] = {w: [] for w in workers}
+    small = _state(args.small, 4, 0)
+    try:
+        for d in ds.values():
+            d.start()
+        clients = {w: d.client() for w, d in ds.items()}
+        for r in range(1, args.rounds + 1):
+            big = _state(args.mib, 16, r)
+            for w, c in clients.items():
+                a, b, t = _round(c, big, small, r, args.gap)
+                during[w] += a
+                idle[w] += b
+                drains[w].append(t)
+                print(f"round {r}, upload_threads={w}: drain {t:.2f} s, {len(a)} saves during it "
+                      f"(median {statistics.median(a) if a else float('nan'):.4f} s), no drain median "
+                      f"{statistics.median(b):.4f} s", flush=True)
+        for c in clients.values():
+            c.close()
+    finally:
+        for d in ds.values():
+            d.kill()
+        shutil.rmtree(root, ignore_errors=True)
+        for s in stores.values():
+            shutil.rmtree(s, ignore_errors=True)
+    mb = args.mib * 1.048576
+    print(f"\n{args.mib} MiB float32 drained per round; small saves of {args.small} MiB; {args.rounds} rounds")
+    for w in workers:
+        dm, im = statistics.median(during[w]), statistics.median(idle[w])
+        print(f"  upload_threads={w}: save blocking during a drain {dm:.4f} s ({len(during[w])} saves), no drain "
+              f"{im:.4f} s: {dm / im:.2f}x; drain median {statistics.median(drains[w]):.2f} s "
+              f"({mb / statistics.median(drains[w]):.0f} MB/s)")
+    one, two = (statistics.median(drains[w]) for w in workers)
+    print(f"  drain throughput, 2 upload threads / 1: {one / two:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
