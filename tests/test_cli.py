@@ -8,7 +8,6 @@ import http.server
 import io
 import json
 import os
-import pty
 import re
 import shutil
 import socket
@@ -22,6 +21,8 @@ import pytest
 from tierckpt import cli
 from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckptd.testing import Daemon, free_port, scratch_dir
+
+from .tty import run_on_tty
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -312,26 +313,8 @@ def test_restore_not_found_exits_4_and_creates_nothing(daemon, tmp_path, argv):
 
 
 def test_progress_bar_only_on_a_terminal(daemon, tmp_path):
-    master, slave = pty.openpty()
-    try:
-        p = subprocess.run([sys.executable, "-m", "tierckpt.cli", "--address", daemon.address, "restore", "job",
-                            "--rank", "0", "--out", str(tmp_path / "t")], stdout=subprocess.PIPE, stderr=slave,
-                           env=ENV, timeout=60)
-        os.close(slave)
-        slave = -1
-        drawn = b""
-        while True:
-            try:
-                chunk = os.read(master, 4096)
-            except OSError:
-                break
-            if not chunk:
-                break
-            drawn += chunk
-    finally:
-        if slave >= 0:
-            os.close(slave)
-        os.close(master)
+    p, drawn = run_on_tty([sys.executable, "-m", "tierckpt.cli", "--address", daemon.address, "restore", "job",
+                            "--rank", "0", "--out", str(tmp_path / "t")], env=ENV)
     assert p.returncode == 0
     assert b"100.0%" in drawn and b"[####" in drawn
     p = subprocess.run([sys.executable, "-m", "tierckpt.cli", "--address", daemon.address, "restore", "job",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pty
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import numpy as np
 import pytest
 import tierckpt
 from tierckpt.v1 import tierckpt_pb2 as pb
+
+from .tty import run_on_tty
 
 SHARDS = {f"s{i:02d}": np.full(64 << 10, i, np.float32) for i in range(12)}  # 12 x 256 KiB
 NBYTES = sum(a.nbytes for a in SHARDS.values())
@@ -57,26 +58,8 @@ def test_fetch_progress_reports_bytes_and_tier(in_store):
 
 def test_cli_draws_the_daemons_fetch(in_store, tmp_path):
     d = in_store("n2")
-    master, slave = pty.openpty()
-    try:
-        p = subprocess.run([sys.executable, "-m", "tierckpt.cli", "--address", d.address, "restore", "vis",
-                            "--rank", "0", "--out", str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=slave,
-                           timeout=60)
-        os.close(slave)
-        slave = -1
-        drawn = b""
-        while True:
-            try:
-                chunk = os.read(master, 4096)
-            except OSError:
-                break
-            if not chunk:
-                break
-            drawn += chunk
-    finally:
-        if slave >= 0:
-            os.close(slave)
-        os.close(master)
+    p, drawn = run_on_tty([sys.executable, "-m", "tierckpt.cli", "--address", d.address, "restore", "vis",
+                            "--rank", "0", "--out", str(tmp_path / "o")])
     assert p.returncode == 0
     text = drawn.decode()
     assert "daemon fetching from the persistent tier" in text and "3.0 MiB/3.0 MiB" in text, text

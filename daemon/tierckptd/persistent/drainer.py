@@ -240,8 +240,8 @@ class Drainer:
         except (BackendError, OSError) as err:
             self._attempt_failed(e, man, err)
             return
-        except StepDeleted as err:
-            self.cancel(e, str(err))
+        except StepDeleted as err:  # the uploader saw the tombstone before cancel_step reached this rank
+            self.cancel(e, f"the step was deleted on request (tierckpt rm): {err}")
             return
         except DataLossError as err:  # the local copy is corrupt: nothing was published
             await self._local_copy_corrupt(e, man, err)
