@@ -9,16 +9,16 @@ PYTEST_ARGS ?=
 venv: $(VENV)/.installed
 demo-venv: $(VENV)/.demo-installed
 
-# What the demo needs and nothing more: the daemon and torch (the CPU build pinned in
+# What the demo needs and nothing more: the daemon and torch (the CPU build, pinned once, in
 # requirements-test.txt), ~1 minute and ~1 GB on a fresh machine; pip shows what it fetches.
 $(VENV)/.demo-installed: pyproject.toml requirements-test.txt
 	@echo "== make demo: installing what it needs into $(VENV)/ (about a minute on a fresh machine) =="
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q --upgrade pip
 	@echo "== [1/2] torch, the CPU build (the largest part) =="
-	$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements-test.txt
-	@echo "== [2/2] the daemon and the client (tierckpt[daemon,torch], editable) =="
-	$(PY) -m pip install --disable-pip-version-check -q -e '.[daemon,torch]'
+	$(PY) -m pip install --disable-pip-version-check --progress-bar on "$$(grep -m1 '^torch==' requirements-test.txt)"
+	@echo "== [2/2] the daemon and the client (tierckpt[daemon,torch], editable; setuptools' banner hidden) =="
+	PYTHONWARNINGS=ignore $(PY) -m pip install --disable-pip-version-check -q -e '.[daemon,torch]'
 	touch $@
 
 $(VENV)/.installed: pyproject.toml requirements-test.txt
