@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-test.txt
-	$(PY) -m pip install -q -e '.[daemon,s3,gcs,torch,dev]'
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e '.[daemon,s3,gcs,torch,dev]'  # no setuptools editable-install banner
 	touch $@
 
 test: venv
