@@ -1,12 +1,12 @@
 """A bucket writer cannot crash or grow a daemon through the chunks it restores (issue 27, item 2).
 
 A real daemon drains float shards (content layout, ``auto``: byte planes + zstd) to a real object
-store (the file backend); the test then writes the bucket as an attacker would and restores a step
-whose manifest names what it planted: an object larger than its chunk, a zstd frame announcing
-1 TiB, a manifest declaring one 384 MiB chunk for a 12 KiB object, and a ZipNN stream (legacy
-codec) with a recomputed digest that crashes ZipNN's C decoder. Each restore is DataLossError; the
-daemon's peak memory stays bounded, its decoder crash stays in a child process, and the daemon
-goes on serving saves and restores.
+store (the file backend, and a bucket of moto's S3 server); the test then writes the bucket as an
+attacker would and restores a step whose manifest names what it planted: an object larger than
+its chunk, a zstd frame announcing 1 TiB, a manifest declaring one 384 MiB chunk for a 12 KiB
+object, and a ZipNN stream (legacy codec) with a recomputed digest that crashes ZipNN's C decoder.
+Each restore is DataLossError; the daemon's peak memory stays bounded, its decoder crash stays in
+a child process, and the daemon goes on serving saves and restores.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from tierckpt.errors import DataLossError
 from tierckptd.backends import open_backend
 from tierckptd.persistent import compress, manifest_key
 from tierckptd.persistent.layout import content_key
+
+from ..servers import BackendTarget, make_backend_target
 
 pytestmark = pytest.mark.slow
 
@@ -62,11 +64,17 @@ def _crashing_zipnn(plain: bytes) -> bytes:
     raise AssertionError("no forged ZipNN stream crashed the decoder in 2,000 tries")
 
 
-def test_a_bucket_writer_can_neither_crash_nor_grow_the_daemon(daemon_factory, tmp_path: Path) -> None:
-    url = (tmp_path / "store").as_uri()
+@pytest.fixture(params=["file", "s3"])
+def store(request, tmp_path: Path, monkeypatch) -> BackendTarget:
+    """The bucket: a file:// directory, or a bucket of a real S3-compatible server (moto)."""
+    return make_backend_target(request.param, request, tmp_path, monkeypatch)
+
+
+def test_a_bucket_writer_can_neither_crash_nor_grow_the_daemon(daemon_factory, store: BackendTarget) -> None:
+    url = store.url
     x = (np.random.default_rng(27).standard_normal(200_000) * 0.02).astype(np.float32)
     bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)
-    d = daemon_factory("a", args=("--persistent", url, "--persist-every", "1"))
+    d = daemon_factory("a", args=("--persistent", url, "--persist-every", "1"), env=store.env)
     with d.client() as c:
         c.save("job", 1, 0, 1, {"w": x}).wait("persistent", timeout=60)
     be = open_backend(url)
