@@ -45,6 +45,22 @@ class Evictor:
         """Apply retention to ``job``."""
         return [self.evict(job, step, "retention") for step in self._catalog.retention_victims(job, keep_local)]
 
+    def make_room_for(self, job: str, need: int, capacity: int, used: int, evictable: Callable[[str], bool] | None,
+                      safe_elsewhere: Callable[[Manifest], bool]) -> list[Eviction]:
+        """:meth:`make_room` for a reservation of ``job``: it may evict its own job's steps, and
+        other jobs' steps only where every rank is safe in another tier (``safe_elsewhere``): a
+        writer never costs another job a step that exists nowhere else. ``evictable(job)``
+        (when given) excludes whole jobs."""
+        def allowed(j: str, step: int) -> bool:
+            if evictable is not None and not evictable(j):
+                return False
+            if j == job:
+                return True
+            ranks = self._catalog.steps(j).get(step, {})
+            return bool(ranks) and all(safe_elsewhere(m) for m in ranks.values())
+
+        return self.make_room(need, capacity, used, allowed)
+
     def make_room(self, need: int, capacity: int, used: int,
                   evictable: Callable[[str, int], bool] | None = None) -> list[Eviction]:
         """Evict (recycled files, then old safe steps, then old undrained steps) until ``need`` fits.

@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from .policies import JobPolicies
     from .recycle import RecyclePool
 
-__all__ = ["take_dir_lock", "reclaim_staging", "scan_jobs", "rebuild", "ScanResult", "QUARANTINE_DIR",
-           "MAX_MANIFEST_BYTES"]
+__all__ = ["default_capacity", "write_fs_token", "take_dir_lock", "reclaim_staging", "scan_jobs", "rebuild",
+           "ScanResult", "QUARANTINE_DIR", "MAX_MANIFEST_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,20 @@ def take_dir_lock(fs: LocalDir) -> int:
 
 TOP_DIRS = ("staging", "recycle", "jobs", QUARANTINE_DIR, POLICY_DIR, "drain-queue")
 """The directories directly below the local dir (``drain-queue`` is the persistent tier's queue)."""
+
+
+def default_capacity(fs: LocalDir) -> int:
+    """``capacity = 0``: 90% of the local dir's file system size."""
+    st = os.statvfs(fs.fd)
+    return int(st.f_blocks * st.f_frsize * 0.9)
+
+
+def write_fs_token(fs: LocalDir) -> str:
+    """A new random ``.fs-token`` in the local dir: a client that reads the same token shares the
+    daemon's files (the fast path). Returns the token."""
+    token = secrets.token_hex(16)
+    fs.atomic_write(fs.fd, ".fs-token", token.encode(), fsync=False)
+    return token
 
 
 def prepare_local_dir(fs: LocalDir, counters: dict[str, int] | None = None) -> int:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -63,7 +62,7 @@ from .recycle import RecyclePool
 from .rules import Eviction, charge_file
 from .saves import OpenSaves
 from .staging import ShardSpec, StagedFile, Staging
-from .startup import prepare_local_dir, rebuild
+from .startup import default_capacity, prepare_local_dir, rebuild, write_fs_token
 from .warm import WarmPages, free_pages_go_to_hypervisor, machine_headroom, touching
 
 __all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
@@ -175,11 +174,8 @@ class LocalStore:
                      "hypervisor here: %s)", KNOBS.warm_touch, free_pages_go_to_hypervisor())
         if self._fsync_mode == "auto":
             self.fsync = not self.warm.tmpfs
-        if not self._capacity_arg:
-            st = os.statvfs(self._fs.fd)
-            self.capacity = int(st.f_blocks * st.f_frsize * 0.9)
-        self.fs_token = secrets.token_hex(16)
-        self._fs.atomic_write(self._fs.fd, ".fs-token", self.fs_token.encode(), fsync=False)
+        self.capacity = self._capacity_arg or default_capacity(self._fs)
+        self.fs_token = write_fs_token(self._fs)
         res = rebuild(self._fs, self._catalog, self._recycle, self.policies, StoreLayout.rank_rel, self.counters)
         log.info("catalog rebuilt: %d committed ranks, %d uncommitted leftovers removed, %d quarantined",
                  len(res.manifests), res.dropped, res.quarantined)
@@ -387,18 +383,9 @@ class LocalStore:
         return self._evictor.retain(job, self.policies.keep_local(job))
 
     def _make_room_locked(self, need: int, evictable: Callable[[str], bool] | None = None, job: str = "") -> None:
-        """Make room for a reservation of ``job``: it may evict its own job's steps, and other jobs'
-        steps only where every rank is safe in another tier (:attr:`safe_elsewhere`): a writer
-        never costs another job a step that exists nowhere else."""
-        def allowed(j: str, step: int) -> bool:
-            if evictable is not None and not evictable(j):
-                return False
-            if j == job:
-                return True
-            ranks = self._catalog.steps(j).get(step, {})
-            return bool(ranks) and all(self.safe_elsewhere(m) for m in ranks.values())
-
-        evictions = self._evictor.make_room(need, self.capacity, self._used_locked(), allowed)
+        """Make room for a reservation of ``job`` (:meth:`.eviction.Evictor.make_room_for`)."""
+        evictions = self._evictor.make_room_for(job, need, self.capacity, self._used_locked(), evictable,
+                                                self.safe_elsewhere)
         if evictions:
             threading.Thread(target=self._notify, args=(evictions,), daemon=True).start()
 
