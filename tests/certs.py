@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -42,3 +44,13 @@ def issue_client(root: Path, name: str) -> dict[str, Path]:
 def tls_args(files: dict[str, Path]) -> tuple[str, ...]:
     """The daemon flags for one node's files from :func:`make_pki`."""
     return ("--tls-cert", str(files["cert"]), "--tls-key", str(files["key"]), "--tls-ca", str(files["ca"]))
+
+
+def install(src: dict[str, Path], live: Path) -> None:
+    """Replace the live key, cert and CA files the way an operator (or the kubelet) would: write
+    aside, then rename (what the daemon's reload watches for)."""
+    for name in ("key", "cert", "ca"):
+        tmp = live / f".{name}.tmp"
+        shutil.copyfile(src[name], tmp)
+        tmp.chmod(0o600 if name == "key" else 0o644)
+        os.replace(tmp, live / f"{name}.pem")

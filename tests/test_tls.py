@@ -15,7 +15,7 @@ import pytest
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 
-from .certs import LOOPBACK, make_pki, tls_args
+from .certs import LOOPBACK, install, make_pki, tls_args
 from .harness import free_port
 
 pytestmark = pytest.mark.slow
@@ -97,25 +97,13 @@ def _pair(root: Path, label: str) -> dict[str, Path]:
     return make_pki(root / label, ["n0"], ca_name=f"{label} CA")["n0"]
 
 
-def _install(src: dict[str, Path], live: Path) -> None:
-    """Replace the live files the way an operator (or the kubelet) would: write aside, then rename."""
-    import os
-    import shutil
-
-    for name in ("key", "cert", "ca"):
-        tmp = live / f".{name}.tmp"
-        shutil.copyfile(src[name], tmp)
-        tmp.chmod(0o600 if name == "key" else 0o644)
-        os.replace(tmp, live / f"{name}.pem")
-
-
 def test_certificates_rotate_without_restart(daemon_factory, tmp_path):
     """Swap cert, key and CA under a running daemon: new handshakes (gRPC and bulk) use the new
     files at once, a client of the old CA is refused, and the daemon never restarted."""
     a, b = _pair(tmp_path, "a"), _pair(tmp_path, "b")
     live = tmp_path / "live"
     live.mkdir()
-    _install(a, live)
+    install(a, live)
     port = free_port()
     d = daemon_factory("n0", port=port, args=(
         "--tls-cert", str(live / "cert.pem"), "--tls-key", str(live / "key.pem"), "--tls-ca", str(live / "ca.pem"),
@@ -139,7 +127,7 @@ def test_certificates_rotate_without_restart(daemon_factory, tmp_path):
     with pytest.raises(grpc.RpcError):
         _hello(port, creds(b))  # not signed by the CA in use
 
-    _install(b, live)
+    install(b, live)
     assert _hello(port, creds(b)).node_id == "n0"
     with pytest.raises(grpc.RpcError) as e:
         _hello(port, creds(a))

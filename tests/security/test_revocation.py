@@ -6,7 +6,6 @@ gRPC: by the maximum connection age)."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 from tierckptd.testing import free_port
 
-from ..certs import issue_client, make_pki, tls_args
+from ..certs import install, issue_client, make_pki, tls_args
 from ..harness import wait_until
 from ._peers import bulk_connect, bulk_first_reply, peer_stub
 
@@ -92,12 +91,6 @@ def _raises(fn, exc: type[BaseException]) -> bool:
     return False
 
 
-def _install(src: dict[str, Path], live: Path) -> None:
-    for name in ("key", "cert", "ca"):
-        tmp = live / f".{name}.tmp"
-        shutil.copyfile(src[name], tmp)
-        tmp.chmod(0o600 if name == "key" else 0o644)
-        os.replace(tmp, live / f"{name}.pem")
 
 
 def test_a_ca_change_closes_connections_opened_before_it(daemon_factory, tmp_path: Path) -> None:
@@ -105,7 +98,7 @@ def test_a_ca_change_closes_connections_opened_before_it(daemon_factory, tmp_pat
     new = make_pki(tmp_path / "new", ["n0", "n1"], ca_name="new CA")
     live = tmp_path / "live"
     live.mkdir()
-    _install(old["n0"], live)
+    install(old["n0"], live)
     files = {"cert": live / "cert.pem", "key": live / "key.pem", "ca": live / "ca.pem"}
     d = _node(daemon_factory, files, "--knobs", "max_connection_age=2,max_connection_age_grace=1")
     both = tmp_path / "both.pem"  # the caller trusts either CA: only the daemon's CA decides
@@ -118,7 +111,7 @@ def test_a_ca_change_closes_connections_opened_before_it(daemon_factory, tmp_pat
         held = bulk_connect(port, caller)
         assert not _closed(held)
         t0 = time.monotonic()
-        _install(new["n0"], live)  # the old CA no longer signs anything this daemon accepts
+        install(new["n0"], live)  # the old CA no longer signs anything this daemon accepts
         wait_until(lambda: _closed(held), timeout=10, what="bulk connection of the old CA closed")
         held.close()
         wait_until(lambda: _raises(lambda: _catalog(stub), grpc.RpcError), timeout=20,

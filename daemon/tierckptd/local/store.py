@@ -43,7 +43,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +59,7 @@ from .manifest import Manifest
 from .paths import StoreLayout
 from .policies import JobPolicies, JobPolicy
 from .recycle import RecyclePool
+from .retain import StoreRetention
 from .rules import Eviction, charge_file
 from .saves import OpenSaves
 from .staging import ShardSpec, StagedFile, Staging
@@ -98,7 +99,7 @@ class Usage:
         return max(0, self.capacity - max(self.charged, self.used))
 
 
-class LocalStore:
+class LocalStore(StoreRetention):
     """The node's local tier. See the module docstring for layout, protocol and bounds.
 
     Args:
@@ -359,54 +360,3 @@ class LocalStore:
     def _used_locked(self) -> int:
         return (self._catalog.committed_bytes + self._catalog.links.charged + self._saves.charged_locked()
                 + self._recycle.bytes)
-
-    # ----------------------------------------------------------------------------- retention
-
-    def pin(self, job: str, step: int, reason: str) -> None:
-        """Protect a step from retention (e.g. "drain" while waiting for the persistent tier)."""
-        with self._lock:
-            self._catalog.pin(job, step, reason)
-
-    def unpin(self, job: str, step: int, reason: str) -> None:
-        with self._lock:
-            self._catalog.unpin(job, step, reason)
-            evictions = self._retain_locked(job)
-        self._notify(evictions)
-
-    def apply_retention(self, job: str) -> list[Eviction]:
-        with self._lock:
-            evictions = self._retain_locked(job)
-        self._notify(evictions)
-        return evictions
-
-    def _retain_locked(self, job: str) -> list[Eviction]:
-        return self._evictor.retain(job, self.policies.keep_local(job))
-
-    def _make_room_locked(self, need: int, evictable: Callable[[str], bool] | None = None, job: str = "") -> None:
-        """Make room for a reservation of ``job`` (:meth:`.eviction.Evictor.make_room_for`)."""
-        evictions = self._evictor.make_room_for(job, need, self.capacity, self._used_locked(), evictable,
-                                                self.safe_elsewhere)
-        if evictions:
-            threading.Thread(target=self._notify, args=(evictions,), daemon=True).start()
-
-    def remove_rank(self, job: str, step: int, rank: int, reason: str, *, generation: str | None = None) -> bool:
-        """Remove one committed rank (e.g. a replica whose owner evicted the step); with
-        ``generation``, only if the committed copy is still that save."""
-        with self._lock:
-            return self._evictor.remove_rank(job, step, rank, reason, generation=generation)
-
-    def remove_step(self, job: str, step: int, reason: str) -> int:
-        """Remove every rank of ``job`` step ``step`` held here (``tierckpt rm``), each rank's
-        manifest before its data; the tiers hear of it as an eviction with reason "deleted"
-        (queued drains of it are cancelled). Returns the ranks removed."""
-        with self._lock:
-            ranks = tuple(r for r in sorted(self._catalog.steps(job).get(step, {}))
-                          if self._evictor.remove_rank(job, step, r, reason))
-        if ranks:
-            self._notify([Eviction(job, step, ranks, "deleted")])
-        return len(ranks)
-
-    def _notify(self, evictions: Iterable[Eviction]) -> None:
-        if self._on_evict is not None:
-            for ev in evictions:
-                self._on_evict(ev)
