@@ -113,30 +113,29 @@ def call_restore(stub: Any, req: pb.RestoreRequest, address: str, report: Report
     call = stub.Restore.future(req, timeout=None)
     last: tuple[int, int, str] | None = None
     try:
-        if report.with_tier:
-            ask = pb.RestoreProgressRequest(job=req.job, rank=req.rank, has_step=req.has_step, step=req.step)
-            while True:
-                try:
-                    call.result(timeout=POLL_SECONDS)
+        ask = pb.RestoreProgressRequest(job=req.job, rank=req.rank, has_step=req.has_step, step=req.step)
+        while True:
+            try:
+                call.result(timeout=POLL_SECONDS)
+                break
+            except grpc.FutureTimeoutError:
+                pass
+            try:
+                p = stub.RestoreProgress(ask, timeout=5.0)
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
                     break
-                except grpc.FutureTimeoutError:
-                    pass
-                try:
-                    p = stub.RestoreProgress(ask, timeout=5.0)
-                except grpc.RpcError as e:
-                    if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
-                        break
-                    continue
-                if p.fetching and p.bytes_total:
-                    last = (p.bytes_done, p.bytes_total, TIER_NAMES.get(p.tier, "persistent"))
-                    report.fetch(*last)
+                continue
+            if p.fetching and p.bytes_total:
+                last = (p.bytes_done, p.bytes_total, TIER_NAMES.get(p.tier, "persistent"))
+                report.fetch(*last)
         resp = call.result()
     except grpc.RpcError as e:
         raise error_from_rpc(e, f"Restore at {address}") from None
     except BaseException:
         call.cancel()
         raise
-    if report.with_tier and resp.tier in (pb.TIER_PEER, pb.TIER_PERSISTENT) and (last is None or last[0] < last[1]):
+    if resp.tier in (pb.TIER_PEER, pb.TIER_PERSISTENT) and (last is None or last[0] < last[1]):
         total = sum(s.size for s in resp.shards)  # the fetch finished between two polls (or before the first)
         report.fetch(total, total, TIER_NAMES[resp.tier])
     return resp

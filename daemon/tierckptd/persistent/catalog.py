@@ -134,7 +134,8 @@ class Catalog:
 
         async def check(step: int, rank: int) -> None:
             key = objects.get((step, rank))
-            if key is None:
+            if key is None:  # not from this listing: unchecked, so not counted
+                out[step].pop(rank, None)
                 return
             async with sem:
                 try:
