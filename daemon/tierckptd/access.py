@@ -14,13 +14,15 @@ import fnmatch
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from tierckpt.errors import CapacityError, PermissionDeniedError
+from tierckpt.common.names import check_owner
+from tierckpt.errors import CapacityError, InvalidArgumentError, PermissionDeniedError
 
 from .tls import peer_identity
 
-__all__ = ["ClientAccess", "parse_client_jobs", "JOB_GLOB_RE"]
+__all__ = ["ClientAccess", "parse_client_jobs", "JOB_GLOB_RE", "tcp_owner", "TenantSocket", "parse_tenant_sockets"]
 
 JOB_GLOB_RE = re.compile(r"[A-Za-z0-9._*?\[\]!-]{1,128}")
 _NAME_RE = re.compile(r"[A-Za-z0-9*][A-Za-z0-9._*-]{0,252}")
@@ -52,6 +54,84 @@ def parse_client_jobs(value: Any, key: str = "client_jobs") -> dict[str, tuple[s
             raise ValueError(f"{key}: {glob!r} (for {name}) is not a job glob such as llama-* or eval-?")
         rules[name] = (*rules.get(name, ()), glob)
     return rules
+
+
+@dataclass(frozen=True)
+class TenantSocket:
+    """One tenant's Unix socket (``tenant_sockets``): callers on it act as ``name``."""
+
+    name: str
+    path: str
+    group: str
+    mode: int = 0o660
+
+
+def parse_tenant_sockets(value: Any, key: str = "tenant_sockets") -> list[TenantSocket]:
+    """``NAME=PATH:GROUP[:MODE],...`` or a TOML table ``{NAME = {path, group, mode}}``. Raises
+    ValueError naming ``key``: a bad name, a relative or repeated path, a missing group, a mode
+    outside 0..0777."""
+    items: list[tuple[str, Any, Any, Any]] = []
+    if isinstance(value, Mapping):
+        for name, spec in value.items():
+            if not isinstance(spec, Mapping):
+                raise ValueError(f"{key}.{name}: expected a table with path, group and mode")
+            items.append((str(name), spec.get("path", ""), spec.get("group", ""), spec.get("mode", "0660")))
+    elif isinstance(value, str):
+        for item in (s.strip() for s in value.split(",")):
+            if not item:
+                continue
+            name, eq, rest = item.partition("=")
+            parts = rest.split(":")
+            if not eq or len(parts) not in (2, 3):
+                raise ValueError(f"{key}: {item!r} is not NAME=PATH:GROUP[:MODE]")
+            items.append((name.strip(), parts[0], parts[1], parts[2] if len(parts) == 3 else "0660"))
+    else:
+        raise ValueError(f"{key}: expected 'NAME=PATH:GROUP[:MODE],...' or a table")
+    out: list[TenantSocket] = []
+    for name, path, group, mode in items:
+        try:
+            check_owner(name, f"{key} name")
+        except InvalidArgumentError as e:
+            raise ValueError(str(e)) from None
+        if not name:
+            raise ValueError(f"{key}: a tenant needs a name")
+        if not isinstance(path, str) or not path.startswith("/") or any(t.path == path for t in out):
+            raise ValueError(f"{key}.{name}: path {path!r} must be an absolute path of its own")
+        if not isinstance(group, str | int) or not str(group):
+            raise ValueError(f"{key}.{name}: a group is required (the tenant's trainers' group)")
+        try:
+            bits = int(mode, 8) if isinstance(mode, str) else int(mode)
+        except ValueError:
+            raise ValueError(f"{key}.{name}: mode {mode!r} is not octal such as 0660") from None
+        if not 0 <= bits <= 0o777:
+            raise ValueError(f"{key}.{name}: mode {mode!r} is out of range 0..0777")
+        out.append(TenantSocket(name, path, str(group), bits))
+    return out
+
+
+def format_tenant_sockets(tenants: list[TenantSocket]) -> str:
+    return ",".join(f"{t.name}={t.path}:{t.group}:{t.mode:04o}" for t in tenants)
+
+
+def tcp_owner(context: Any) -> str:
+    """The job owner a TCP caller acts as: its client certificate's name (role URI, else CN); ""
+    (the default tenant) without mTLS (``insecure_listen``: the network is the boundary).
+
+    Raises:
+        PermissionDeniedError: the certificate's name cannot be an owner name.
+    """
+    from .tls import peer_role
+
+    role = peer_role(context)
+    if role is None:
+        return ""
+    name = role.name or min(role.names, default="")
+    if not name:
+        raise PermissionDeniedError("client certificate: it names no identity (no role URI, CN or DNS SAN)")
+    try:
+        return check_owner(name, "client certificate")
+    except InvalidArgumentError as e:
+        raise PermissionDeniedError(str(e)) from None
 
 
 def format_client_jobs(rules: Mapping[str, tuple[str, ...]]) -> str:

@@ -16,12 +16,15 @@ import tomllib
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from tierckpt.common.names import MAX_METADATA_BYTES, MAX_SHARDS_PER_RANK, check_node
 from tierckpt.errors import InvalidArgumentError
 
 from .redact import redact_url
+
+if TYPE_CHECKING:
+    from .access import TenantSocket
 
 __all__ = ["ConfigError", "DaemonConfig", "Peer", "is_loopback_host", "parse_args", "load_config", "parse_size"]
 
@@ -59,6 +62,13 @@ class DaemonConfig:
     """Permission bits of the Unix socket (TOML: an integer or an octal string such as "0660")."""
     socket_group: str = ""
     """Group owning the Unix socket (name or gid), so only the trainers' group can use it."""
+    socket_tenant: str = ""
+    """The identity callers on `socket` act as: a job belongs to the identity that first saved it ("" = the default
+    tenant, which is all a single-tenant node needs). Name it after a client certificate to share jobs with it."""
+    tenant_sockets: str = ""
+    """More Unix sockets, one per tenant: "NAME=PATH:GROUP[:MODE],..." or a TOML table {NAME = {path = "...", group =
+    "...", mode = "0660"}}. Callers on a tenant's socket save, restore and see only that tenant's jobs; no other
+    identity can save, restore, replace or evict them. Each socket is created with its own group and mode."""
     local_dir: str = "/dev/shm/tierckpt"
     """Local tier directory: a RAM disk (tmpfs) or a directory on NVMe."""
     local_capacity: int = 0
@@ -172,6 +182,12 @@ class DaemonConfig:
         return bool(self.tls_cert)
 
     @property
+    def tenant_socket_list(self) -> list[TenantSocket]:
+        from .access import parse_tenant_sockets
+
+        return parse_tenant_sockets(self.tenant_sockets)
+
+    @property
     def client_jobs_rules(self) -> dict[str, tuple[str, ...]]:
         from .access import parse_client_jobs
 
@@ -251,6 +267,21 @@ def _coerce(key: str, value: Any) -> Any:
         return parse_peers(value, key)
     if key == "socket_mode":
         return _parse_mode(value, key)
+    if key == "tenant_sockets":
+        from .access import format_tenant_sockets, parse_tenant_sockets
+
+        try:
+            return format_tenant_sockets(parse_tenant_sockets(value, key))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if key == "socket_tenant":
+        from tierckpt.common.names import check_owner
+        from tierckpt.errors import InvalidArgumentError
+
+        try:
+            return check_owner(value, key)
+        except InvalidArgumentError as e:
+            raise ConfigError(str(e)) from None
     if key == "client_jobs":
         from .access import format_client_jobs, parse_client_jobs
 
@@ -464,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     docs = field_docs()
     # What each value is, for --help: by the kind of value, not by the option's last word.
     metavars = {"node_id": "ID", "listen": "HOST:PORT", "socket": "PATH", "socket_mode": "MODE",
-                "socket_group": "GROUP", "local_dir": "DIR", "local_capacity": "BYTES", "fsync": "auto|always|never",
+                "socket_group": "GROUP", "socket_tenant": "NAME", "tenant_sockets": "NAME=PATH:GROUP[:MODE],...",
+                "local_dir": "DIR", "local_capacity": "BYTES", "fsync": "auto|always|never",
                 "staging_timeout": "SECONDS", "max_shard_bytes": "BYTES", "max_open_saves": "N",
                 "max_shards_per_save": "N", "max_metadata_bytes": "BYTES",
                 "max_open_saves_per_client": "N", "client_jobs": "NAME=GLOB,...",

@@ -75,9 +75,9 @@ class DataManagement:
 
     # ----------------------------------------------------------------------------- delete
 
-    async def delete_step(self, job: str, step: int, tiers: set[str]) -> DeleteCounts:
+    async def delete_step(self, job: str, step: int, tiers: set[str], job_owner: str | None = None) -> DeleteCounts:
         """Delete ``job`` step ``step`` from ``tiers``, the farthest first (persistent, then peers,
-        then local).
+        then local); with ``job_owner`` (the caller), only the copies that identity saved.
 
         Raises:
             FailedPreconditionError: only the persistent tier was asked and none is configured.
@@ -90,7 +90,7 @@ class DataManagement:
         by_tier = {}
         for t in reversed(self.node.every_tier()):
             if t.name in tiers:
-                by_tier[t.name] = await t.delete(job, step)
+                by_tier[t.name] = await t.delete(job, step, job_owner)
         self.node._update_gauges()
         return DeleteCounts.of(by_tier)
 

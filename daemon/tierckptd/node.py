@@ -127,15 +127,16 @@ class Node:
     async def begin_save(self, job: str, step: int, rank: int, world_size: int,
                          specs: Sequence[tuple[str, int, str, Sequence[int]]], stream: bool,
                          evictable: Callable[[str], bool] | None = None,
-                         share: tuple[int, str, Sequence[str]] | None = None) -> Staging:
+                         share: tuple[int, str, Sequence[str]] | None = None, job_owner: str = "") -> Staging:
         """Begin a save (see :meth:`.store.LocalStore.begin`); ``share``: (base_step,
-        base_generation or "", unchanged shards)."""
+        base_generation or "", unchanged shards); ``job_owner``: the caller's identity (a job
+        another identity saved here is PermissionDeniedError)."""
         self._enter()
         base_step, base_gen, unchanged = share if share is not None else (None, "", ())
         try:
             st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, world_size, specs,
                                   stream=stream, evictable=evictable, base_step=base_step, unchanged=unchanged,
-                                  base_generation=base_gen or None)
+                                  base_generation=base_gen or None, job_owner=job_owner)
         finally:
             self._leave()
         shared = sum(f.size for f in st.files.values() if f.shared)
@@ -256,11 +257,12 @@ class Node:
     # ------------------------------------------------------------------------- restore
 
     async def restore(self, job: str, rank: int, step: int | None, *, local_corrupt: bool = False,
-                      corrupt_generation: str = "", lend: bool = True) -> RestoreResult:
+                      corrupt_generation: str = "", lend: bool = True, job_owner: str | None = None) -> RestoreResult:
         """Bring one rank into the local tier and describe it; with ``lend`` (the client maps the
-        files) the answer opens a loan that the client ends with :meth:`release`. See :mod:`.restore`."""
+        files) the answer opens a loan that the client ends with :meth:`release`; ``job_owner``:
+        the caller's identity (only its copies count). See :mod:`.restore`."""
         return await self._restores.restore(job, rank, step, local_corrupt=local_corrupt,
-                                            corrupt_generation=corrupt_generation, lend=lend)
+                                            corrupt_generation=corrupt_generation, lend=lend, job_owner=job_owner)
 
     def restore_progress(self, job: str, rank: int, step: int | None) -> Fetch | None:
         """The fetch behind a restore of the rank in flight, or None (see :mod:`.fetchprogress`)."""

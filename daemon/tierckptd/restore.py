@@ -64,17 +64,23 @@ class NodeRestore:
         self._progress: dict[tuple[str, int, int], Fetch] = {}  # the tier being tried, per fetch in flight
 
     async def restore(self, job: str, rank: int, step: int | None, *, local_corrupt: bool = False,
-                      corrupt_generation: str = "", lend: bool = True) -> RestoreResult:
+                      corrupt_generation: str = "", lend: bool = True, job_owner: str | None = None) -> RestoreResult:
         """Bring one rank into the local tier and describe it; with ``lend`` (the client maps the
-        files) the answer opens a loan that the client ends with :meth:`.node.Node.release`."""
+        files) the answer opens a loan that the client ends with :meth:`.node.Node.release`.
+        With ``job_owner`` (the caller's identity), only copies that identity saved count, and a
+        job this node holds for another owner is PermissionDeniedError."""
         check_job(job)
         t0 = time.perf_counter()
+        if job_owner is not None:
+            self.store.check_owner(job, job_owner, "restore")
         if step is None:
-            step = await self.views.latest(job)
+            step = await self.views.latest(job, job_owner)
             if step is None:
                 raise NotFoundError(f"job {job!r} has no complete checkpoint in any tier")
         check_step(step)
         man = self.store.get(job, step, rank)
+        if man is not None and job_owner not in (None, man.job_owner):
+            man = None  # a copy another identity saved (held from before owners): never served
         errors: list[str] = []
         if man is not None and local_corrupt and corrupt_generation not in ("", man.generation):
             log.info("client reported generation %s of %s step %d rank %d corrupt; it was re-saved since",
@@ -83,7 +89,7 @@ class NodeRestore:
             man = await self.repair.drop_if_corrupt(man, errors)
         tier, source = "local", self.node_id
         if man is None:
-            man, tier, source = await self._fetch(job, step, rank, errors)
+            man, tier, source = await self._fetch(job, step, rank, errors, job_owner)
         if rank >= man.world_size:
             raise InvalidArgumentError(f"rank: {rank} is outside world_size {man.world_size}")
         paths = [str(p) for p in (self.store.lend(man) if lend
@@ -94,17 +100,22 @@ class NodeRestore:
             self.metrics.restore_latency.labels(tier=tier).observe(time.perf_counter() - t0)
         return RestoreResult(man, tier, paths, source)
 
-    async def _fetch(self, job: str, step: int, rank: int, errors: list[str]) -> tuple[Manifest, str, str]:
+    async def _fetch(self, job: str, step: int, rank: int, errors: list[str],
+                     job_owner: str | None) -> tuple[Manifest, str, str]:
         """The rank fetched from the nearest remote tier holding it: (manifest, tier, source node).
         Restores of a rank that is being fetched wait for that fetch and share its outcome."""
         key = (job, step, rank)
         task = self._fetching.get(key)
         if task is None:
-            task = self._fetching[key] = self._spawn(self._fetch_once(job, step, rank, list(errors)))
+            task = self._fetching[key] = self._spawn(self._fetch_once(job, step, rank, list(errors), job_owner))
             task.add_done_callback(lambda t: self._fetching.pop(key, None) if self._fetching.get(key) is t else None)
-        return await asyncio.shield(task)
+        man, tier, source = await asyncio.shield(task)
+        if job_owner not in (None, man.job_owner):  # joined another identity's fetch of the rank
+            raise NotFoundError(f"{job} step {step} rank {rank}: the copy restored was saved by another owner")
+        return man, tier, source
 
-    async def _fetch_once(self, job: str, step: int, rank: int, errors: list[str]) -> tuple[Manifest, str, str]:
+    async def _fetch_once(self, job: str, step: int, rank: int, errors: list[str],
+                          job_owner: str | None) -> tuple[Manifest, str, str]:
         # A fetched copy may be older than the newest keep_local complete steps: pin the step
         # (a reason of its own per restore) so the fetch's commit and retention soon after
         # cannot evict it before the client has mapped it; mapped files stay valid after.
@@ -121,7 +132,7 @@ class NodeRestore:
                     fetch = self._progress[key] = Fetch(step, t.name)  # each tier tried starts over
                     token = CURRENT.set(fetch)
                     try:
-                        man = await t.fetch(job, step, rank)
+                        man = await t.fetch(job, step, rank, job_owner)
                     except NotFoundError:
                         continue
                     except (DataLossError, UnavailableError) as e:

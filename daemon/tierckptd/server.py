@@ -10,7 +10,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from tierckpt.common.names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
@@ -19,7 +19,7 @@ from tierckpt.v1 import tierckpt_pb2 as pb
 from tierckpt.v1 import tierckpt_pb2_grpc as pb_grpc
 
 from . import __version__
-from .access import ClientAccess
+from .access import ClientAccess, tcp_owner
 from .config import ConfigError, DaemonConfig
 from .datamgmt import TIERS, DataManagement
 from .knobs import KNOBS
@@ -76,12 +76,18 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
     bound by their certificate identity (:mod:`tierckptd.access`); Unix-socket callers are not."""
 
     def __init__(self, node: Node, config: DaemonConfig, tier_health: TierHealth | None = None,
-                 access: ClientAccess | None = None) -> None:
+                 access: ClientAccess | None = None, tenant: str = "") -> None:
         self.node = node
         self.config = config
         self.tier_health = tier_health
         self.data = DataManagement(node)
         self.access = access
+        self.tenant = tenant  # the job owner a Unix-socket caller acts as (the socket's tenant)
+
+    def owner(self, context: object) -> str:
+        """The identity a call acts as: its client certificate's name over TCP, the socket's tenant
+        on a Unix socket (DESIGN.md, trust model: a job belongs to the identity that first saved it)."""
+        return tcp_owner(context) if self.access is not None else self.tenant
 
     def authorize(self, request: object, context: object) -> None:
         """Called by :func:`rpc` before every unary method: the job and the save it names must
@@ -111,15 +117,16 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
             specs.append((s.name, s.size, s.dtype, list(s.shape)))
         stream = request.transfer == pb.TRANSFER_STREAM
         share = _check_unchanged(request, {s[0] for s in specs})
+        owner = self.owner(context)
         if self.access is None:
             st = await self.node.begin_save(request.job, request.step, request.rank, request.world_size, specs, stream,
-                                            share=share)
+                                            share=share, job_owner=owner)
         else:
             access = self.access
             evictable = (lambda job: access.visible(context, job)) if access.rules else None
             with self.access.beginning(context, self.node.store.is_open) as begun:
                 st = await self.node.begin_save(request.job, request.step, request.rank, request.world_size, specs,
-                                                stream, evictable, share=share)
+                                                stream, evictable, share=share, job_owner=owner)
                 begun.append(st.save_id)
         return pb.BeginSaveResponse(
             save_id=st.save_id,
@@ -178,12 +185,12 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
 
     @rpc
     async def Latest(self, request: pb.LatestRequest, context) -> pb.LatestResponse:
-        step, gaps = await self.node.views.latest_with_gaps(request.job)
+        step, gaps = await self.node.views.latest_with_gaps(request.job, self.owner(context))
         return pb.LatestResponse(found=step is not None, step=step or 0, unreachable=gaps)
 
     @rpc
     async def Availability(self, request: pb.AvailabilityRequest, context) -> pb.AvailabilityResponse:
-        steps, gaps = await self.node.views.availability(request.job, request.rank)
+        steps, gaps = await self.node.views.availability(request.job, request.rank, self.owner(context))
         return pb.AvailabilityResponse(unreachable=gaps, steps=[
             pb.StepAvailability(step=v.step, world_size=v.world_size, nodes=sorted(v.ranks[request.rank].nodes),
                                 tiers=[TIER_ENUM[t] for t in ("local", "peer", "persistent")
@@ -192,7 +199,7 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
 
     @rpc
     async def List(self, request: pb.ListRequest, context) -> pb.ListResponse:
-        views = await self.node.views.steps(request.job)
+        views = await self.node.views.steps(request.job, self.owner(context))
         out = []
         for step in sorted(views):
             v = views[step]
@@ -212,7 +219,8 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         step = request.step if request.has_step else None
         shared = request.transfer != pb.TRANSFER_STREAM
         res = await self.node.restore(request.job, request.rank, step, local_corrupt=request.local_corrupt,
-                                      corrupt_generation=request.corrupt_generation, lend=shared)
+                                      corrupt_generation=request.corrupt_generation, lend=shared,
+                                      job_owner=self.owner(context))
         man = res.manifest
         return pb.RestoreResponse(
             step=man.step, tier=TIER_ENUM[res.tier], world_size=man.world_size,
@@ -248,6 +256,7 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         check_job(request.job)
         check_step(request.step)
         check_shard(request.shard)
+        self.node.store.check_owner(request.job, self.owner(context), "read")
         async for offset, data in self.node.read_shard(request.job, request.step, request.rank, request.shard):
             yield pb.ReadShardResponse(offset=offset, data=data)
 
@@ -281,6 +290,7 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
     @rpc
     async def SetJobPolicy(self, request: pb.SetJobPolicyRequest, context) -> pb.JobPolicyResponse:
         check_job(request.job)
+        self.node.store.check_owner(request.job, self.owner(context), "set a policy of")
         await self.data.set_policy(request.job, policy_from_pb(request.policy), reset=request.reset)
         return self._policy_response(request.job)
 
@@ -299,7 +309,9 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         check_job(request.job)
         check_step(request.step)
         tiers = _tier_names(request.tiers.tiers)
-        c = await self.data.delete_step(request.job, request.step, tiers)
+        owner = self.owner(context)
+        self.node.store.check_owner(request.job, owner, "delete a step of")
+        c = await self.data.delete_step(request.job, request.step, tiers, owner)
         return pb.DeleteStepResponse(local_ranks=c.local, peer_ranks=c.peer, persistent_ranks=c.persistent,
                                      persistent_objects=c.persistent_objects, unreachable=c.unreachable)
 
@@ -322,6 +334,7 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         check_step(request.step)
         if not math.isfinite(request.timeout_seconds) or request.timeout_seconds < 0:
             raise InvalidArgumentError(f"timeout_seconds: {request.timeout_seconds} must be >= 0")
+        self.node.store.check_owner(request.job, self.owner(context), "persist")
         queued, done = await self.data.persist_step(request.job, request.step, wait=request.wait,
                                                     timeout=request.timeout_seconds or None)
         return pb.PersistStepResponse(queued=queued, persisted=done)
@@ -353,14 +366,16 @@ class Listening:
     tcp_port: int | None
     socket_path: str | None
     claim: SocketClaim | None = None
+    tenant_claims: list[SocketClaim] = field(default_factory=list)  # the tenant_sockets
 
     async def stop(self, grace: float) -> None:
-        """Stop every server, then remove the Unix socket if it is still the one this daemon bound."""
+        """Stop every server, then remove the Unix sockets that are still the ones this daemon bound."""
         try:
             await asyncio.gather(*(srv.stop(grace=grace) for srv in self.servers))
         finally:
-            if self.claim is not None:
-                self.claim.release()
+            for c in [self.claim, *self.tenant_claims]:
+                if c is not None:
+                    c.release()
 
 
 def server_options(config: DaemonConfig, *, tcp: bool = False) -> list[tuple[str, int]]:
@@ -446,7 +461,7 @@ async def create_server(config: DaemonConfig, node: Node, common: Callable[[grpc
     claim = None
     if config.socket:
         claim = socket_claim or claim_socket(os.path.abspath(config.socket))
-        local = _new_server(config, node, common, tier_health)
+        local = _new_server(config, node, common, tier_health, tenant=config.socket_tenant)
         try:
             local.add_insecure_port("unix://" + claim.bind_path)
         except RuntimeError:
@@ -454,11 +469,23 @@ async def create_server(config: DaemonConfig, node: Node, common: Callable[[grpc
             raise ConfigError(f"socket: cannot listen on {claim.path}") from None
         servers.append(local)
     listening = Listening(servers, tcp_port, claim.path if claim else None, claim)
+    tenants = [(t, resolve_group(t.group, f"tenant_sockets.{t.name}.group")) for t in config.tenant_socket_list]
     try:
+        for t, _ in tenants:  # one server per tenant socket: its callers act as that tenant
+            tclaim = claim_socket(os.path.abspath(t.path))
+            listening.tenant_claims.append(tclaim)
+            srv = _new_server(config, node, common, tier_health, tenant=t.name)
+            try:
+                srv.add_insecure_port("unix://" + tclaim.bind_path)
+            except RuntimeError:
+                raise ConfigError(f"tenant_sockets.{t.name}: cannot listen on {tclaim.path}") from None
+            servers.append(srv)
         for srv in servers:
             await srv.start()
         if claim is not None:
             claim.bound(config.socket_mode, gid)
+        for (t, tgid), tclaim in zip(tenants, listening.tenant_claims):
+            tclaim.bound(t.mode, tgid)
     except BaseException:
         await listening.stop(0)
         raise
@@ -466,9 +493,11 @@ async def create_server(config: DaemonConfig, node: Node, common: Callable[[grpc
 
 
 def _new_server(config: DaemonConfig, node: Node, common: Callable[[grpc.aio.Server], None] | None,
-                tier_health: TierHealth | None = None, access: ClientAccess | None = None) -> grpc.aio.Server:
+                tier_health: TierHealth | None = None, access: ClientAccess | None = None,
+                tenant: str = "") -> grpc.aio.Server:
     server = grpc.aio.server(options=server_options(config, tcp=access is not None))
-    add_service(pb_grpc.add_TierckptServicer_to_server, TierckptServicer(node, config, tier_health, access), server)
+    add_service(pb_grpc.add_TierckptServicer_to_server, TierckptServicer(node, config, tier_health, access, tenant),
+                server)
     if common:
         common(server)
     return server

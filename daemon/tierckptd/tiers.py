@@ -80,6 +80,15 @@ class RankCopy:
     nodes: tuple[str, ...] = ()  # node ids (peer tier) or empty (persistent)
     nbytes: int = 0
     created: float = 0.0
+    job_owner: str = ""  # who saved it (Manifest.job_owner)
+
+
+def owned(copies: dict[int, dict[int, RankCopy]], job_owner: str | None) -> dict[int, dict[int, RankCopy]]:
+    """The copies saved by ``job_owner`` (all with None); steps left without a rank are dropped."""
+    if job_owner is None:
+        return copies
+    out = {step: {r: c for r, c in ranks.items() if c.job_owner == job_owner} for step, ranks in copies.items()}
+    return {step: ranks for step, ranks in out.items() if ranks}
 
 
 class TierHost(Protocol):
@@ -107,9 +116,10 @@ class Tier(abc.ABC):
     name: str = ""
 
     @abc.abstractmethod
-    async def delete(self, job: str, step: int) -> Deleted:
+    async def delete(self, job: str, step: int, job_owner: str | None = None) -> Deleted:
         """Remove every copy of ``job`` step ``step`` this tier holds (each rank's manifest before
-        its data, so no reader sees the step complete with data gone).
+        its data, so no reader sees the step complete with data gone); with ``job_owner``, only
+        the copies that identity saved (a tier holding the job for another owner refuses).
 
         Raises:
             UnavailableError: the tier's storage failed (some manifests may already be gone).
@@ -169,18 +179,23 @@ class RemoteTier(Tier):
     async def catalog(self, job: str) -> dict[int, dict[int, RankCopy]]:
         """step -> rank -> copy for the committed ranks this tier holds for ``job``."""
 
-    async def catalog_with_gaps(self, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
-        """:meth:`catalog` plus the sources that did not answer in time (default: none)."""
-        return await self.catalog(job), []
+    async def catalog_with_gaps(self, job: str, job_owner: str | None = None
+                                ) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
+        """:meth:`catalog` plus the sources that did not answer in time (default: none); with
+        ``job_owner``, only the copies that identity saved."""
+        return owned(await self.catalog(job), job_owner), []
 
-    async def rank_catalog(self, job: str, rank: int) -> dict[int, RankCopy]:
+    async def rank_catalog(self, job: str, rank: int, job_owner: str | None = None) -> dict[int, RankCopy]:
         """step -> copy of one rank held by this tier, as cheaply as the tier can answer it (the
-        peer tier asks only this node's ring neighbourhood). Default: filter :meth:`catalog`."""
-        return {step: ranks[rank] for step, ranks in (await self.catalog(job)).items() if rank in ranks}
+        peer tier asks only this node's ring neighbourhood); with ``job_owner``, only the copies
+        that identity saved. Default: filter :meth:`catalog`."""
+        return {step: ranks[rank] for step, ranks in owned(await self.catalog(job), job_owner).items()
+                if rank in ranks}
 
     @abc.abstractmethod
-    async def fetch(self, job: str, step: int, rank: int) -> Manifest:
-        """Copy one rank into the local store (verified) and return its local manifest.
+    async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None) -> Manifest:
+        """Copy one rank into the local store (verified) and return its local manifest; with
+        ``job_owner``, only a copy that identity saved (another is NotFoundError).
 
         Raises:
             NotFoundError: no copy exists in this tier.

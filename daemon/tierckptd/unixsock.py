@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 _CONNECT_TIMEOUT = 2.0
 
 
-def resolve_group(name: str) -> int | None:
+def resolve_group(name: str, key: str = "socket_group") -> int | None:
     """The gid of ``socket_group`` (a name or a number), None when not set.
 
     Raises:
@@ -49,7 +49,7 @@ def resolve_group(name: str) -> int | None:
     try:
         return grp.getgrnam(name).gr_gid
     except KeyError:
-        raise ConfigError(f"socket_group: no group named {name!r} on this host "
+        raise ConfigError(f"{key}: no group named {name!r} on this host "
                           "(create it, or give a gid)") from None
 
 

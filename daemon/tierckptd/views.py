@@ -58,20 +58,24 @@ class CatalogViews:
     def __init__(self, store: LocalStore, tiers: Sequence[RemoteTier], node_id: str) -> None:
         self.store, self.tiers, self.node_id = store, list(tiers), node_id
 
-    async def steps(self, job: str) -> dict[int, StepView]:
-        """Every step of ``job`` known to any tier, with where each rank is held."""
-        return (await self.views_with_gaps(job))[0]
+    async def steps(self, job: str, job_owner: str | None = None) -> dict[int, StepView]:
+        """Every step of ``job`` known to any tier, with where each rank is held; with
+        ``job_owner``, only the copies that identity saved (everywhere a caller asks)."""
+        return (await self.views_with_gaps(job, job_owner))[0]
 
-    async def views_with_gaps(self, job: str) -> tuple[dict[int, StepView], list[str]]:
+    async def views_with_gaps(self, job: str, job_owner: str | None = None
+                              ) -> tuple[dict[int, StepView], list[str]]:
         """:meth:`views` plus the sources (peers, tiers) that did not answer within the deadline."""
         check_job(job)
         views: _Candidates = {}
         for step, ranks in self.store.steps(job).items():
             for rank, man in ranks.items():
-                _add(views, job, step, rank, "local", RankCopy(man.world_size, (self.node_id,), man.nbytes,
-                                                               man.created))
+                if job_owner in (None, man.job_owner):
+                    _add(views, job, step, rank, "local", RankCopy(man.world_size, (self.node_id,), man.nbytes,
+                                                                   man.created, man.job_owner))
         gaps: list[str] = []
-        results = await asyncio.gather(*(self._tier_catalog(t, job) for t in self.tiers), return_exceptions=True)
+        results = await asyncio.gather(*(self._tier_catalog(t, job, job_owner) for t in self.tiers),
+                                       return_exceptions=True)
         for t, res in zip(self.tiers, results):
             if isinstance(res, BaseException):
                 log.warning("catalog of the %s tier unavailable for %s: %s", t.name, job, res)
@@ -84,33 +88,38 @@ class CatalogViews:
                     _add(views, job, step, rank, t.name, copy)
         return _pick(views, job), gaps
 
-    async def _tier_catalog(self, t: RemoteTier, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
+    async def _tier_catalog(self, t: RemoteTier, job: str, job_owner: str | None
+                            ) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
         try:
-            return await asyncio.wait_for(t.catalog_with_gaps(job), KNOBS.fanout_deadline + KNOBS.rpc_timeout)
+            return await asyncio.wait_for(t.catalog_with_gaps(job, job_owner),
+                                          KNOBS.fanout_deadline + KNOBS.rpc_timeout)
         except TimeoutError:
             raise DeadlineExceededError(f"no answer within {KNOBS.fanout_deadline + KNOBS.rpc_timeout:.0f}s") from None
 
-    async def latest(self, job: str) -> int | None:
-        return (await self.latest_with_gaps(job))[0]
+    async def latest(self, job: str, job_owner: str | None = None) -> int | None:
+        return (await self.latest_with_gaps(job, job_owner))[0]
 
-    async def latest_with_gaps(self, job: str) -> tuple[int | None, list[str]]:
-        """Newest step complete over all tiers and nodes that answered, and those that did not."""
-        views, gaps = await self.views_with_gaps(job)
+    async def latest_with_gaps(self, job: str, job_owner: str | None = None) -> tuple[int | None, list[str]]:
+        """Newest step complete over all tiers and nodes that answered, and those that did not
+        (with ``job_owner``: of the steps that identity saved)."""
+        views, gaps = await self.views_with_gaps(job, job_owner)
         complete = [s for s, v in views.items() if v.complete]
         return (max(complete) if complete else None), gaps
 
-    async def availability(self, job: str, rank: int) -> tuple[list[StepView], list[str]]:
+    async def availability(self, job: str, rank: int, job_owner: str | None = None
+                           ) -> tuple[list[StepView], list[str]]:
         """Steps that ``rank`` can restore: from the local tier, each remote tier's cheapest
-        answer for one rank (the peer tier: the ring neighbourhood), nearest tier first."""
+        answer for one rank (the peer tier: the ring neighbourhood), nearest tier first (with
+        ``job_owner``: the copies that identity saved)."""
         check_job(job)
         views: _Candidates = {}
         for step, local in self.store.steps(job).items():
             man = local.get(rank)
-            if man is not None:
-                copy = RankCopy(man.world_size, (self.node_id,), man.nbytes, man.created)
+            if man is not None and job_owner in (None, man.job_owner):
+                copy = RankCopy(man.world_size, (self.node_id,), man.nbytes, man.created, man.job_owner)
                 _add(views, job, step, rank, "local", copy)
         gaps: list[str] = []
-        results = await asyncio.gather(*(asyncio.wait_for(t.rank_catalog(job, rank), KNOBS.fanout_deadline
+        results = await asyncio.gather(*(asyncio.wait_for(t.rank_catalog(job, rank, job_owner), KNOBS.fanout_deadline
                                                           + KNOBS.rpc_timeout) for t in self.tiers),
                                        return_exceptions=True)
         for t, res in zip(self.tiers, results):

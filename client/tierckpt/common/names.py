@@ -9,6 +9,7 @@ from ..errors import InvalidArgumentError
 JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SHARD_RE = re.compile(r"[A-Za-z0-9._-]{1,255}")
 NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # Kubernetes node names are DNS names (<= 253)
+OWNER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,252}")  # a tenant or a client certificate name
 MAX_STEP = 2**64 - 1
 MAX_WORLD_SIZE = 1 << 20
 # A single shard above 1 TiB is refused as absurd; the daemon's --max-shard-bytes narrows it further.
@@ -56,6 +57,16 @@ def check_node(node: object, field: str = "node_id") -> str:
         raise InvalidArgumentError(
             f"{field}: {node!r} is not a valid node id (pattern [A-Za-z0-9][A-Za-z0-9._-]{{0,252}})")
     return node
+
+
+def check_owner(owner: object, field: str = "job_owner") -> str:
+    """A job owner: "" (the default tenant) or a tenant / client certificate name."""
+    if owner == "":
+        return owner
+    if not isinstance(owner, str) or not OWNER_RE.fullmatch(owner):
+        raise InvalidArgumentError(
+            f"{field}: {owner!r} is not a valid owner name (pattern [A-Za-z0-9][A-Za-z0-9._@:-]{{0,252}}, or empty)")
+    return owner
 
 
 def check_step(step: object, field: str = "step") -> int:

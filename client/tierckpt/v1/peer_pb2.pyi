@@ -47,7 +47,7 @@ class RankKey(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class CatalogEntry(_message.Message):
-    __slots__ = ("job", "step", "rank", "world_size", "owner", "generation", "bytes", "created_unix")
+    __slots__ = ("job", "step", "rank", "world_size", "owner", "generation", "bytes", "created_unix", "job_owner")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class CatalogEntry(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    JOB_OWNER_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
@@ -64,7 +65,8 @@ class CatalogEntry(_message.Message):
     generation: str
     bytes: int
     created_unix: float
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owner: _Optional[str] = ..., generation: _Optional[str] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    job_owner: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owner: _Optional[str] = ..., generation: _Optional[str] = ..., bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., job_owner: _Optional[str] = ...) -> None: ...
 
 class CatalogResponse(_message.Message):
     __slots__ = ("node_id", "instance", "bulk_port", "entries", "version", "delta", "removed", "now_unix")
@@ -197,14 +199,18 @@ class DropReplicasResponse(_message.Message):
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
 
 class DeleteStepCopiesRequest(_message.Message):
-    __slots__ = ("requester", "job", "step")
+    __slots__ = ("requester", "job", "step", "has_job_owner", "job_owner")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    HAS_JOB_OWNER_FIELD_NUMBER: _ClassVar[int]
+    JOB_OWNER_FIELD_NUMBER: _ClassVar[int]
     requester: str
     job: str
     step: int
-    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    has_job_owner: bool
+    job_owner: str
+    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., has_job_owner: _Optional[bool] = ..., job_owner: _Optional[str] = ...) -> None: ...
 
 class DeleteStepCopiesResponse(_message.Message):
     __slots__ = ("removed",)

@@ -50,6 +50,7 @@ class Held(NamedTuple):
     generation: str
     nbytes: int
     created: float
+    job_owner: str = ""
 
 
 @dataclass(eq=False)
@@ -85,7 +86,7 @@ class PeerInfo:
 
 
 def held_from(entries: Any) -> dict[Key, Held]:
-    return {(e.job, e.step, e.rank): Held(e.world_size, e.owner, e.generation, e.bytes, e.created_unix)
+    return {(e.job, e.step, e.rank): Held(e.world_size, e.owner, e.generation, e.bytes, e.created_unix, e.job_owner)
             for e in entries}
 
 

@@ -78,6 +78,7 @@ class Committer:
             shards=tuple(ShardEntry(f.name, f.size, digests[f.name], f.dtype, f.shape, f"{f.name}.{st.save_id}")
                          for f in st.files.values()),
             metadata_json=metadata_json, created=created if created is not None else time.time(), persist=persist,
+            job_owner=st.job_owner,
         )
         self._saves.charge_manifest(st, man.stored_bytes)  # metadata counts against the capacity
         stats = self._saves.check_staged(st, digests, verify=verify or st.stream, fsync=fsync)

@@ -8,13 +8,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from tierckpt.errors import PermissionDeniedError
+
 from . import rules
 from .links import Ino, Links
 from .manifest import Manifest, ShardEntry
 
-__all__ = ["Catalog", "CompletenessFn", "local_complete"]
+__all__ = ["Catalog", "CompletenessFn", "local_complete", "check_job_owner"]
 
 CompletenessFn = Callable[[str, int, int, set[int]], bool]
+
+
+def check_job_owner(job: str, owners: set[str], job_owner: str, action: str) -> None:
+    """A job belongs to the identity that first saved it (DESIGN.md, trust model): raise
+    PermissionDeniedError when ``owners`` (of the job's copies held or being saved here) do not
+    include ``job_owner``."""
+    if owners and job_owner not in owners:
+        held = ", ".join(sorted(_who(o) for o in owners))
+        raise PermissionDeniedError(f"job: {job!r} is owned by {held} on this node; {_who(job_owner)} may not "
+                                    f"{action} it")
+
+
+def _who(owner: str) -> str:
+    return repr(owner) if owner else "the default tenant"
 
 
 def local_complete(job: str, step: int, world_size: int, ranks: set[int]) -> bool:
@@ -119,10 +135,22 @@ class Catalog:
         """Snapshot: step -> rank -> manifest."""
         return {s: dict(r) for s, r in self._jobs.get(job, {}).items()}
 
-    def complete(self, job: str) -> list[int]:
-        """The job's complete steps, ascending."""
+    def owners(self, job: str) -> set[str]:
+        """The job owners (manifest ``job_owner``) of the job's ranks held here: one, once a job is
+        bound to the identity that first saved it."""
+        return {m.job_owner for ranks in self._jobs.get(job, {}).values() for m in ranks.values()}
+
+    def owner(self, job: str) -> str | None:
+        """The job's owner here: that of its oldest rank held (None: the job is not held)."""
+        mans = [m for ranks in self._jobs.get(job, {}).values() for m in ranks.values()]
+        return min(mans, key=lambda m: m.created).job_owner if mans else None
+
+    def complete(self, job: str, job_owner: str | None = None) -> list[int]:
+        """The job's complete steps, ascending; with ``job_owner``, only steps saved by that owner."""
         out = []
         for step, ranks in self._jobs.get(job, {}).items():
+            if job_owner is not None and any(m.job_owner != job_owner for m in ranks.values()):
+                continue
             world = next(iter(ranks.values())).world_size
             if self.is_complete(job, step, world, set(ranks)):
                 out.append(step)
@@ -149,13 +177,17 @@ class Catalog:
     # -- what the retention rules say
 
     def retention_victims(self, job: str, keep_local: int) -> list[int]:
+        """Steps retention removes: only the job owner's steps count and go (a step another
+        identity wrote never makes the owner's steps older than ``keep_local``)."""
         pinned = {s for (j, s) in self._pins if j == job}
-        return rules.retention_victims(self._jobs.get(job, {}), self.complete(job), keep_local, pinned)
+        owner = self.owner(job)
+        steps = {s: r for s, r in self._jobs.get(job, {}).items() if all(m.job_owner == owner for m in r.values())}
+        return rules.retention_victims(steps, self.complete(job, owner), keep_local, pinned)
 
     def capacity_order(self, *, allow_pinned: bool) -> list[tuple[str, int]]:
         jobs = {job: {step: min(m.created for m in ranks.values()) for step, ranks in steps.items()}
                 for job, steps in self._jobs.items()}
-        newest = {job: (c[-1] if (c := self.complete(job)) else None) for job in self._jobs}
+        newest = {job: (c[-1] if (c := self.complete(job, self.owner(job))) else None) for job in self._jobs}
         return rules.capacity_order(jobs, newest, set(self._pins), allow_pinned=allow_pinned)
 
 

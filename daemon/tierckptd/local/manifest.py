@@ -1,7 +1,8 @@
 """The per-rank manifest: the commit marker of every tier.
 
 A manifest lists one rank's shards of one step (name, size, checksum, dtype/shape, data file),
-the world size, the owning node and user metadata, and its MAC when the cluster has a manifest
+the world size, the owning node, the job's owner (the tenant or client identity that saved it:
+"" is the default tenant, and the field is then left out) and user metadata, and its MAC when the cluster has a manifest
 key (:mod:`.signing`: a forged or edited manifest is data loss). It is written last, by rename (local and peer
 tiers) or uploaded after every shard (persistent tier); readers ignore data without one.
 Manifests also arrive from peers and the object store, so parsing validates every field,
@@ -18,7 +19,15 @@ from functools import cached_property
 from typing import Any
 
 from tierckpt.common import checksum as _checksum
-from tierckpt.common.names import check_job, check_node, check_rank, check_shard, check_size, check_step
+from tierckpt.common.names import (
+    check_job,
+    check_node,
+    check_owner,
+    check_rank,
+    check_shard,
+    check_size,
+    check_step,
+)
 from tierckpt.errors import DataLossError, InvalidArgumentError
 
 from . import signing
@@ -55,6 +64,7 @@ class Manifest:
     metadata_json: str = "{}"
     created: float = field(default_factory=time.time)
     persist: bool = False
+    job_owner: str = ""  # who saved it: a tenant or client certificate name ("" = the default tenant)
     # Read without a MAC while this node signs (accept_unsigned_manifests); never written (to_json signs).
     unsigned: bool = field(default=False, compare=False)
 
@@ -85,6 +95,8 @@ class Manifest:
         """The manifest as canonical JSON, with its MAC when this process has a manifest key
         (:mod:`.signing`)."""
         doc: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "unsigned"}
+        if not self.job_owner:  # the default tenant: manifests stay byte for byte those written before owners
+            del doc["job_owner"]
         doc["format"] = FORMAT
         doc["checksum_algorithm"] = _checksum.ALGORITHM
         doc["shards"] = [_shard_doc(s) for s in self.shards]
@@ -133,6 +145,7 @@ class Manifest:
                 metadata_json=meta,
                 created=float(doc.get("created", 0.0)),
                 persist=bool(doc.get("persist", False)),
+                job_owner=check_owner(doc.get("job_owner", ""), "manifest.job_owner"),
                 unsigned=unsigned,
             )
         except (ValueError, KeyError, TypeError, AttributeError, InvalidArgumentError) as e:

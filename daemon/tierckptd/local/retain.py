@@ -68,13 +68,14 @@ class StoreRetention:
         with self._lock:
             return self._evictor.remove_rank(job, step, rank, reason, generation=generation)
 
-    def remove_step(self, job: str, step: int, reason: str) -> int:
+    def remove_step(self, job: str, step: int, reason: str, job_owner: str | None = None) -> int:
         """Remove every rank of ``job`` step ``step`` held here (``tierckpt rm``), each rank's
-        manifest before its data; the tiers hear of it as an eviction with reason "deleted"
-        (queued drains of it are cancelled). Returns the ranks removed."""
+        manifest before its data (with ``job_owner``: only the ranks that identity saved); the
+        tiers hear of it as an eviction with reason "deleted" (queued drains of it are
+        cancelled). Returns the ranks removed."""
         with self._lock:
-            ranks = tuple(r for r in sorted(self._catalog.steps(job).get(step, {}))
-                          if self._evictor.remove_rank(job, step, r, reason))
+            ranks = tuple(r for r, m in sorted(self._catalog.steps(job).get(step, {}).items())
+                          if job_owner in (None, m.job_owner) and self._evictor.remove_rank(job, step, r, reason))
         if ranks:
             self._notify([Eviction(job, step, ranks, "deleted")])
         return len(ranks)

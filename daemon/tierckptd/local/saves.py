@@ -19,10 +19,15 @@ from collections.abc import Callable, Sequence
 
 from tierckpt.common.fileio import pwrite_all
 from tierckpt.common.names import MAX_SHARDS_PER_RANK, check_job, check_rank, check_step
-from tierckpt.errors import AbortedError, CapacityError, FailedPreconditionError, InvalidArgumentError
+from tierckpt.errors import (
+    AbortedError,
+    CapacityError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+)
 
 from .eviction import charge
-from .index import Catalog
+from .index import Catalog, check_job_owner
 from .localfs import LocalDir
 from .manifest import Manifest, ShardEntry
 from .paths import StoreLayout
@@ -68,7 +73,7 @@ class OpenSaves:
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
               stream: bool = False, prefault: Callable[[int, int], None] | None = None,
               evictable: Callable[[str], bool] | None = None, share: ShareFn | None = None,
-              inbound: bool = False) -> Staging:
+              inbound: bool = False, job_owner: str = "") -> Staging:
         """Reserve capacity and create sized staging files (see :meth:`LocalStore.begin`).
 
         ``prefault(fd, size)``: takes each freshly created (not recycled) staging file, to
@@ -81,7 +86,8 @@ class OpenSaves:
         save_id = secrets.token_hex(8)  # the form _SAVE_ID checks
         sdir = self._fs.path(StoreLayout.staging_rel(save_id))
         staging = Staging(save_id=save_id, job=job, step=step, rank=rank, world_size=world_size,
-                          files={}, dir=sdir, stream=stream, evictable=evictable, inbound=inbound)
+                          files={}, dir=sdir, stream=stream, evictable=evictable, inbound=inbound,
+                          job_owner=job_owner)
         for name, size, dtype, shape in specs:
             staging.files[name] = StagedFile(name, size, sdir / name, dtype, tuple(int(d) for d in shape))
         with self._lock:
@@ -112,7 +118,11 @@ class OpenSaves:
         room, take recycled files."""
         self.last_begin = time.monotonic()
         key = (staging.job, staging.step, staging.rank)
+        self._check_owner_locked(staging)
         older = self._by_key.get(key)
+        if older is not None and staging.inbound and not self._open[older].inbound:
+            raise FailedPreconditionError(f"{key[0]} step {key[1]} rank {key[2]}: a trainer's save of this rank is "
+                                          "open on this node; a copy never supersedes it")
         if older is not None:
             log.info("save %s of %s/%d/%d superseded by a new save; aborting it", older, *key)
             self.abort_locked(older)
@@ -128,6 +138,13 @@ class OpenSaves:
             if share is not None:
                 self._layout.remove_staging(staging.save_id)
             raise
+
+    def _check_owner_locked(self, staging: Staging) -> None:
+        """A job belongs to the identity that first saved it (DESIGN.md, trust model): a save or an
+        inbound copy for another owner of a job held or being saved here is refused."""
+        owners = self._catalog.owners(staging.job)
+        owners.update(st.job_owner for st in self._open.values() if st.job == staging.job and not st.inbound)
+        check_job_owner(staging.job, owners, staging.job_owner, "copy" if staging.inbound else "save")
 
     def _link_locked(self, staging: Staging, sources: dict[str, tuple[Manifest, ShardEntry]]) -> None:
         """Link the committed files ``sources`` names into the staging area (see :mod:`.links`)."""

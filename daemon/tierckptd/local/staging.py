@@ -68,6 +68,7 @@ class Staging:
     begun_wall: float = field(default_factory=time.time)
     evictable: Callable[[str], bool] | None = None  # jobs whose steps this reservation may evict (None: any)
     inbound: bool = False  # written by this daemon (peer copy, restore fetch), not by a local trainer
+    job_owner: str = ""  # the identity the copy is saved for (its manifest's job_owner)
     manifest_bytes: int = 0  # size of the manifest its commit writes (charged from then on; 0: not known yet)
 
     @property

@@ -52,7 +52,7 @@ from tierckpt.common.names import MAX_METADATA_BYTES, MAX_SHARDS_PER_RANK
 from ..knobs import KNOBS
 from .commit import Committer
 from .eviction import Evictor
-from .index import Catalog, CompletenessFn
+from .index import Catalog, CompletenessFn, check_job_owner
 from .links import share_fn
 from .localfs import LocalDir, fs_is_tmpfs
 from .manifest import Manifest
@@ -216,7 +216,8 @@ class LocalStore(StoreRetention):
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
               stream: bool = False, prefault: bool = False, evictable: Callable[[str], bool] | None = None,
               unchanged: Collection[str] = (), base_step: int | None = None,
-              checksums: Mapping[str, str] | None = None, base_generation: str | None = None) -> Staging:
+              checksums: Mapping[str, str] | None = None, base_generation: str | None = None,
+              job_owner: str = "") -> Staging:
         """Reserve capacity and create sized staging files for one rank's shards.
 
         Args:
@@ -242,7 +243,7 @@ class LocalStore(StoreRetention):
         share = share_fn(self._catalog, unchanged, base_step, checksums, base_generation)
         st = self._saves.begin(job, step, rank, world_size, specs, stream=stream,
                                prefault=self.warm.prefaulter(prefault), evictable=evictable, share=share,
-                               inbound=prefault)
+                               inbound=prefault, job_owner=job_owner)
         if KNOBS.debug_begin_delay:  # test hook: the staging area exists, its caller has no answer yet
             time.sleep(KNOBS.debug_begin_delay)
         return st
@@ -339,6 +340,13 @@ class LocalStore(StoreRetention):
     def jobs(self) -> list[str]:
         with self._lock:
             return self._catalog.jobs()
+
+    def check_owner(self, job: str, job_owner: str, action: str) -> None:
+        """PermissionDeniedError when this node holds ``job`` for another identity (see
+        :func:`.index.check_job_owner`; ``action`` names what was refused)."""
+        with self._lock:
+            owners = self._catalog.owners(job)
+        check_job_owner(job, owners, job_owner, action)
 
     def steps(self, job: str) -> dict[int, dict[int, Manifest]]:
         """Snapshot: step -> rank -> manifest."""

@@ -29,9 +29,11 @@ class LocalTier(Tier):
     def __init__(self, store: LocalStore) -> None:
         self.store = store
 
-    async def delete(self, job: str, step: int, *, reason: str = "deleted on request") -> Deleted:
-        """Remove every rank of the step held here (:meth:`.store.LocalStore.remove_step`)."""
-        return Deleted(copies=await run_blocking(self.store.remove_step, job, step, reason))
+    async def delete(self, job: str, step: int, job_owner: str | None = None, *,
+                     reason: str = "deleted on request") -> Deleted:
+        """Remove every rank of the step held here (:meth:`.store.LocalStore.remove_step`); with
+        ``job_owner``, only the ranks that identity saved."""
+        return Deleted(copies=await run_blocking(self.store.remove_step, job, step, reason, job_owner))
 
     async def verify(self, job: str, step: int | None) -> Verified:
         return Verified(await run_blocking(functools.partial(verify_local, self.store, job, step)))

@@ -43,13 +43,14 @@ class Fetcher:
         self.node_id, self.store, self.cluster = node_id, store, cluster
         self.transfer, self.receiver, self.metrics = transfer, receiver, metrics
 
-    async def fetch(self, job: str, step: int, rank: int) -> Manifest:
-        """Copy one rank from the best live holder into the local store and return its manifest."""
+    async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None) -> Manifest:
+        """Copy one rank from the best live holder into the local store and return its manifest;
+        with ``job_owner``, only a copy that identity saved."""
         check_job(job)
         check_step(step)
-        cands = await self._candidates(job, step, rank, self.cluster.watched())
+        cands = await self._candidates(job, step, rank, self.cluster.watched(), job_owner)
         if not cands:  # not in the neighbourhood (a rank that moved to this node): ask everyone
-            cands = await self._candidates(job, step, rank, None)
+            cands = await self._candidates(job, step, rank, None, job_owner)
         if not cands:
             raise NotFoundError(f"{job} step {step} rank {rank} is not held by any live peer")
         owner = cands[0][1].owner
@@ -59,20 +60,23 @@ class Fetcher:
         self.receiver.restore_begun(1)
         try:
             with self.receiver.fetching_rank((job, step, rank)):
-                return await self._first_good([p for p, _ in cands], job, step, rank)
+                return await self._first_good([p for p, _ in cands], job, step, rank, job_owner)
         finally:
             self.receiver.restore_begun(-1)
 
-    async def _candidates(self, job: str, step: int, rank: int, nodes: set[str] | None) -> list[tuple[PeerInfo, Any]]:
+    async def _candidates(self, job: str, step: int, rank: int, nodes: set[str] | None,
+                          job_owner: str | None) -> list[tuple[PeerInfo, Any]]:
         answers, _ = await self.cluster.job_catalogs(job, nodes)
-        return [(p, e) for p, entries in answers for e in entries if e.step == step and e.rank == rank]
+        return [(p, e) for p, entries in answers for e in entries
+                if e.step == step and e.rank == rank and job_owner in (None, e.job_owner)]
 
-    async def _first_good(self, peers: list[PeerInfo], job: str, step: int, rank: int) -> Manifest:
+    async def _first_good(self, peers: list[PeerInfo], job: str, step: int, rank: int,
+                          job_owner: str | None) -> Manifest:
         errors: list[str] = []
         lost = False
         for p in peers:
             try:
-                return await self._pull(p, job, step, rank)
+                return await self._pull(p, job, step, rank, job_owner)
             except NotFoundError as e:
                 errors.append(f"{p.node_id}: {e}")
             except DataLossError as e:
@@ -87,7 +91,7 @@ class Fetcher:
         msg = f"{job} step {step} rank {rank}: every peer copy failed: " + "; ".join(errors)
         raise DataLossError(msg) if lost else UnavailableError(msg)
 
-    async def _pull(self, p: PeerInfo, job: str, step: int, rank: int) -> Manifest:
+    async def _pull(self, p: PeerInfo, job: str, step: int, rank: int, job_owner: str | None) -> Manifest:
         """Copy one rank from peer ``p`` into the local store, verifying every checksum."""
         t0 = time.perf_counter()
         resp = await self.cluster.call(p, "OpenRead", ppb.OpenReadRequest(requester=self.node_id, job=job, step=step,
@@ -95,9 +99,11 @@ class Fetcher:
         man = Manifest.from_json(resp.manifest_json)
         if man.key != (job, step, rank):
             raise DataLossError(f"peer {p.node_id} described {man.key} instead of {(job, step, rank)}")
+        if job_owner is not None and man.job_owner != job_owner:
+            raise NotFoundError(f"the copy on {p.node_id} was saved by another owner")
         specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
         st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, man.world_size, specs,
-                              prefault=True)
+                              prefault=True, job_owner=man.job_owner)
         try:
             files = {n: (functools.partial(self.store.open_staged, st.save_id, n), f.size) for n, f in st.files.items()}
             hashers = {s.name: bulk.OrderedHasher(s.size) for s in man.shards}

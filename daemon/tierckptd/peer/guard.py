@@ -9,7 +9,10 @@
   is believed: the network is the boundary.
 - Replicas: a peer may push a copy only for an owner whose placement includes this node (R + 1
   live nodes after the owner on the ring, as this node sees them: the extra one covers the lost-
-  owner re-replication), and never one that names this node as the owner.
+  owner re-replication), and never one that names this node as the owner. With node ids bound
+  to certificates, only the owner itself pushes its ranks, or, once this node has seen the owner
+  down for the owner grace, the first live holder of the rank after it on the ring (the one
+  :mod:`.redundancy` lets re-replicate): a node cannot replace another's copies.
 - Drops: ``DropReplicas`` is honoured only from the owner itself, or for an owner that this node
   has seen down for the owner grace period.
 """
@@ -59,14 +62,24 @@ class PeerGuard:
         self.check_caller(role, name, "certificate", member=self.config.tls_bind_node_id)
         return name
 
-    def check_replica(self, man: Manifest) -> None:
-        """A copy of ``man`` may be stored here (see the module docstring)."""
+    def check_replica(self, man: Manifest, sender: str = "") -> None:
+        """A copy of ``man`` from ``sender`` may be stored here (see the module docstring)."""
         if man.node == self.node_id:
             raise PermissionDeniedError(f"manifest_json.node: a peer may not push a copy naming this node "
                                         f"({self.node_id}) as its owner")
         if not self.in_placement(man.node):
             raise PermissionDeniedError(f"manifest_json.node: node {self.node_id} is not in the placement of "
                                         f"owner {man.node!r} (R={self.replicas})")
+        if sender == man.node or not self.config.tls_enabled or not self.config.tls_bind_node_id:
+            return
+        if self.cluster.down_for(man.node) < KNOBS.owner_grace:
+            raise PermissionDeniedError(f"sender: only {man.node!r} pushes copies of its ranks while it is up (or "
+                                        f"down for less than the owner grace); the sender is {sender!r}")
+        holders = [n for n in self.cluster.live_holders(man.key, man.generation) if n != self.node_id]
+        first = ring.first_after(man.node, {sender, *holders})
+        if first != sender:
+            raise PermissionDeniedError(f"sender: {first!r}, not {sender!r}, is the first live holder after the lost "
+                                        f"owner {man.node!r}; only it re-replicates the rank")
 
     def check_hint(self, sender: str) -> None:
         """A WarmReplica hint from ``sender``: only an owner whose placement includes this node."""

@@ -185,7 +185,8 @@ class Receiver:
         specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
         sums = {s.name: s.checksum for s in man.shards} if link else {}
         return await run_owning(self.store.begin, self.store.abort_staging, man.job, man.step, man.rank,
-                                man.world_size, specs, prefault=True, unchanged=list(sums), checksums=sums)
+                                man.world_size, specs, prefault=True, unchanged=list(sums), checksums=sums,
+                                job_owner=man.job_owner)
 
     async def commit(self, ticket: str) -> int:
         """Check every shard arrived whole with its checksum, then commit (CommitReplica RPC).

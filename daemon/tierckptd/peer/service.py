@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tierckpt.common.names import MAX_SHARDS_PER_RANK, check_job, check_node, check_step
+from tierckpt.common.names import MAX_SHARDS_PER_RANK, check_job, check_node, check_owner, check_step
 from tierckpt.errors import InvalidArgumentError, PermissionDeniedError
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
@@ -66,8 +66,9 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
     async def PrepareReplica(self, request: ppb.PrepareReplicaRequest, context: Any) -> ppb.PrepareReplicaResponse:
         if not request.manifest_json:
             raise InvalidArgumentError("manifest_json: required")
-        return await self.tier.receiver.prepare(request.sender, request.manifest_json, self.guard.check_replica,
-                                                link=request.skips_linked)
+        return await self.tier.receiver.prepare(
+            request.sender, request.manifest_json, lambda man: self.guard.check_replica(man, request.sender),
+            link=request.skips_linked)
 
     @rpc
     async def CommitReplica(self, request: ppb.CommitReplicaRequest, context: Any) -> ppb.CommitReplicaResponse:
@@ -103,7 +104,8 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
         # Any node of the cluster may ask (SECURITY.md: peers are trusted alike for data management).
         check_job(request.job)
         check_step(request.step)
-        deleted = await self.tier.local.delete(request.job, request.step,
+        owner = check_owner(request.job_owner) if request.has_job_owner else None
+        deleted = await self.tier.local.delete(request.job, request.step, owner,
                                                reason=f"deleted on request of {request.requester}")
         return ppb.DeleteStepCopiesResponse(removed=deleted.copies)
 

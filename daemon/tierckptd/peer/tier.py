@@ -239,12 +239,14 @@ class PeerTier(RemoteTier):
     async def catalog(self, job: str) -> dict[int, dict[int, RankCopy]]:
         return (await self.catalog_with_gaps(job))[0]
 
-    async def catalog_with_gaps(self, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
-        """Every peer's committed ranks of ``job`` (bounded fan-out; an operator question)."""
+    async def catalog_with_gaps(self, job: str, job_owner: str | None = None
+                                ) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
+        """Every peer's committed ranks of ``job`` (bounded fan-out; an operator question); with
+        ``job_owner``, those that identity saved."""
         answers, missed = await self.cluster.job_catalogs(job)
-        return merge_catalogs(answers), missed
+        return merge_catalogs(answers, job_owner), missed
 
-    async def rank_catalog(self, job: str, rank: int) -> dict[int, RankCopy]:
+    async def rank_catalog(self, job: str, rank: int, job_owner: str | None = None) -> dict[int, RankCopy]:
         """Copies of one rank in the ring neighbourhood (its deltas refreshed first: O(R) calls)."""
         watched = self.cluster.watched()
         await asyncio.gather(*(self.cluster.refresh_peer(self.cluster.peers[n]) for n in sorted(watched)))
@@ -254,15 +256,15 @@ class PeerTier(RemoteTier):
             if not p.up:
                 continue
             for (j, step, r), h in p.held.items():
-                if j == job and r == rank:
+                if j == job and r == rank and job_owner in (None, h.job_owner):
                     old = out.get(step)
                     nodes = tuple(sorted(set(old.nodes if old else ()) | {n}))
                     created = min(old.created, h.created) if old else h.created
-                    out[step] = RankCopy(h.world_size, nodes, h.nbytes, created)
+                    out[step] = RankCopy(h.world_size, nodes, h.nbytes, created, h.job_owner)
         return out
 
-    async def fetch(self, job: str, step: int, rank: int) -> Manifest:
-        return await self.fetcher.fetch(job, step, rank)
+    async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None) -> Manifest:
+        return await self.fetcher.fetch(job, step, rank, job_owner)
 
     async def wait(self, job: str, step: int, rank: int, timeout: float | None) -> list[str]:
         man = self.store.get(job, step, rank)
@@ -274,10 +276,12 @@ class PeerTier(RemoteTier):
 
     # ------------------------------------------------------------------------------ operator verbs
 
-    async def delete(self, job: str, step: int) -> Deleted:
+    async def delete(self, job: str, step: int, job_owner: str | None = None) -> Deleted:
         """Ask every known peer to delete its copies of the step (Peer.DeleteStepCopies,
-        ``KNOBS.fanout`` at a time within ``KNOBS.fanout_deadline``)."""
-        req = ppb.DeleteStepCopiesRequest(requester=self.node_id, job=job, step=step)
+        ``KNOBS.fanout`` at a time within ``KNOBS.fanout_deadline``); with ``job_owner``, the
+        copies that identity saved."""
+        req = ppb.DeleteStepCopiesRequest(requester=self.node_id, job=job, step=step,
+                                          has_job_owner=job_owner is not None, job_owner=job_owner or "")
         answers, missed = await self.cluster.fan_out("DeleteStepCopies", req)
         return Deleted(copies=sum(r.removed for _, r in answers), unreachable=missed)
 
@@ -322,7 +326,8 @@ class PeerTier(RemoteTier):
 
     def _entries(self, job: str) -> dict[tuple[str, int, int], ppb.CatalogEntry]:
         return {m.key: ppb.CatalogEntry(job=job, step=step, rank=m.rank, world_size=m.world_size, owner=m.node,
-                                        generation=m.generation, bytes=m.nbytes, created_unix=m.created)
+                                        generation=m.generation, bytes=m.nbytes, created_unix=m.created,
+                                        job_owner=m.job_owner)
                 for step, ranks in self.store.steps(job).items() for m in ranks.values()}
 
     def _snapshot(self) -> dict[tuple[str, int, int], ppb.CatalogEntry]:
@@ -344,13 +349,18 @@ class PeerTier(RemoteTier):
         return removed
 
 
-def merge_catalogs(answers: list[tuple[PeerInfo, list[Any]]]) -> dict[int, dict[int, RankCopy]]:
-    """step -> rank -> copy over the peers' answers (nodes merged, oldest creation time kept)."""
+def merge_catalogs(answers: list[tuple[PeerInfo, list[Any]]],
+                   job_owner: str | None = None) -> dict[int, dict[int, RankCopy]]:
+    """step -> rank -> copy over the peers' answers (nodes merged, oldest creation time kept);
+    with ``job_owner``, only the copies that identity saved."""
     merged: dict[int, dict[int, RankCopy]] = {}
     for p, entries in answers:
         for e in entries:
+            if job_owner is not None and e.job_owner != job_owner:
+                continue
             old = merged.setdefault(e.step, {}).get(e.rank)
             nodes = tuple(sorted(set(old.nodes if old else ()) | {p.node_id}))
             merged[e.step][e.rank] = RankCopy(e.world_size, nodes, e.bytes,
-                                              min(old.created, e.created_unix) if old else e.created_unix)
+                                              min(old.created, e.created_unix) if old else e.created_unix,
+                                              e.job_owner)
     return merged

@@ -29,7 +29,6 @@ from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
 
 from ..backends import BackendError
 from ..knobs import KNOBS
-from ..local import signing
 from ..local.manifest import Manifest
 from ..retry import RetryPolicy
 from ..tiers import RankCopy
@@ -78,7 +77,7 @@ class Catalog:
         self.url = url
         self.metrics = metrics
         self._spawn = spawn
-        self.known: Bounded = Bounded(65536)  # key -> (nbytes, created) of manifests seen here
+        self.known: Bounded = Bounded(65536)  # key -> (nbytes, created, job_owner) of manifests seen here
         # job -> (listed at, epoch, step -> rank -> world or None, error); stale once the epoch moved
         self._cache: dict[str, tuple[float, int, Steps | None, str]] = {}
         self._epochs: dict[str, int] = collections.defaultdict(int)
@@ -91,8 +90,8 @@ class Catalog:
         self._epochs[job] += 1
 
     def note(self, man: Manifest) -> None:
-        """Remember the size and age of a rank this process drained or restored."""
-        self.known[man.key] = (man.nbytes, man.created)
+        """Remember the size, age and owner of a rank this process drained, restored or read."""
+        self.known[man.key] = (man.nbytes, man.created, man.job_owner)
 
     def forget_step(self, job: str, step: int) -> None:
         """The step was deleted from the store."""
@@ -100,8 +99,9 @@ class Catalog:
             del self.known[k]
 
     async def list_steps(self, job: str, policy: RetryPolicy | None = None, *, checked: bool = True) -> Steps:
-        """step -> rank -> world size from one listing of the job's manifests; with ``checked`` (and
-        a manifest key) only the ranks whose manifest passes its checks (``verify`` lists all)."""
+        """step -> rank -> world size from one listing of the job's manifests; with ``checked`` only
+        the ranks whose manifest passes its checks (MAC, fields), read once each: a step counts
+        only once its owner is known (``verify`` lists all)."""
         keys = await self.calls.read(functools.partial(self.calls.be.list, job_manifests_prefix(job)), policy)
         out: Steps = {}
         deleted: set[int] = set()
@@ -119,7 +119,7 @@ class Catalog:
             self._keys[(job, step, rank)] = key
         for step in deleted & out.keys():  # rare: a save after `rm`, or a drain that raced it
             await self._drop_deleted(job, step, out)
-        if checked and signing.active().signing:
+        if checked:
             await self._drop_unverified(job, out, objects, policy)
         return out
 
@@ -204,8 +204,8 @@ class Catalog:
         out: dict[int, dict[int, RankCopy]] = {}
         for step, ranks in steps.items():
             for rank, world in ranks.items():
-                nbytes, created = self.known.get((job, step, rank), (0, 0.0))
-                out.setdefault(step, {})[rank] = RankCopy(world, (), nbytes, created)
+                nbytes, created, owner = self.known.get((job, step, rank), (0, 0.0, ""))
+                out.setdefault(step, {})[rank] = RankCopy(world, (), nbytes, created, owner)
         return out, gaps
 
     async def _refresh(self, job: str, epoch: int) -> None:

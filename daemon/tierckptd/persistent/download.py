@@ -69,7 +69,7 @@ class Restorer:
         self._locks: weakref.WeakValueDictionary[Key, asyncio.Lock] = weakref.WeakValueDictionary()
         self._pace = asyncio.Lock()
 
-    async def fetch(self, job: str, step: int, rank: int) -> Manifest:
+    async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None) -> Manifest:
         """Download one rank into the local store, verified, and return its local manifest.
 
         Raises:
@@ -87,6 +87,8 @@ class Restorer:
             if local is not None:  # a concurrent restore of the same rank brought it
                 return local
             remote = await self.catalog.read_manifest(job, step, rank)
+            if job_owner is not None and remote.job_owner != job_owner:
+                raise NotFoundError(f"{job} step {step} rank {rank} in the persistent tier was saved by another owner")
             try:
                 return await self._download(remote)
             except NotFoundError as err:  # a data object vanished: re-saved or deleted meanwhile?
@@ -116,7 +118,7 @@ class Restorer:
         fetchprogress.started(remote.nbytes, self.catalog.url)
         specs = [(s.name, s.size, s.dtype, s.shape) for s in remote.shards]
         st = await run_owning(self.store.begin, self.store.abort_staging, job, step, rank, remote.world_size, specs,
-                              stream=False, prefault=True)
+                              stream=False, prefault=True, job_owner=remote.job_owner)
         try:
             await settled(*(self._get_shard(st, remote, s, st.files[s.name].path) for s in remote.shards))
             local, _ = await run_blocking(

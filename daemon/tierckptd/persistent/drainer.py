@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from tierckpt.errors import DataLossError
+from tierckpt.errors import DataLossError, PermissionDeniedError
 
 from ..backends import BackendError
 from ..config import DaemonConfig
@@ -242,6 +242,10 @@ class Drainer:
             return
         except StepDeleted as err:  # the uploader saw the tombstone before cancel_step reached this rank
             self.cancel(e, f"the step was deleted on request (tierckpt rm): {err}")
+            return
+        except PermissionDeniedError as err:  # the job is another identity's in the store: never retried
+            log.error("drain of %s step %d rank %d refused: %s", man.job, man.step, man.rank, err)
+            self.fail(e, str(err))
             return
         except DataLossError as err:  # the local copy is corrupt: nothing was published
             await self._local_copy_corrupt(e, man, err)

@@ -22,10 +22,11 @@ from ..backends import Backend, BackendError, MissingExtraError, open_backend
 from ..cluster import ClusterView
 from ..config import ConfigError, DaemonConfig
 from ..knobs import KNOBS
+from ..local.index import check_job_owner
 from ..local.manifest import Manifest
 from ..local.store import Eviction, LocalStore
 from ..offload import run_blocking
-from ..tiers import Deleted, RankCopy, RemoteTier, Verified
+from ..tiers import Deleted, RankCopy, RemoteTier, Verified, owned
 from .audit import Auditor
 from .calls import BackendCalls
 from .catalog import Catalog
@@ -224,13 +225,15 @@ class PersistentTier(RemoteTier):
         """The ranks of ``job`` with a manifest in the persistent tier (see :mod:`.catalog`)."""
         return await self.catalog_cache.catalog(job)
 
-    async def catalog_with_gaps(self, job: str) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
+    async def catalog_with_gaps(self, job: str, job_owner: str | None = None
+                                ) -> tuple[dict[int, dict[int, RankCopy]], list[str]]:
         """:meth:`catalog`, naming the store when the answer comes from an earlier listing."""
-        return await self.catalog_cache.catalog_with_gaps(job)
+        copies, gaps = await self.catalog_cache.catalog_with_gaps(job)
+        return owned(copies, job_owner), gaps
 
-    async def fetch(self, job: str, step: int, rank: int) -> Manifest:
+    async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None) -> Manifest:
         """Download one rank into the local store, verified (see :meth:`.restore.Restorer.fetch`)."""
-        return await self.restorer.fetch(job, step, rank)
+        return await self.restorer.fetch(job, step, rank, job_owner)
 
     async def wait(self, job: str, step: int, rank: int, timeout: float | None) -> list[str]:
         """Until the rank's manifest is in the persistent tier; returns ``[url]``.
@@ -278,7 +281,7 @@ class PersistentTier(RemoteTier):
 
     # ----------------------------------------------------------------------------- operator verbs
 
-    async def delete(self, job: str, step: int) -> Deleted:
+    async def delete(self, job: str, step: int, job_owner: str | None = None) -> Deleted:
         """Cancel this node's queued drains of the step, leave its tombstone, wait out the
         attempts in flight (``KNOBS.fanout_deadline`` at most; a later one finds the tombstone),
         then delete every rank's manifest and then the data (see :mod:`.tombstone`, :mod:`.retention`).
@@ -286,6 +289,10 @@ class PersistentTier(RemoteTier):
         Raises:
             UnavailableError: the store failed; nothing was deleted if the tombstone could not be written.
         """
+        if job_owner is not None:  # the bucket's copies of the job are its first owner's
+            copies = await self.catalog_cache.catalog(job)
+            check_job_owner(job, {c.job_owner for ranks in copies.values() for c in ranks.values()}, job_owner,
+                            f"delete a step of in {self.url}")
         gens, running = self.drainer.cancel_step(job, step)
         gens |= {m.generation for m in self.store.steps(job).get(step, {}).values()}
         try:

@@ -27,6 +27,7 @@ from tierckpt.errors import DataLossError, InvalidArgumentError, NotFoundError, 
 
 from ..backends import BackendError
 from ..knobs import KNOBS
+from ..local.index import check_job_owner
 from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from .calls import BackendCalls, Stopped
@@ -34,7 +35,7 @@ from .catalog import Catalog
 from .codec import IDENTITY, ShardCodec
 from .content import ContentStore
 from .layout import data_key, is_content, manifest_key, manifest_rank_prefix, rank_data_prefix
-from .ledger import Entry
+from .ledger import Bounded, Entry
 from .tombstone import StepDeleted, read_tombstone
 from .verify import VerifyingReader
 
@@ -67,6 +68,7 @@ class RankUploader:
         self.node_id = node_id
         self.metrics = metrics
         self.codec = codec
+        self._owner_checked: Bounded = Bounded(4096)  # (job, job owner) found to own the job in the store
 
     async def upload(self, e: Entry, man: Manifest) -> bool:
         """Upload a rank's shards, then its manifest. Returns False if a re-save superseded it.
@@ -85,6 +87,7 @@ class RankUploader:
             raise FileNotFoundError(f"{job} step {step} rank {rank} is no longer in the local tier")
         if held.generation != man.generation:
             return False
+        await self._check_job_owner(man)
         local, man = man, self.stored_form(man)
         if self.content is None:
             await asyncio.gather(*(self._put_shard(e, data_key(job, step, rank, s), held, s.name)
@@ -131,6 +134,20 @@ class RankUploader:
             raise
         await self._remove_stale(e, man)
         return True
+
+    async def _check_job_owner(self, man: Manifest) -> None:
+        """PermissionDeniedError when the store holds the job for another identity: the job is its
+        first saver's in the object store too, and a step of the same number never overwrites it.
+        One listing per job and owner in this process (the catalog's): a job's owner does not change."""
+        if (man.job, man.job_owner) in self._owner_checked:
+            return
+        try:
+            copies = await self.catalog.catalog(man.job)
+        except UnavailableError as err:  # the listing failed: retried like a failed upload
+            raise BackendError(str(err), retryable=True) from err
+        owners = {c.job_owner for ranks in copies.values() for c in ranks.values()}
+        check_job_owner(man.job, owners, man.job_owner, f"drain to {self.catalog.url}")
+        self._owner_checked[(man.job, man.job_owner)] = True
 
     async def _check_not_deleted(self, e: Entry, man: Manifest, *, ignore_cancel: bool = False) -> None:
         """Raises StepDeleted if ``tierckpt rm`` deleted the step after this save (:mod:`.tombstone`)."""
