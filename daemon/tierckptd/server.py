@@ -86,8 +86,19 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
 
     def owner(self, context: object) -> str:
         """The identity a call acts as: its client certificate's name over TCP, the socket's tenant
-        on a Unix socket (DESIGN.md, trust model: a job belongs to the identity that first saved it)."""
+        on a Unix socket (DESIGN.md, trust model: a job belongs to the identity that first saved it).
+        Writes (save, rm, policy, persist) are that identity's own jobs only."""
         return tcp_owner(context) if self.access is not None else self.tenant
+
+    def reader(self, context: object, job: str) -> str:
+        """Whose steps of ``job`` a read (latest, ls, availability, restore) counts. A socket's
+        callers read their tenant's jobs only. A TCP client reads what ``client_jobs`` lets it use
+        (every job without it): the steps of the job's owner on this node, or, where this node
+        holds none of the job, its own."""
+        if self.access is None:
+            return self.tenant
+        held = self.node.store.job_owner(job)
+        return held if held is not None else tcp_owner(context)
 
     def authorize(self, request: object, context: object) -> None:
         """Called by :func:`rpc` before every unary method: the job and the save it names must
@@ -185,12 +196,13 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
 
     @rpc
     async def Latest(self, request: pb.LatestRequest, context) -> pb.LatestResponse:
-        step, gaps = await self.node.views.latest_with_gaps(request.job, self.owner(context))
+        step, gaps = await self.node.views.latest_with_gaps(request.job, self.reader(context, request.job))
         return pb.LatestResponse(found=step is not None, step=step or 0, unreachable=gaps)
 
     @rpc
     async def Availability(self, request: pb.AvailabilityRequest, context) -> pb.AvailabilityResponse:
-        steps, gaps = await self.node.views.availability(request.job, request.rank, self.owner(context))
+        steps, gaps = await self.node.views.availability(request.job, request.rank,
+                                                         self.reader(context, request.job))
         return pb.AvailabilityResponse(unreachable=gaps, steps=[
             pb.StepAvailability(step=v.step, world_size=v.world_size, nodes=sorted(v.ranks[request.rank].nodes),
                                 tiers=[TIER_ENUM[t] for t in ("local", "peer", "persistent")
@@ -199,7 +211,7 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
 
     @rpc
     async def List(self, request: pb.ListRequest, context) -> pb.ListResponse:
-        views = await self.node.views.steps(request.job, self.owner(context))
+        views = await self.node.views.steps(request.job, self.reader(context, request.job))
         out = []
         for step in sorted(views):
             v = views[step]
@@ -220,7 +232,7 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         shared = request.transfer != pb.TRANSFER_STREAM
         res = await self.node.restore(request.job, request.rank, step, local_corrupt=request.local_corrupt,
                                       corrupt_generation=request.corrupt_generation, lend=shared,
-                                      job_owner=self.owner(context))
+                                      job_owner=self.reader(context, request.job))
         man = res.manifest
         return pb.RestoreResponse(
             step=man.step, tier=TIER_ENUM[res.tier], world_size=man.world_size,
@@ -256,7 +268,7 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         check_job(request.job)
         check_step(request.step)
         check_shard(request.shard)
-        self.node.store.check_owner(request.job, self.owner(context), "read")
+        self.node.store.check_owner(request.job, self.reader(context, request.job), "read")
         async for offset, data in self.node.read_shard(request.job, request.step, request.rank, request.shard):
             yield pb.ReadShardResponse(offset=offset, data=data)
 

@@ -168,7 +168,7 @@ def test_restore_from_a_remote_tier_is_not_evicted_by_its_own_commit(scratch):
         async def catalog(self, job):
             return {}
 
-        async def fetch(self, job, step, rank):
+        async def fetch(self, job, step, rank, job_owner=None):
             _, man, _ = _save(store, job, step, {"a": b"old"})  # what a real fetch commits
             return man
 

@@ -1,6 +1,7 @@
 """TCP clients are bound by their certificate identity: client_jobs (which jobs each certificate
-name may use) and max_open_saves_per_client, against a real mTLS daemon. Unix-socket callers are
-not restricted (the socket's mode and group are the boundary there). Refusals change nothing."""
+name may use) and max_open_saves_per_client, against a real mTLS daemon; a job a client saved is
+its own (SECURITY.md, "Jobs have owners"). Unix-socket callers are not restricted by client_jobs
+(the socket's mode, group and tenant are the boundary there). Refusals change nothing."""
 
 from __future__ import annotations
 
@@ -73,7 +74,11 @@ def test_each_certificate_uses_only_the_jobs_client_jobs_allows(node, pki):
         b.restore("alpha-1", 0)  # a CA-signed certificate that client_jobs does not name
     with _client(node, pki, "ops") as ops:
         assert {j.job for j in ops.status().jobs} == {"alpha-1", "beta-1"}
-        assert bytes(ops.restore("beta-1", 0).shards["w"]) == b"unix"
+        assert bytes(ops.restore("beta-1", 0).shards["w"]) == b"unix"  # ops reads what client_jobs allows
+        with pytest.raises(tierckpt.PermissionDeniedError, match="alpha-1.*'trainer-a'"):
+            ops.save("alpha-1", 9, 0, 1, {"w": b"ops!"}).result(30)  # but writes only its own jobs
+    with node.client() as local, pytest.raises(tierckpt.PermissionDeniedError, match="'trainer-a'"):
+        local.save("alpha-1", 9, 0, 1, {"w": b"sock"}).result(30)  # trainer-a's job, whoever asks
 
 
 def test_open_saves_are_bounded_per_client_and_bound_to_their_client(node, pki):
@@ -82,7 +87,8 @@ def test_open_saves_are_bounded_per_client_and_bound_to_their_client(node, pki):
     with ch_a, ch_o:
         first, _second = _begin(a, "alpha-1", 1), _begin(a, "alpha-1", 2)
         assert _code(_begin, a, "alpha-1", 3) == grpc.StatusCode.RESOURCE_EXHAUSTED
-        _begin(ops, "alpha-1", 4)  # another identity has its own budget
+        _begin(ops, "ops-1", 4)  # another identity has its own budget (and may not save alpha-1, trainer-a's)
+        assert _code(_begin, ops, "alpha-1", 4) == grpc.StatusCode.PERMISSION_DENIED
         # Another client cannot write, commit or abort trainer-a's save, even knowing its id.
         assert _code(ops.CommitSave, pb.CommitSaveRequest(save_id=first.save_id), timeout=10) == \
             grpc.StatusCode.PERMISSION_DENIED

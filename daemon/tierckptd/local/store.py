@@ -341,6 +341,11 @@ class LocalStore(StoreRetention):
         with self._lock:
             return self._catalog.jobs()
 
+    def job_owner(self, job: str) -> str | None:
+        """The identity that owns ``job`` on this node (None: the node holds none of it)."""
+        with self._lock:
+            return self._catalog.owner(job)
+
     def check_owner(self, job: str, job_owner: str, action: str) -> None:
         """PermissionDeniedError when this node holds ``job`` for another identity (see
         :func:`.index.check_job_owner`; ``action`` names what was refused)."""
