@@ -96,6 +96,7 @@ def test_cross_node_squatting_changes_nothing_for_the_owner(daemon_factory) -> N
         with ds[n].client() as c:
             assert c.latest("llama") == 2
             assert _steps(c, "llama") == [1, 2]
+            assert [a.step for a in c.availability("llama", 0)] == [1, 2]
     held = {int(p.name) for p in (ds["n0"].local_dir / "jobs" / "llama").iterdir() if p.name.isdigit()}
     assert held == {1, 2}
     with ds["n0"].client() as c:
