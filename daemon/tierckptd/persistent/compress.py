@@ -243,12 +243,9 @@ def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
     if len(body) - pos != size - count * width:
         raise DataLossError(f"{len(body) - pos} bytes after the byte planes, expected {size - count * width}")
     out = bytearray(size)
-    x, scratch = np.frombuffer(out, _UINT[width], count), np.empty(count, _UINT[width])
-    np.copyto(x, planes[-1])
-    for plane in reversed(planes[:-1]):  # x = (x << 8) | plane, top plane first
-        np.left_shift(x, 8, out=x)
-        np.copyto(scratch, plane)
-        np.bitwise_or(x, scratch, out=x)
+    grouped = np.frombuffer(out, np.uint8, count * width).reshape(count, width)
+    for k, plane in enumerate(planes):  # one strided copy per plane, straight into the output (GIL released)
+        np.copyto(grouped[:, k], plane)
     out[count * width:] = body[pos:]
     return out
 
