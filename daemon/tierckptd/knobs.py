@@ -101,6 +101,20 @@ class Knobs:
     drain_nice: int = 19
     """Niceness of the persistent tier's upload threads (the drain reads, hashes, encodes and
     uploads chunks on them): saves and trainer threads come first on a busy node; 0: the daemon's."""
+    codec_threads: int = max(2, os.cpu_count() or 2)
+    """Chunks the drain reads, checks and encodes at once (default: one per core), each on its own
+    thread at ``drain_nice`` while it waits for an upload slot: zstd, numpy and xxhash release the
+    GIL, so the codec runs on as many cores as this (bench/drain_workers.py). Each holds its chunk
+    and its encoded bytes (about twice ``chunk_bytes``) until uploaded."""
+    drain_yield: float = 2.0
+    """Seconds at most a drain worker waits, before reading or encoding a chunk, while a save is
+    open or committing on this node (saves first: a drain costs a save's blocking time nothing but
+    the chunks already in flight; bench/save_during_drain.py); 0: the drain never waits."""
+    switch_interval: float = 0.0005
+    """Seconds a Python thread holding the GIL keeps it while another waits for it
+    (``sys.setswitchinterval``; Python's default is 0.005): the RPCs and commits of saves wait
+    at most this for the GIL behind the drain's threads' Python code (bench/save_during_drain.py);
+    0: Python's default."""
     ranks_at_once: int = 4
     """Ranks drained concurrently; their shards share the upload threads."""
     read_threads: int = 16

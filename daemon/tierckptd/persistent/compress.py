@@ -243,9 +243,15 @@ def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
     if len(body) - pos != size - count * width:
         raise DataLossError(f"{len(body) - pos} bytes after the byte planes, expected {size - count * width}")
     out = bytearray(size)
-    grouped = np.frombuffer(out, np.uint8, count * width).reshape(count, width)
-    for k, plane in enumerate(planes):  # one strided copy per plane, straight into the output (GIL released)
-        np.copyto(grouped[:, k], plane)
+    if width == 2:  # x = (top << 8) | low: three passes over 16-bit elements, the fastest measured
+        x = np.frombuffer(out, np.uint16, count)
+        np.copyto(x, planes[1])
+        np.left_shift(x, 8, out=x)
+        np.bitwise_or(x, planes[0], out=x)
+    else:  # one strided copy per plane straight into the output (ten 32-bit passes took ~1.5x as long)
+        grouped = np.frombuffer(out, np.uint8, count * width).reshape(count, width)
+        for k, plane in enumerate(planes):
+            np.copyto(grouped[:, k], plane)
     out[count * width:] = body[pos:]
     return out
 
