@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.harness import Daemon, scratch_dir  # noqa: E402
+from tests.harness import Daemon, scratch_dir
 
 
 def _state(mib: int, shards: int, seed: int) -> dict[str, np.ndarray]:
@@ -54,9 +54,9 @@ def main() -> int:
     root = scratch_dir("tck-dw-")
     workers = (1, 2)
     stores = {w: Path(tempfile.mkdtemp(prefix="tck-dw-store-", dir="/dev/shm")) for w in workers}
+    knobs = {w: f"codec_threads={w},upload_threads=8" + (f",{args.knobs}" if args.knobs else "") for w in workers}
     ds = {w: Daemon(root, f"w{w}", args=("--persistent", stores[w].as_uri(), "--codec", "auto", "--keep-local", "2",
-                                          "--log-level", "WARNING", "--knobs",
-                                          f"codec_threads={w},upload_threads=8" + (f",{args.knobs}" if args.knobs else "")))
+                                          "--log-level", "WARNING", "--knobs", knobs[w]))
           for w in workers}
     rate: dict[int, list[float]] = {w: [] for w in workers}
     busy: dict[int, list[float]] = {w: [] for w in workers}
