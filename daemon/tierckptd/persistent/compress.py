@@ -41,7 +41,7 @@ manifest gives the chunk (a zstd frame must announce exactly the size it is read
 decoded: zstandard sizes its output by the frame's own header), and anything malformed is a
 :class:`DataLossError` (tests/persistent/test_codec_fuzz.py). Everything here is blocking; the tier
 calls it from worker threads, and zstd and numpy release the GIL: chunks are coded on as many
-cores as there are threads coding (``KNOBS.upload_threads`` / ``read_threads``). zstd coders are
+cores as there are threads coding (``KNOBS.codec_threads`` / ``read_threads``). zstd coders are
 per thread. Nothing here imports torch (tests/persistent/test_torchfree.py).
 """
 
