@@ -1,14 +1,16 @@
-"""Issue 28 item 3: save() blocking while a compressed drain runs vs with no drain, and the drain's
-throughput with 1 vs 2 upload threads (the codec runs on them), in one run.
+"""Issue 28 item 3: save() blocking while a compressed drain runs vs with no drain, same run.
 
-Two daemons, each with its own ``file://`` persistent store on disk (not tmpfs), content layout,
-``codec = auto`` (byte planes + zstd for floats): one with ``--knobs upload_threads=1``, one with
-``upload_threads=2``. Per round and daemon (alternating): a --mib MiB float32 rank (16 shards,
-trained-weight-like values) is saved with ``persist=True``; from its local commit until its drain
-has stored the manifest, small saves (--small MiB, not persisted) run --gap seconds apart (0: back
-to back): their blocking times are "during a drain"; then as many small saves run with no drain
-in flight: "no drain". Reported: median blocking during / no drain (same daemon, same run), and the drain time of
-the big rank per daemon (its MB/s: 2 threads / 1 thread).
+Two daemons, each with its own ``file://`` persistent store on disk (``--store-dir``: elsewhere,
+e.g. /dev/shm), content layout,
+``codec = auto`` (byte planes + zstd for floats), default knobs but one: ``drain_yield`` (the
+default, 2 s: drain workers wait while a save is open or committing) on one, ``drain_yield=0``
+(the drain never waits: how it ran before) on the other. Per round and daemon (alternating): a
+--mib MiB float32 rank (16 shards, trained-weight-like values) is saved with ``persist=True``;
+from its local commit until its drain has stored the manifest, small saves (--small MiB, not
+persisted) run --gap seconds apart (0: back to back): their blocking times (the save and its
+local commit, ``save(...).result()``) are "during a drain"; then as many small saves run with no
+drain in flight: "no drain". Reported: median blocking during / no drain (same daemon, same run),
+and the drain time of the big rank per daemon (what yielding costs the drain).
 
 Command: PYTHONPATH=client:daemon .venv/bin/python bench/save_during_drain.py
 """
@@ -16,6 +18,7 @@ Command: PYTHONPATH=client:daemon .venv/bin/python bench/save_during_drain.py
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -36,8 +39,17 @@ def _state(mib: int, shards: int, seed: int) -> dict[str, np.ndarray]:
     return {f"layer{i}": (rng.standard_normal(n) * 0.02).astype(np.float32) for i in range(shards)}
 
 
-def _round(c: object, big: dict, small: dict, step: int, gap: float) -> tuple[list[float], list[float], float]:
-    """(blocking during the drain, blocking with no drain, drain seconds) of one round."""
+def _save(c: object, step: int, small: dict) -> tuple[float, float]:
+    """(seconds until save() returned: the bytes are copied out; until its local commit) of one small save."""
+    s0 = time.perf_counter()
+    fut = c.save("small", step, 0, 1, small)  # type: ignore[attr-defined]
+    s1 = time.perf_counter()
+    fut.result(600)
+    return s1 - s0, time.perf_counter() - s0
+
+
+def _round(c: object, big: dict, small: dict, step: int, gap: float) -> tuple[list, list, float]:
+    """(blocking during the drain, blocking with no drain: (copy, commit) pairs; drain seconds) of one round."""
     fut = c.save("big", step, 0, 1, big, persist=True)  # type: ignore[attr-defined]
     fut.result(600)
     t0 = time.perf_counter()
@@ -50,20 +62,17 @@ def _round(c: object, big: dict, small: dict, step: int, gap: float) -> tuple[li
         done.set()
 
     threading.Thread(target=wait, daemon=True).start()
-    during: list[float] = []
+    during: list[tuple[float, float]] = []
     k = 0
     while not done.is_set():
         k += 1
-        s0 = time.perf_counter()
-        c.save("small", step * 1000 + k, 0, 1, small).result(600)  # type: ignore[attr-defined]
+        timed = _save(c, step * 1000 + k, small)
         if not done.is_set():  # only saves that ended while the drain still ran
-            during.append(time.perf_counter() - s0)
+            during.append(timed)
         time.sleep(gap)
     idle = []
     for j in range(max(3, len(during))):
-        s0 = time.perf_counter()
-        c.save("small", step * 1000 + 500 + j, 0, 1, small).result(600)  # type: ignore[attr-defined]
-        idle.append(time.perf_counter() - s0)
+        idle.append(_save(c, step * 1000 + 500 + j, small))
         time.sleep(gap)
     return during, idle, drain[0]
 
@@ -75,18 +84,22 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--gap", type=float, default=0.05, help="seconds between two small saves (a trainer's step)")
     ap.add_argument("--codec", default="auto", help="the daemons' codec setting (none: the drain without a codec)")
+    ap.add_argument("--variants", nargs=2, default=["drain_yield=2.0", "drain_yield=0"],
+                    help="the knobs of the two daemons (default: the drain yields to saves, and it does not)")
+    ap.add_argument("--store-dir", default=None,
+                    help="where the file:// stores go (default: the temporary directory, on disk; /dev/shm: tmpfs)")
     ap.add_argument("--knobs", default="", help="more daemon knobs, e.g. drain_nice=0 (the drain at full priority)")
     args = ap.parse_args()
     root = scratch_dir("tck-sdd-")
-    workers = (1, 2)
-    stores = {w: Path(tempfile.mkdtemp(prefix="tck-sdd-store-")) for w in workers}
-    knobs = {w: f"upload_threads={w}" + (f",{args.knobs}" if args.knobs else "") for w in workers}
-    ds = {w: Daemon(root, f"w{w}", args=("--persistent", stores[w].as_uri(), "--codec", args.codec, "--keep-local", "2",
+    workers = tuple(args.variants)
+    stores = {w: Path(tempfile.mkdtemp(prefix="tck-sdd-store-", dir=args.store_dir)) for w in workers}
+    knobs = {w: w + (f",{args.knobs}" if args.knobs else "") for w in workers}
+    ds = {w: Daemon(root, f"w{i}", args=("--persistent", stores[w].as_uri(), "--codec", args.codec, "--keep-local", "2",
                                           "--log-level", "WARNING", "--knobs", knobs[w]))
-          for w in workers}
-    during: dict[int, list[float]] = {w: [] for w in workers}
-    idle: dict[int, list[float]] = {w: [] for w in workers}
-    drains: dict[int, list[float]] = {w: [] for w in workers}
+          for i, w in enumerate(workers)}
+    during: dict[str, list[tuple[float, float]]] = {w: [] for w in workers}
+    idle: dict[str, list[tuple[float, float]]] = {w: [] for w in workers}
+    drains: dict[str, list[float]] = {w: [] for w in workers}
     small = _state(args.small, 4, 0)
     try:
         for d in ds.values():
@@ -99,9 +112,9 @@ def main() -> int:
                 during[w] += a
                 idle[w] += b
                 drains[w].append(t)
-                print(f"round {r}, upload_threads={w}: drain {t:.2f} s, {len(a)} saves during it "
-                      f"(median {statistics.median(a) if a else float('nan'):.4f} s), no drain median "
-                      f"{statistics.median(b):.4f} s", flush=True)
+                print(f"round {r}, {w}: drain {t:.2f} s, {len(a)} saves during it "
+                      f"(median {statistics.median(t for _, t in a) if a else float('nan'):.4f} s), no drain median "
+                      f"{statistics.median(t for _, t in b):.4f} s", flush=True)
         for c in clients.values():
             c.close()
     finally:
@@ -113,12 +126,13 @@ def main() -> int:
     mb = args.mib * 1.048576
     print(f"\n{args.mib} MiB float32 drained per round; small saves of {args.small} MiB; {args.rounds} rounds")
     for w in workers:
-        dm, im = statistics.median(during[w]), statistics.median(idle[w])
-        print(f"  upload_threads={w}: save blocking during a drain {dm:.4f} s ({len(during[w])} saves), no drain "
-              f"{im:.4f} s: {dm / im:.2f}x; drain median {statistics.median(drains[w]):.2f} s "
+        dm, im = (statistics.median(t for _, t in x[w]) for x in (during, idle))
+        dc, ic = (statistics.median(c for c, _ in x[w]) for x in (during, idle))
+        print(f"  {w}: save blocking during a drain {dm:.4f} s ({len(during[w])} saves), no drain "
+              f"{im:.4f} s: {dm / im:.2f}x; of which the copy (save() returned) {dc:.4f} s vs {ic:.4f} s: "
+              f"{dc / ic:.2f}x; drain median {statistics.median(drains[w]):.2f} s "
               f"({mb / statistics.median(drains[w]):.0f} MB/s)")
-    one, two = (statistics.median(drains[w]) for w in workers)
-    print(f"  drain throughput, 2 upload threads / 1: {one / two:.2f}x")
+    print(f"  load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     return 0
 
 

@@ -97,10 +97,27 @@ class Knobs:
 
     # -- persistent tier
     upload_threads: int = 8
-    """Shard uploads in flight at once (each S3 upload also splits into parts on the backend's pool)."""
+    """Uploads in flight at once (chunks, per-shard objects; each S3 upload also splits into parts on
+    the backend's pool)."""
     drain_nice: int = 19
-    """Niceness of the persistent tier's upload threads (the drain reads, hashes, encodes and
-    uploads chunks on them): saves and trainer threads come first on a busy node; 0: the daemon's."""
+    """Niceness of the persistent tier's drain threads (the drain reads, hashes, encodes and uploads
+    chunks on them): saves and trainer threads come first on a busy node; 0: the daemon's."""
+    codec_threads: int = max(2, os.cpu_count() or 2)
+    """Chunks the drain reads, checks and encodes at once (default: one per core, at least 2), each
+    on a drain thread (``drain_nice``): zstd, numpy and xxhash release the GIL, so the codec runs on
+    as many cores as this (bench/drain_workers.py). A chunk keeps its slot until it is uploaded
+    (``upload_threads`` at a time), so at most this many encoded chunks (about twice
+    ``chunk_bytes`` each, with the chunk) wait in memory."""
+    drain_yield: float = 2.0
+    """Seconds at most a drain worker waits, before reading or encoding a chunk, while a save is
+    open or committing on this node (a trainer's, an inbound replica's or a restore's): saves come
+    first, and only chunks begun before a save run alongside it (bench/save_during_drain.py); 0:
+    the drain never waits."""
+    switch_interval: float = 0.0005
+    """Seconds a Python thread holding the GIL keeps it while another waits for it
+    (``sys.setswitchinterval``; Python's default is 0.005): the RPCs and commits of saves wait
+    at most this for the GIL behind the drain's threads' Python code (bench/save_during_drain.py);
+    0: Python's default."""
     ranks_at_once: int = 4
     """Ranks drained concurrently; their shards share the upload threads."""
     read_threads: int = 16

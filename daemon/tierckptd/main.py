@@ -317,11 +317,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if (warning := insecure_warning(config)) is not None:
         log.warning("%s", warning)
-    if config.knobs:
-        from .knobs import KNOBS, parse_knobs
+    from .knobs import KNOBS, parse_knobs
 
+    if config.knobs:
         KNOBS.apply(parse_knobs(config.knobs))
         log.warning("tuning knobs overridden: %s", config.knobs)
+    if KNOBS.switch_interval > 0:  # a save's RPCs wait at most this for the GIL behind the drain's threads
+        sys.setswitchinterval(KNOBS.switch_interval)
     try:
         import uvloop
 

@@ -229,3 +229,49 @@ def test_a_drain_asks_only_about_chunks_the_last_drain_of_its_rank_had(tmp_path:
             await _restores(rig.memory, tmp_path, "r", 3, step3)
 
     asyncio.run(body())
+
+
+def test_a_drain_reads_nothing_while_a_save_is_open_and_waits_at_most_drain_yield(tmp_path: Path) -> None:
+    shards = {"w": _floats(CHUNK // 4, 40).tobytes()}
+
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK, drain_yield=60.0):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            trainer = rig.store.begin("other", 1, 0, 1, [("x", 16, "", ())])  # a save in flight on the node
+            _save(rig, 1, shards)
+            await asyncio.sleep(0.5)
+            assert rig.tier.content.sent == 0 and rig.faulty.calls["put_bytes"] == 0  # not even hashed (no lease)
+            rig.store.abort(trainer.save_id)
+            await _drain(rig, 1)  # the save ended: the drain goes on at once
+            assert rig.tier.content.sent > 0
+        with KNOBS.overridden(chunk_bytes=CHUNK, drain_yield=0.2):
+            trainer = rig.store.begin("other", 2, 0, 1, [("x", 16, "", ())])
+            _save(rig, 2, {"w": _floats(CHUNK // 4, 41).tobytes()})
+            await _drain(rig, 2)  # a save left open does not hold the drain for more than drain_yield a chunk
+            rig.store.abort(trainer.save_id)
+            await rig.tier.stop(1.0)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("codec_threads", [1, 3])
+def test_at_most_codec_threads_chunks_are_encoded_and_waiting_to_go_up(tmp_path: Path, codec_threads: int) -> None:
+    shards = {f"s{i}": _floats(CHUNK // 4, 50 + i).tobytes() for i in range(5)}  # one chunk each
+
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK, codec_threads=codec_threads, upload_threads=8):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            rig.faulty.hang("list")  # the drain's look for collections in flight: its lease is stored
+            _save(rig, 1, shards)
+            assert await asyncio.to_thread(rig.faulty.wait_held, "list", 5)
+            rig.faulty.hang("put_bytes")
+            rig.faulty.release("list")
+            held = await asyncio.to_thread(lambda: sum(rig.faulty.wait_held("put_bytes", 1) for _ in range(6)))
+            rig.faulty.release("put_bytes")
+            await _drain(rig, 1)
+            await rig.tier.stop(1.0)
+            assert held == codec_threads  # read, encoded and waiting to go up: one chunk per codec slot
+
+    asyncio.run(body())

@@ -318,6 +318,10 @@ class LocalStore(StoreRetention):
     def open_saves(self) -> int:
         return self._saves.count()
 
+    def saving(self) -> bool:
+        """Whether a save is open or committing here (a snapshot, without the lock)."""
+        return self._saves.busy()
+
     # ----------------------------------------------------------------------------- reading
 
     def get(self, job: str, step: int, rank: int) -> Manifest | None:

@@ -6,12 +6,13 @@ drains, loses nothing); reads (restore downloads, manifests, listings) retry wit
 ``KNOBS.read_retry`` or a tighter policy. A non-retryable error is raised at once.
 
 Every call runs through :func:`~tierckptd.offload.run_blocking` on :class:`DaemonThreads`, the
-tier's pools: a fresh daemon thread per call (at most ``KNOBS.upload_threads`` uploads and
-``KNOBS.read_threads`` reads at once), so a slow object store cannot starve the default pool
-and a hung SDK call never blocks the daemon's exit. Uploads (the drain: reading, hashing and
-encoding chunks, on as many cores as ``upload_threads``: the codecs release the GIL) run at nice
-``KNOBS.drain_nice``, so that a drain takes the CPU that saves and the trainers' own threads leave
-idle (bench/save_during_drain.py); reads (restores) run at the daemon's priority.
+tier's pools: a fresh daemon thread per call (at most ``KNOBS.upload_threads`` uploads,
+``KNOBS.codec_threads`` chunks being read and encoded and ``KNOBS.read_threads`` reads at once),
+so a slow object store cannot starve the default pool and a hung SDK call never blocks the
+daemon's exit. The drain's threads (reading, hashing and encoding chunks, on as many cores as
+``codec_threads``: the codecs release the GIL; and uploads) run at nice ``KNOBS.drain_nice``, so
+that a drain takes the CPU that saves and the trainers' own threads leave idle
+(bench/save_during_drain.py); reads (restores) run at the daemon's priority.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class BackendCalls:
         self.drain_threads = DaemonThreads("tierckpt-drain", lambda: KNOBS.drain_nice)
         self.halt = threading.Event()
         self._uploads = asyncio.Semaphore(KNOBS.upload_threads)
+        self.coding = asyncio.Semaphore(KNOBS.codec_threads)
+        """Held by a drain's chunk from its read until its upload ended (``KNOBS.codec_threads``)."""
         self._reads = asyncio.Semaphore(KNOBS.read_threads)
 
     @property
@@ -125,6 +128,11 @@ class BackendCalls:
         call = functools.partial(call_with_retry, fn, KNOBS.drain_retry, on_retry=self._on_retry, sleep=sleep)
         async with self._uploads:
             return await run_blocking(call, pool=self.drain_threads)
+
+    async def code(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (reading, checking and encoding a chunk: local work, no retry) on a drain
+        thread; the caller holds :attr:`coding`."""
+        return await run_blocking(fn, pool=self.drain_threads)
 
     async def read(self, fn: Callable[[], T], policy: RetryPolicy | None = None) -> T:
         """``fn()`` in a worker thread, retrying retryable errors within ``policy`` (default

@@ -41,7 +41,7 @@ manifest gives the chunk (a zstd frame must announce exactly the size it is read
 decoded: zstandard sizes its output by the frame's own header), and anything malformed is a
 :class:`DataLossError` (tests/persistent/test_codec_fuzz.py). Everything here is blocking; the tier
 calls it from worker threads, and zstd and numpy release the GIL: chunks are coded on as many
-cores as there are threads coding (``KNOBS.upload_threads`` / ``read_threads``). zstd coders are
+cores as there are threads coding (``KNOBS.codec_threads`` / ``read_threads``). zstd coders are
 per thread. Nothing here imports torch (tests/persistent/test_torchfree.py).
 """
 
@@ -243,12 +243,15 @@ def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
     if len(body) - pos != size - count * width:
         raise DataLossError(f"{len(body) - pos} bytes after the byte planes, expected {size - count * width}")
     out = bytearray(size)
-    x, scratch = np.frombuffer(out, _UINT[width], count), np.empty(count, _UINT[width])
-    np.copyto(x, planes[-1])
-    for plane in reversed(planes[:-1]):  # x = (x << 8) | plane, top plane first
+    if width == 2:  # x = (top << 8) | low: three passes over 16-bit elements, the fastest measured
+        x = np.frombuffer(out, np.uint16, count)
+        np.copyto(x, planes[1])
         np.left_shift(x, 8, out=x)
-        np.copyto(scratch, plane)
-        np.bitwise_or(x, scratch, out=x)
+        np.bitwise_or(x, planes[0], out=x)
+    else:  # one strided copy per plane straight into the output (ten 32-bit passes took ~1.5x as long)
+        grouped = np.frombuffer(out, np.uint8, count * width).reshape(count, width)
+        for k, plane in enumerate(planes):
+            np.copyto(grouped[:, k], plane)
     out[count * width:] = body[pos:]
     return out
 

@@ -143,8 +143,9 @@ class ContentStore:
 
     async def _put_chunks(self, held: Manifest, man: Manifest, plan: dict[str, list[tuple[str, int]]],
                           codecs: dict[str, str], cancelled: Any) -> tuple[ShardEntry, ...]:
-        """Every chunk of every shard at once (``KNOBS.upload_threads`` at a time: a rank of many
-        one-chunk shards would otherwise go up one shard after the other); the manifest entries."""
+        """Every chunk of every shard at once (``KNOBS.codec_threads`` read and encoded,
+        ``KNOBS.upload_threads`` uploaded at a time: a rank of many one-chunk shards would otherwise
+        go up one shard after the other); the manifest entries."""
         job = held.job
         work = [(s.name, off, d, n) for s in man.shards for (d, n), off in zip(plan[s.name], _offsets(plan[s.name]))]
         previous = self.previous.get((job, man.rank))
@@ -152,9 +153,7 @@ class ContentStore:
             previous = await self._stored_previous(job, man.step, man.rank)
         keys = [content_key(job, d, n, codecs[name]) for name, _, d, n in work]
         stored = await asyncio.gather(*(
-            self.calls.write(functools.partial(self._put_chunk, held, name, off, d, n, codecs[name],
-                                               previous is None or key in previous),
-                             cancelled)
+            self._put_chunk(held, name, off, d, n, codecs[name], previous is None or key in previous, cancelled)
             for (name, off, d, n), key in zip(work, keys)))
         self.previous[(job, man.rank)] = frozenset(keys)
         chunks: dict[str, list[Chunk]] = {s.name: [] for s in man.shards}
@@ -187,6 +186,7 @@ class ContentStore:
             src = VerifyingReader(fd, entry.size, entry.checksum, _what(held, shard))
             out = []
             while True:
+                self._yield_to_saves()
                 data = src.read(size)
                 if not data:
                     break
@@ -204,15 +204,25 @@ class ContentStore:
         except NotFoundError as err:  # evicted or re-saved meanwhile: the rank left the local tier
             raise FileNotFoundError(str(err)) from err
 
-    def _put_chunk(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str,
-                   ask: bool) -> Chunk:
-        """Store one chunk unless ``ask`` and its key exists (and was not found damaged); returns its
-        manifest record."""
+    async def _put_chunk(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str,
+                         ask: bool, cancelled: Any) -> Chunk:
+        """Store one chunk unless ``ask`` and its key exists (and was not found damaged): read,
+        check and encode it on a codec slot (``KNOBS.codec_threads``), upload it on an upload slot,
+        holding the codec slot until then (so at most that many encoded chunks wait in memory).
+        Returns its manifest record."""
+        be, key = self.calls.be, content_key(held.job, digest, size, codec)
+        if ask and key not in self.damaged and await self.calls.write(functools.partial(be.exists, key), cancelled):
+            return (digest, size, self.stored.get(key, 0))
+        async with self.calls.coding:
+            stored = await self.calls.code(functools.partial(self._encoded, held, shard, offset, digest, size, codec))
+            await self.calls.write(functools.partial(self._store_chunk, held, shard, key, stored), cancelled)
+        return (digest, size, len(stored))
+
+    def _encoded(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str) -> bytes:
+        """The stored form of one local chunk, read again and checked against its hash (a worker thread)."""
         from .compress import encode
 
-        be, key = self.calls.be, content_key(held.job, digest, size, codec)
-        if ask and key not in self.damaged and be.exists(key):
-            return (digest, size, self.stored.get(key, 0))
+        self._yield_to_saves()
         fd = self._open(held, shard)
         data = bytearray(size)  # ours: the codec may compress it in place (no copy)
         try:
@@ -222,7 +232,10 @@ class ContentStore:
         if got != size or xxhash.xxh3_128_hexdigest(data) != digest:
             raise DataLossError(f"{_what(held, shard)}: the local copy changed while uploading "
                                 f"(chunk at {offset}); not published")
-        stored = encode(codec, data, consume=True)
+        return encode(codec, data, consume=True)
+
+    def _store_chunk(self, held: Manifest, shard: str, key: str, stored: bytes) -> None:
+        be = self.calls.be
         be.put_bytes(key, stored)  # a damaged chunk is replaced: its name fixes its plain bytes
         self.stored[key] = len(stored)
         if self.damaged.pop(key, None):
@@ -231,7 +244,14 @@ class ContentStore:
         self.sent += len(stored)
         if self.metrics:
             self.metrics.drained_bytes.inc(len(stored))
-        return (digest, size, len(stored))
+
+    def _yield_to_saves(self) -> None:
+        """Wait (a worker thread) while a save is open or committing on this node, at most
+        ``KNOBS.drain_yield`` seconds: saves get the cores, the memory bandwidth and the GIL that
+        the drain's reading, hashing and encoding would take (bench/save_during_drain.py)."""
+        until = time.monotonic() + KNOBS.drain_yield
+        while self.store.saving() and time.monotonic() < until and not self.calls.halt.wait(0.002):
+            pass
 
     async def _note_damaged(self, job: str, cancelled: Any) -> None:
         """Remember the chunks a restore of any node found damaged: they are stored again."""
