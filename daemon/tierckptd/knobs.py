@@ -108,16 +108,18 @@ class Knobs:
     as many cores as this (bench/drain_workers.py). A chunk keeps its slot until it is uploaded
     (``upload_threads`` at a time), so at most this many encoded chunks (about twice
     ``chunk_bytes`` each, with the chunk) wait in memory."""
-    drain_yield: float = 2.0
+    drain_yield: float = 0.0
     """Seconds at most a drain worker waits, before reading or encoding a chunk, while a save is
     open or committing on this node (a trainer's, an inbound replica's or a restore's): saves come
-    first, and only chunks begun before a save run alongside it (bench/save_during_drain.py); 0:
-    the drain never waits."""
-    switch_interval: float = 0.0005
+    first, and only chunks begun before a save run alongside it (bench/save_during_drain.py); 0
+    (the default): the drain never waits. Off by default: its benefit did not show on the loaded
+    2-core machines it was measured on, and a node whose ranks keep saves open most of the time
+    would drain one chunk per ``drain_yield``."""
+    switch_interval: float = 0.0
     """Seconds a Python thread holding the GIL keeps it while another waits for it
     (``sys.setswitchinterval``; Python's default is 0.005): the RPCs and commits of saves wait
     at most this for the GIL behind the drain's threads' Python code (bench/save_during_drain.py);
-    0: Python's default."""
+    0 (the default): Python's default. Not shown to help yet (bench/README.md)."""
     ranks_at_once: int = 4
     """Ranks drained concurrently; their shards share the upload threads."""
     read_threads: int = 16
