@@ -32,7 +32,10 @@ def build_tiers(config: DaemonConfig, store, metrics, cluster=None, backend=None
     """The remote tiers configured, in restore order (peer, then persistent)."""
     tiers: list = []
     if cluster is not None:
-        from .peer import PeerTier
+        if config.parity:
+            from .parity.peertier import ParityPeerTier as PeerTier
+        else:
+            from .peer import PeerTier
 
         tiers.append(PeerTier(config, store, cluster, metrics))
     if config.persistent:

@@ -1,0 +1,157 @@
+"""The holder side of parity: ProtectRank (pull a chunk, XOR it into a slot), and the streams
+other nodes read (a slot with its description; a byte range of a rank held here).
+
+Nothing a peer sends is trusted beyond what is checked here: the manifest's MAC
+(:meth:`Manifest.from_json`), that the sender owns the rank, that this node is the protector of
+that chunk by the layout's rule, and that the sender streams exactly the chunk's length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from tierckpt.common.status import error_from_rpc
+from tierckpt.errors import (
+    DataLossError,
+    FailedPreconditionError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnavailableError,
+)
+from tierckpt.v1 import peer_pb2 as ppb
+
+from ..cluster.membership import Membership
+from ..knobs import KNOBS
+from ..local.manifest import Manifest
+from ..local.store import LocalStore
+from ..offload import run_blocking
+from . import layout
+from .ranges import PIECE, read_range
+from .slots import ParityStore
+
+__all__ = ["Protector", "pull_range"]
+
+
+async def pull_range(cluster: Membership, node: str, requester: str, man: Manifest, offset: int, length: int,
+                     sink: Any) -> None:
+    """Stream ``[offset, offset + length)`` of ``man``'s rank (that generation) from ``node``,
+    calling ``sink(position, data)`` for each piece in order.
+
+    Raises:
+        UnavailableError / FailedPreconditionError / NotFoundError: as the peer answered.
+        DataLossError: it sent more or fewer bytes than asked.
+    """
+    p = cluster.peers[node]
+    req = ppb.ReadRankRangeRequest(requester=requester, job=man.job, step=man.step, rank=man.rank,
+                                   generation=man.generation, offset=offset, length=length)
+    pos = 0
+    try:
+        async for piece in p.stub.ReadRankRange(req, timeout=max(KNOBS.commit_timeout, KNOBS.rpc_timeout)):
+            n = len(piece.data)
+            if pos + n > length:
+                raise DataLossError(f"peer {node} sent more than the {length} bytes asked of {man.key}")
+            await sink(pos, piece.data)
+            pos += n
+    except grpc.RpcError as e:
+        raise error_from_rpc(e, f"peer {node} ({p.address})") from None
+    if pos != length:
+        raise UnavailableError(f"peer {node} sent {pos} of the {length} bytes asked of {man.key}")
+
+
+class Protector:
+    """Parity slots held here for the other members of this node's group."""
+
+    def __init__(self, node_id: str, store: LocalStore, pstore: ParityStore, cluster: Membership, size: int) -> None:
+        self.node_id, self.store, self.pstore, self.cluster, self.size = node_id, store, pstore, cluster, size
+        self._inflight: dict[tuple[str, int, str, int, str, int], asyncio.Lock] = {}
+
+    async def protect(self, sender: str, manifest_json: str, chunk: int, chunks: int) -> ppb.ProtectRankResponse:
+        man = Manifest.from_json(manifest_json)
+        if man.node != sender:
+            raise PermissionDeniedError(f"sender: {sender!r} does not own {man.key} (its owner is {man.node!r})")
+        want = layout.chunk_of(self.node_id, sender, self.cluster.ids(), self.size)
+        prot = layout.protectors(sender, self.cluster.ids(), self.size)
+        if want != chunk or chunks != len(prot):
+            raise PermissionDeniedError(f"chunk: node {self.node_id} protects chunk {want} of {len(prot)} of "
+                                        f"{sender}'s ranks, not chunk {chunk} of {chunks}")
+        key = (*man.key, man.generation, chunk)
+        lock = self._inflight.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:
+                slot = self.pstore.find(man.job, man.step, man.node, man.rank, man.generation, chunk)
+                if slot is not None:
+                    return ppb.ProtectRankResponse(already=True, parity_bytes=slot.size)
+                slot = await self._pull_and_add(man, chunk, chunks)
+                return ppb.ProtectRankResponse(already=False, parity_bytes=slot.size)
+        finally:
+            if not lock.locked() and self._inflight.get(key) is lock:
+                del self._inflight[key]
+
+    async def _pull_and_add(self, man: Manifest, chunk: int, chunks: int) -> Any:
+        off, length = layout.chunk_span(man.nbytes, chunks, chunk)
+        name, fd = await run_blocking(self.pstore.incoming, man.job, man.step)
+        try:
+            async def sink(pos: int, data: bytes) -> None:
+                await run_blocking(os.pwrite, fd, data, pos)
+
+            await pull_range(self.cluster, man.node, self.node_id, man, off, length, sink)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                await run_blocking(self.pstore.discard, man.job, man.step, name)
+            raise
+        return await run_blocking(self.pstore.add, man, chunk, chunks, name, fd, length)
+
+    # ------------------------------------------------------------------------------ streams
+
+    async def read_parity(self, job: str, step: int, owner: str, rank: int, generation: str,
+                          chunk: int) -> AsyncIterator[ppb.DataPiece]:
+        slot, fd = await run_blocking(self.pstore.open_slot, job, step, owner, rank, generation, chunk)
+        try:
+            yield ppb.DataPiece(meta_json=slot.to_json().decode())
+            pos = 0
+            while pos < slot.size:
+                b = await run_blocking(os.pread, fd, min(PIECE, slot.size - pos), pos)
+                if not b:
+                    raise DataLossError(f"parity slot of {job} step {step} is shorter than its description")
+                yield ppb.DataPiece(data=b)
+                pos += len(b)
+        finally:
+            os.close(fd)
+
+    async def read_rank_range(self, job: str, step: int, rank: int, generation: str, offset: int,
+                              length: int) -> AsyncIterator[ppb.DataPiece]:
+        man = self.store.get(job, step, rank)
+        if man is None:
+            raise NotFoundError(f"{job} step {step} rank {rank} is not held by node {self.node_id}")
+        if man.generation != generation:
+            raise FailedPreconditionError(f"generation: {job} step {step} rank {rank} on {self.node_id} is "
+                                          f"{man.generation}, not {generation}")
+        if offset + length > man.nbytes:
+            raise FailedPreconditionError(f"offset/length: past the {man.nbytes} bytes of the rank")
+        it = read_range(lambda n: self.store.open_shard(man, n), man, offset, length)
+        try:
+            while (b := await run_blocking(next, it, None)) is not None:
+                yield ppb.DataPiece(data=b)
+        finally:
+            it.close()
+
+    def lookup(self, job: str, step: int | None, rank: int | None) -> ppb.ParityLookupResponse:
+        return ppb.ParityLookupResponse(ranks=[ppb.ProtectedRank(manifest_json=m.manifest, chunk=m.chunk,
+                                                                 chunks=m.chunks)
+                                               for m in self.pstore.lookup(job, step, rank)])
+
+
+def members_of(meta_json: str) -> tuple[int, str, list[dict]]:
+    """(size, checksum, members) of a slot description (validated shape)."""
+    try:
+        doc = json.loads(meta_json)
+        return int(doc["size"]), str(doc["checksum"]), list(doc["members"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataLossError(f"parity slot description is malformed: {e}") from None
