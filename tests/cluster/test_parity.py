@@ -158,6 +158,29 @@ def test_corrupt_parity_is_detected_and_never_restored(daemon_factory):
     cl.replace("n0")
     cl.wait_peers("n0")
     with cl.d["n0"].client() as c:
-        with pytest.raises((tierckpt.DataLossError, tierckpt.UnavailableError, tierckpt.NotFoundError)):
+        with pytest.raises(tierckpt.DataLossError, match="fails its checksum"):
             c.restore(job, 0, step=4)
-    assert "fails its checksum" in cl.d["n0"].log_tail(400)
+    assert "parity slot of parc step 4 on" in cl.d["n0"].log_tail(400)
+    assert not (cl.d["n0"].local_dir / "jobs" / job).exists() or not list((cl.d["n0"].local_dir / "jobs" / job).rglob(
+        "rank-0000000"))  # nothing committed
+
+
+def test_one_corrupt_slot_falls_back_to_the_persistent_tier(daemon_factory, scratch: Path):
+    bucket = scratch / "bucket"
+    cl = Cluster(daemon_factory, 5, replicas=0, extra=(*PARITY, "--persistent", f"file://{bucket}",
+                                                         "--persist-every", "1"))
+    job, world = "parf", 5
+    sums = _save_all(cl, job, 2, world, [150_000] * world, also="persistent")
+    meta = next(m for m in (cl.d["n3"].local_dir / "parity").rglob("slot-*.json")
+                if any(x["node"] == "n0" for x in json.loads(m.read_text())["members"]))
+    data = meta.with_suffix(".bin")
+    buf = bytearray(data.read_bytes())
+    buf[7] ^= 0x01
+    data.write_bytes(bytes(buf))
+    cl.replace("n0")
+    cl.wait_peers("n0")
+    with cl.d["n0"].client() as c:
+        ck = c.restore(job, 0, step=2)
+        assert ck.tier == "persistent"
+        assert {n: _checksum.digest(np.asarray(ck.shards[n])) for n in ("a", "b")} == sums[0]
+    assert "parity slot of parf step 2 on n3 fails its checksum" in cl.d["n0"].log_tail(400)

@@ -103,8 +103,10 @@ class Rebuilder:
                 if actual != s.checksum:
                     if self.metrics:
                         self.metrics.checksum_failures.labels(tier="peer").inc()
-                    raise DataLossError(f"{man.job} step {man.step} rank {man.rank}/{s.name}: the copy reconstructed "
-                                        f"from parity fails its checksum (expected {s.checksum}, got {actual})")
+                    msg = (f"{man.job} step {man.step} rank {man.rank}/{s.name}: the copy reconstructed from parity "
+                           f"fails its checksum (expected {s.checksum}, got {actual})")
+                    log.error("%s", msg)
+                    raise DataLossError(msg)
             return await self.receiver.commit_copy(st, man)
         except BaseException:
             await run_blocking(self.store.abort, st.save_id)
@@ -139,8 +141,10 @@ class Rebuilder:
         if actual != digest:
             if self.metrics:
                 self.metrics.checksum_failures.labels(tier="peer").inc()
-            raise DataLossError(f"parity slot of {man.job} step {man.step} on {holder} fails its checksum "
-                                f"(expected {digest}, got {actual})")
+            msg = (f"parity slot of {man.job} step {man.step} on {holder} fails its checksum (expected {digest}, "
+                   f"got {actual})")
+            log.error("%s", msg)
+            raise DataLossError(msg)
         for m in members:
             if (m["node"], m["rank"], m["generation"], m["chunk"]) == (man.node, man.rank, man.generation, chunk):
                 continue
