@@ -184,3 +184,18 @@ def test_one_corrupt_slot_falls_back_to_the_persistent_tier(daemon_factory, scra
         assert ck.tier == "persistent"
         assert {n: _checksum.digest(np.asarray(ck.shards[n])) for n in ("a", "b")} == sums[0]
     assert "parity slot of parf step 2 on n3 fails its checksum" in cl.d["n0"].log_tail(400)
+
+
+def test_retention_drops_the_parity_of_evicted_steps(daemon_factory):
+    cl = Cluster(daemon_factory, 5, replicas=0, extra=(*PARITY, "--keep-local", "1"))
+    job, world = "parr", 5
+    _save_all(cl, job, 1, world, [50_000] * world)
+
+    def steps_with_parity() -> set[int]:
+        return {int(p.name) for n in cl.ids for p in (cl.d[n].local_dir / "parity" / job).glob("0*")}
+
+    assert steps_with_parity() == {1}
+    _save_all(cl, job, 2, world, [50_000] * world)
+    wait_until(lambda: steps_with_parity() == {2}, timeout=60, what="step 1's parity dropped after its eviction")
+    with cl.d["n1"].client() as c:
+        assert c.latest(job) == 2
