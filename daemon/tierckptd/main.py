@@ -32,12 +32,14 @@ def build_tiers(config: DaemonConfig, store, metrics, cluster=None, backend=None
     """The remote tiers configured, in restore order (peer, then persistent)."""
     tiers: list = []
     if cluster is not None:
-        if config.parity:
-            from .parity.peertier import ParityPeerTier as PeerTier
-        else:
-            from .peer import PeerTier
+        from .peer import PeerTier
 
-        tiers.append(PeerTier(config, store, cluster, metrics))
+        if config.parity:  # parity instead of full replicas (redundancy = "parity:K+1")
+            from .parity.peertier import ParityPeerTier
+
+            tiers.append(ParityPeerTier(config, store, cluster, metrics))
+        else:
+            tiers.append(PeerTier(config, store, cluster, metrics))
     if config.persistent:
         from .persistent import PersistentTier
 

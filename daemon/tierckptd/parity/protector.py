@@ -69,7 +69,7 @@ class Protector:
 
     def __init__(self, node_id: str, store: LocalStore, pstore: ParityStore, cluster: Membership, size: int) -> None:
         self.node_id, self.store, self.pstore, self.cluster, self.size = node_id, store, pstore, cluster, size
-        self._inflight: dict[tuple[str, int, str, int, str, int], asyncio.Lock] = {}
+        self._inflight: dict[tuple[str, int, int, str, int], asyncio.Lock] = {}
 
     async def protect(self, sender: str, manifest_json: str, chunk: int, chunks: int) -> ppb.ProtectRankResponse:
         man = Manifest.from_json(manifest_json)

@@ -4,7 +4,7 @@ into chunks). Reading from committed shards, writing into a staging area's files
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 from tierckpt.errors import DataLossError
 
@@ -28,7 +28,7 @@ def spans(man: Manifest, offset: int, length: int) -> Iterator[tuple[str, int, i
 
 
 def read_range(open_shard: Callable[[str], int], man: Manifest, offset: int, length: int,
-               piece: int = PIECE) -> Iterator[bytes]:
+               piece: int = PIECE) -> Generator[bytes, None, None]:
     """The bytes ``[offset, offset + length)`` of a committed rank, ``piece`` at a time
     (``open_shard(name)`` returns a read-only fd the caller closes)."""
     for name, start, count, _ in spans(man, offset, length):

@@ -118,7 +118,8 @@ class Rebuilder:
         req = ppb.ReadParityRequest(requester=self.node_id, job=man.job, step=man.step, rank=man.rank, owner=man.node,
                                     generation=man.generation, chunk=chunk)
         buf: bytearray | None = None
-        size, digest, members, pos = 0, "", [], 0
+        size, digest, pos = 0, "", 0
+        members: list[dict] = []
         try:
             async for piece in p.stub.ReadParity(req, timeout=max(KNOBS.commit_timeout, KNOBS.rpc_timeout)):
                 if buf is None:
@@ -156,16 +157,19 @@ class Rebuilder:
         if length > len(buf):
             raise DataLossError(f"parity slot is shorter than the chunk of {other.key} it protects")
         local = self.store.get(*other.key)
-        if other.node == self.node_id or (local is not None and local.generation == other.generation):
+        if local is not None and local.generation == other.generation:  # held here: no network
+            held = local
+
             def xor_local() -> None:
-                pos = off
-                for b in read_range(lambda n: self.store.open_shard(local, n), local, off, length):
-                    xor_into(memoryview(buf)[pos - off:], b)
+                pos = 0
+                for b in read_range(lambda n: self.store.open_shard(held, n), held, off, length):
+                    xor_into(memoryview(buf)[pos:], b)
                     pos += len(b)
-            if local is None or local.generation != other.generation:
-                raise UnavailableError(f"{other.key} generation {other.generation} is no longer held here")
+
             await run_blocking(xor_local)
             return
+        if other.node == self.node_id:
+            raise UnavailableError(f"{other.key} generation {other.generation} is no longer held here")
 
         async def sink(pos: int, data: bytes) -> None:
             xor_into(memoryview(buf)[pos:], data)

@@ -130,10 +130,11 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
 
     # ------------------------------------------------------------------------------ parity
 
-    def _parity(self):
-        if getattr(self.tier, "parity", None) is None:
+    def _parity(self) -> Any:
+        parity = getattr(self.tier, "parity", None)
+        if parity is None:
             raise FailedPreconditionError(f"redundancy: node {self.tier.node_id} does not use parity")
-        return self.tier.parity
+        return parity
 
     @rpc
     async def ProtectRank(self, request: ppb.ProtectRankRequest, context: Any) -> ppb.ProtectRankResponse:
@@ -163,9 +164,10 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
     @rpc
     async def ParityLookup(self, request: ppb.ParityLookupRequest, context: Any) -> ppb.ParityLookupResponse:
         check_job(request.job)
-        if getattr(self.tier, "parity", None) is None:
+        parity = getattr(self.tier, "parity", None)
+        if parity is None:
             return ppb.ParityLookupResponse()
-        return self.tier.parity.protector.lookup(request.job, request.step if request.has_step else None,
+        return parity.protector.lookup(request.job, request.step if request.has_step else None,
                                                  request.rank if request.has_rank else None)
 
     @rpc
