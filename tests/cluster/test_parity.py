@@ -67,19 +67,25 @@ def test_redundancy_option_is_validated_naming_the_field():
 
 def _save_all(cl: Cluster, job: str, step: int, world: int, sizes: list[int],
               also: str = "") -> dict[int, dict[str, str]]:
-    """Rank r saved on node n{r % 5}, two shards each; wait('peer') on each. Returns checksums."""
+    """Rank r saved on node n{r % 5}, two shards each, all at once; then wait('peer') on each (the
+    protectors take the chunks concurrently). Returns the checksums."""
     sums: dict[int, dict[str, str]] = {}
-    futs = []
-    for rank in range(world):
-        node = cl.ids[rank % len(cl.ids)]
-        with cl.d[node].client() as c:
+    clients, futs = [], []
+    try:
+        for rank in range(world):
+            node = cl.ids[rank % len(cl.ids)]
+            c = cl.d[node].client()
+            clients.append(c)
             a, b = shard(step * 100 + rank, sizes[rank]), shard(step * 100 + rank + 50, 333 + rank)
             sums[rank] = {"a": _checksum.digest(a), "b": _checksum.digest(b)}
             futs.append((node, c.save(job, step, rank, world, {"a": a, "b": b}, metadata={"rank": rank})))
-            holders = futs[-1][1].wait("peer", timeout=90)
-            assert sorted(holders) == sorted(set(cl.ids) - {node})  # its four protectors
+        for node, fut in futs:
+            assert sorted(fut.wait("peer", timeout=90)) == sorted(set(cl.ids) - {node})  # its four protectors
             if also:
-                futs[-1][1].wait(also, timeout=90)
+                fut.wait(also, timeout=90)
+    finally:
+        for c in clients:
+            c.close()
     return sums
 
 

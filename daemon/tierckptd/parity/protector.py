@@ -70,6 +70,10 @@ class Protector:
     def __init__(self, node_id: str, store: LocalStore, pstore: ParityStore, cluster: Membership, size: int) -> None:
         self.node_id, self.store, self.pstore, self.cluster, self.size = node_id, store, pstore, cluster, size
         self._inflight: dict[tuple[str, int, int, str, int], asyncio.Lock] = {}
+        self._pulling = asyncio.Semaphore(1)
+        """One chunk pulled at a time: the chunk waits in a temporary file (1/K of a rank) until it
+        is XORed in, so at most one such file exists and the memory stays ~1 + 1/K. A holder
+        receives K chunks of 1/K per step, as many bytes as one full replica."""
 
     async def protect(self, sender: str, manifest_json: str, chunk: int, chunks: int) -> ppb.ProtectRankResponse:
         man = Manifest.from_json(manifest_json)
@@ -87,7 +91,8 @@ class Protector:
                 slot = self.pstore.find(man.job, man.step, man.node, man.rank, man.generation, chunk)
                 if slot is not None:
                     return ppb.ProtectRankResponse(already=True, parity_bytes=slot.size)
-                slot = await self._pull_and_add(man, chunk, chunks)
+                async with self._pulling:
+                    slot = await self._pull_and_add(man, chunk, chunks)
                 return ppb.ProtectRankResponse(already=False, parity_bytes=slot.size)
         finally:
             if not lock.locked() and self._inflight.get(key) is lock:

@@ -6,6 +6,7 @@ moves on to the next tier (more than one node of the group lost -> the persisten
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -90,10 +91,13 @@ class Rebuilder:
                               specs, prefault=True, job_owner=man.job_owner)
         try:
             opener = functools.partial(self.store.open_staged, st.save_id)
-            for c in range(chunks):
+
+            async def one(c: int) -> None:
                 off, length = layout.chunk_span(man.nbytes, chunks, c)
                 buf = await self._chunk(man, c, holders[c], length)
                 await run_blocking(write_range, opener, man, off, memoryview(buf)[:length])
+
+            await asyncio.gather(*(one(c) for c in range(chunks)))  # the chunks are independent
             for s in man.shards:
                 fd = opener(s.name, os.O_RDONLY)
                 try:
@@ -146,10 +150,9 @@ class Rebuilder:
                    f"got {actual})")
             log.error("%s", msg)
             raise DataLossError(msg)
-        for m in members:
-            if (m["node"], m["rank"], m["generation"], m["chunk"]) == (man.node, man.rank, man.generation, chunk):
-                continue
-            await self._xor_member(buf, m)
+        # the other members' chunks, all at once (every XOR runs on the event loop: one at a time)
+        await asyncio.gather(*(self._xor_member(buf, m) for m in members if (m["node"], m["rank"], m["generation"],
+                               m["chunk"]) != (man.node, man.rank, man.generation, chunk)))
         return buf
 
     async def _xor_member(self, buf: bytearray, m: dict) -> None:
@@ -158,15 +161,14 @@ class Rebuilder:
             raise DataLossError(f"parity slot is shorter than the chunk of {other.key} it protects")
         local = self.store.get(*other.key)
         if local is not None and local.generation == other.generation:  # held here: no network
-            held = local
-
-            def xor_local() -> None:
-                pos = 0
-                for b in read_range(lambda n: self.store.open_shard(held, n), held, off, length):
+            held, pos = local, 0
+            it = read_range(lambda n: self.store.open_shard(held, n), held, off, length)
+            try:
+                while (b := await run_blocking(next, it, None)) is not None:
                     xor_into(memoryview(buf)[pos:], b)
                     pos += len(b)
-
-            await run_blocking(xor_local)
+            finally:
+                it.close()
             return
         if other.node == self.node_id:
             raise UnavailableError(f"{other.key} generation {other.generation} is no longer held here")

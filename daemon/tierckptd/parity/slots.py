@@ -56,7 +56,6 @@ class Slot:
     size: int = 0
     checksum: str = ""
     members: list[Member] = field(default_factory=list)
-    busy: bool = False  # a chunk is being XORed in (in memory only)
 
     def to_json(self, pending: bool = False) -> bytes:
         return json.dumps({"slot": self.n, "size": self.size, "checksum": self.checksum, "pending": pending,
@@ -83,6 +82,7 @@ class ParityStore:
         self.fsync = fsync
         self._lock = threading.Lock()
         self._steps: dict[tuple[str, int], dict[int, Slot]] = {}
+        self._adding: dict[tuple[str, int], threading.Lock] = {}  # per step: chunks join slots one at a time
 
     # ------------------------------------------------------------------------------ start-up
 
@@ -158,12 +158,17 @@ class ParityStore:
         key = (man.job, man.step)
         member = Member(man.node, man.rank, man.generation, chunk, chunks, man.to_json().decode())
         with self._lock:
+            step_lock = self._adding.setdefault(key, threading.Lock())
+        with step_lock:  # one chunk at a time per step: each joins the first slot without its node's chunk
+            return self._add_locked(key, man, member, tmp_name, tmp_fd, length)
+
+    def _add_locked(self, key: tuple[str, int], man: Manifest, member: Member, tmp_name: str, tmp_fd: int,
+                    length: int) -> Slot:
+        with self._lock:
             slots = self._steps.setdefault(key, {})
-            slot = next((s for s in slots.values() if not s.busy and all(m.node != man.node for m in s.members)),
-                        None)
+            slot = next((s for s in slots.values() if all(m.node != man.node for m in s.members)), None)
             if slot is None:
                 slot = slots[max(slots, default=-1) + 1] = Slot(max(slots, default=-1) + 1)
-            slot.busy = True
         try:
             with self.fs.dir(_step_dir(*key), create=True) as sfd:
                 self.fs.atomic_write(sfd, self._name(slot.n, "json"), slot.to_json(pending=True), fsync=self.fsync)
@@ -187,7 +192,6 @@ class ParityStore:
                 self.fs.unlink(sfd, tmp_name)
         finally:
             os.close(tmp_fd)
-            slot.busy = False
         return slot
 
     # ------------------------------------------------------------------------------ reading, dropping
@@ -209,6 +213,7 @@ class ParityStore:
         """Remove every slot of a step; returns how many."""
         with self._lock:
             slots = self._steps.pop((job, step), {})
+            self._adding.pop((job, step), None)
         with self.fs.dir((PARITY_DIR, job), create=True) as jfd:
             self.fs.remove_tree(jfd, f"{step:020d}")
         return len(slots)
