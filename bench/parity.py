@@ -10,10 +10,11 @@ step; the bench reports
   median over the five ranks (the five are saved and waited for concurrently);
 - bytes on the network: derived from the protocol (replicas: one full copy per rank; parity:
   every protector pulls its chunk, 1/K of the rank, so one rank's worth in all; a reconstruction
-  reads K chunks' slots and K-1 other chunks per chunk: K times the rank);
+  moves K times the rank in all: each of the K protectors reads the K-1 other chunks of its slot
+  and sends the decoded chunk, so the restoring node itself receives one rank's worth);
 - restore after a node loss: n2 is killed (-9) and wiped, restarted, and restores its rank
-  (replicas: a full copy from its replica holder over the bulk channel; parity: reconstructed
-  from four slots and twelve chunks over gRPC streams); the median of ``--restores`` repeats,
+  (replicas: a full copy from its replica holder over the bulk channel; parity: the four chunks
+  decoded by the four protectors at once, over gRPC streams); the median of ``--restores`` repeats,
   each one replacing n2 again;
 - XOR encode rate against memcpy (numpy, one thread, ``--xor-mib`` MiB buffers, best of 5).
 
@@ -133,14 +134,16 @@ def main() -> None:
     k = 4
     rows = [one_config("replicas:1", ("--replicas", "1"), args.mib, args.restores),
             one_config("parity:4+1", ("--redundancy", "parity:4+1"), args.mib, args.restores)]
-    net = {"replicas:1": (1.0, 1.0), "parity:4+1": (1.0, float(k))}  # x rank bytes: protect, reconstruct
+    # x rank bytes: to protect, to restore (all links), into the restoring node
+    net = {"replicas:1": (1.0, 1.0, 1.0), "parity:4+1": (1.0, float(k), 1.0)}
     print(f"{args.mib} MiB per rank, 5 nodes, one rank each")
     print("| redundancy | memory per node (max / mean, x own data) | commit -> redundant (median s) | network to "
-          "protect (x rank) | network to restore (x rank) | restore after a node loss (median s) |")
+          "protect (x rank) | network to restore, all links / into the restorer (x rank) | restore after a node loss "
+          "(median s) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {r['mem_max']:.3f} / {r['mem_mean']:.3f} | {r['to_redundant']:.3f} | "
-              f"{net[r['name']][0]:.2f} | {net[r['name']][1]:.2f} | {r['restore']:.3f} |")
+              f"{net[r['name']][0]:.2f} | {net[r['name']][1]:.2f} / {net[r['name']][2]:.2f} | {r['restore']:.3f} |")
     rep, par = rows
     print(f"parity / replicas: memory {par['mem_max'] / rep['mem_max']:.3f}, commit->redundant "
           f"{par['to_redundant'] / rep['to_redundant']:.2f}x, restore {par['restore'] / rep['restore']:.2f}x "

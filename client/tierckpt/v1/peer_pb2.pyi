@@ -287,14 +287,12 @@ class ReadRankRangeRequest(_message.Message):
     def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., generation: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class DataPiece(_message.Message):
-    __slots__ = ("data", "meta_json")
+    __slots__ = ("data",)
     DATA_FIELD_NUMBER: _ClassVar[int]
-    META_JSON_FIELD_NUMBER: _ClassVar[int]
     data: bytes
-    meta_json: str
-    def __init__(self, data: _Optional[bytes] = ..., meta_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
-class ReadParityRequest(_message.Message):
+class RebuildChunkRequest(_message.Message):
     __slots__ = ("requester", "job", "step", "rank", "owner", "generation", "chunk")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]

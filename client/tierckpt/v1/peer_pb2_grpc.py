@@ -95,9 +95,9 @@ class PeerStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.ReadRankRangeRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.FromString,
                 _registered_method=True)
-        self.ReadParity = channel.unary_stream(
-                '/tierckpt.v1.Peer/ReadParity',
-                request_serializer=tierckpt_dot_v1_dot_peer__pb2.ReadParityRequest.SerializeToString,
+        self.RebuildChunk = channel.unary_stream(
+                '/tierckpt.v1.Peer/RebuildChunk',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.FromString,
                 _registered_method=True)
         self.ParityLookup = channel.unary_unary(
@@ -210,9 +210,9 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ReadParity(self, request, context):
-        """Stream the parity slot protecting a chunk of a rank, its description first. Idempotent;
-        NOT_FOUND if this node does not protect it.
+    def RebuildChunk(self, request, context):
+        """Decode one chunk of a protected rank here and stream it (restore after a node loss).
+        Idempotent; NOT_FOUND if this node does not protect it, DATA_LOSS if its slot is corrupt.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -295,9 +295,9 @@ def add_PeerServicer_to_server(servicer, server):
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.ReadRankRangeRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.SerializeToString,
             ),
-            'ReadParity': grpc.unary_stream_rpc_method_handler(
-                    servicer.ReadParity,
-                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.ReadParityRequest.FromString,
+            'RebuildChunk': grpc.unary_stream_rpc_method_handler(
+                    servicer.RebuildChunk,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.SerializeToString,
             ),
             'ParityLookup': grpc.unary_unary_rpc_method_handler(
@@ -647,7 +647,7 @@ class Peer:
             _registered_method=True)
 
     @staticmethod
-    def ReadParity(request,
+    def RebuildChunk(request,
             target,
             options=(),
             channel_credentials=None,
@@ -660,8 +660,8 @@ class Peer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/tierckpt.v1.Peer/ReadParity',
-            tierckpt_dot_v1_dot_peer__pb2.ReadParityRequest.SerializeToString,
+            '/tierckpt.v1.Peer/RebuildChunk',
+            tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.DataPiece.FromString,
             options,
             channel_credentials,

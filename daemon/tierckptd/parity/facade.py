@@ -45,7 +45,7 @@ class Parity:
         self.node_id, self.store, self.cluster, self._spawn = config.node_id, store, cluster, spawn
         self.pstore = ParityStore(store.root, fsync=config.fsync == "always")
         self.encoder = Encoder(self.node_id, store, cluster, self.size, metrics)
-        self.protector = Protector(self.node_id, store, self.pstore, cluster, self.size)
+        self.protector = Protector(self.node_id, store, self.pstore, cluster, self.size, metrics)
         self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, metrics)
 
     def group(self) -> list[str]:

@@ -1,5 +1,5 @@
 """The holder side of parity: ProtectRank (pull a chunk, XOR it into a slot), and the streams
-other nodes read (a slot with its description; a byte range of a rank held here).
+other nodes read (a chunk decoded from its slot here; a byte range of a rank held here).
 
 Nothing a peer sends is trusted beyond what is checked here: the manifest's MAC
 (:meth:`Manifest.from_json`), that the sender owns the rank, that this node is the protector of
@@ -10,65 +10,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
-from tierckpt.common.status import error_from_rpc
 from tierckpt.errors import (
-    DataLossError,
     FailedPreconditionError,
     NotFoundError,
     PermissionDeniedError,
-    UnavailableError,
 )
 from tierckpt.v1 import peer_pb2 as ppb
 
 from ..cluster.membership import Membership
-from ..knobs import KNOBS
 from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from ..offload import run_blocking
 from . import layout
+from .decode import decode_chunk, pull_range
 from .ranges import PIECE, read_range
 from .slots import ParityStore
 
-__all__ = ["Protector", "pull_range"]
-
-
-async def pull_range(cluster: Membership, node: str, requester: str, man: Manifest, offset: int, length: int,
-                     sink: Any) -> None:
-    """Stream ``[offset, offset + length)`` of ``man``'s rank (that generation) from ``node``,
-    calling ``sink(position, data)`` for each piece in order.
-
-    Raises:
-        UnavailableError / FailedPreconditionError / NotFoundError: as the peer answered.
-        DataLossError: it sent more or fewer bytes than asked.
-    """
-    p = cluster.peers[node]
-    req = ppb.ReadRankRangeRequest(requester=requester, job=man.job, step=man.step, rank=man.rank,
-                                   generation=man.generation, offset=offset, length=length)
-    pos = 0
-    try:
-        async for piece in p.stub.ReadRankRange(req, timeout=max(KNOBS.commit_timeout, KNOBS.rpc_timeout)):
-            n = len(piece.data)
-            if pos + n > length:
-                raise DataLossError(f"peer {node} sent more than the {length} bytes asked of {man.key}")
-            await sink(pos, piece.data)
-            pos += n
-    except grpc.RpcError as e:
-        raise error_from_rpc(e, f"peer {node} ({p.address})") from None
-    if pos != length:
-        raise UnavailableError(f"peer {node} sent {pos} of the {length} bytes asked of {man.key}")
+__all__ = ["Protector"]
 
 
 class Protector:
     """Parity slots held here for the other members of this node's group."""
 
-    def __init__(self, node_id: str, store: LocalStore, pstore: ParityStore, cluster: Membership, size: int) -> None:
+    def __init__(self, node_id: str, store: LocalStore, pstore: ParityStore, cluster: Membership, size: int,
+                 metrics: Any = None) -> None:
         self.node_id, self.store, self.pstore, self.cluster, self.size = node_id, store, pstore, cluster, size
+        self.metrics = metrics
         self._inflight: dict[tuple[str, int, int, str, int], asyncio.Lock] = {}
         self._pulling = asyncio.Semaphore(1)
         """One chunk pulled at a time: the chunk waits in a temporary file (1/K of a rank) until it
@@ -115,20 +86,17 @@ class Protector:
 
     # ------------------------------------------------------------------------------ streams
 
-    async def read_parity(self, job: str, step: int, owner: str, rank: int, generation: str,
-                          chunk: int) -> AsyncIterator[ppb.DataPiece]:
+    async def rebuild_chunk(self, job: str, step: int, owner: str, rank: int, generation: str,
+                            chunk: int) -> AsyncIterator[ppb.DataPiece]:
+        """The bytes of a protected chunk, decoded here (:func:`.decode.decode_chunk`)."""
         slot, fd = await run_blocking(self.pstore.open_slot, job, step, owner, rank, generation, chunk)
         try:
-            yield ppb.DataPiece(meta_json=slot.to_json().decode())
-            pos = 0
-            while pos < slot.size:
-                b = await run_blocking(os.pread, fd, min(PIECE, slot.size - pos), pos)
-                if not b:
-                    raise DataLossError(f"parity slot of {job} step {step} is shorter than its description")
-                yield ppb.DataPiece(data=b)
-                pos += len(b)
+            target = next(m for m in slot.members if m.key == (owner, rank, generation, chunk))
+            data = await decode_chunk(self.node_id, self.store, self.cluster, slot, fd, target, self.metrics)
         finally:
             os.close(fd)
+        for off in range(0, len(data), PIECE):
+            yield ppb.DataPiece(data=bytes(data[off:off + PIECE]))
 
     async def read_rank_range(self, job: str, step: int, rank: int, generation: str, offset: int,
                               length: int) -> AsyncIterator[ppb.DataPiece]:
@@ -152,11 +120,3 @@ class Protector:
                                                                  chunks=m.chunks)
                                                for m in self.pstore.lookup(job, step, rank)])
 
-
-def members_of(meta_json: str) -> tuple[int, str, list[dict]]:
-    """(size, checksum, members) of a slot description (validated shape)."""
-    try:
-        doc = json.loads(meta_json)
-        return int(doc["size"]), str(doc["checksum"]), list(doc["members"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise DataLossError(f"parity slot description is malformed: {e}") from None

@@ -1,5 +1,6 @@
-"""Reconstructing a lost rank from parity: each chunk is its slot's parity XOR the other members'
-chunks (read from their owners), written into a staging area; every shard is then checked
+"""Reconstructing a lost rank from parity: each chunk is decoded by the node holding its slot
+(:func:`.decode.decode_chunk`: the slot XOR the other members' chunks) and streamed here
+(``RebuildChunk``), all chunks at once, into a staging area; every shard is then checked
 against the rank's manifest (kept by each protector) before the copy is committed. A slot that
 fails its checksum, or a member whose owner is down too, fails the reconstruction: the restore
 moves on to the next tier (more than one node of the group lost -> the persistent tier)."""
@@ -14,7 +15,6 @@ import time
 from typing import Any
 
 import grpc
-from tierckpt.common import checksum
 from tierckpt.common.status import error_from_rpc
 from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
 from tierckpt.v1 import peer_pb2 as ppb
@@ -26,9 +26,7 @@ from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from ..offload import run_blocking, run_owning
 from . import layout
-from .protector import members_of, pull_range
-from .ranges import read_range, write_range
-from .xor import xor_into
+from .ranges import write_range
 
 __all__ = ["Rebuilder"]
 
@@ -91,13 +89,7 @@ class Rebuilder:
                               specs, prefault=True, job_owner=man.job_owner)
         try:
             opener = functools.partial(self.store.open_staged, st.save_id)
-
-            async def one(c: int) -> None:
-                off, length = layout.chunk_span(man.nbytes, chunks, c)
-                buf = await self._chunk(man, c, holders[c], length)
-                await run_blocking(write_range, opener, man, off, memoryview(buf)[:length])
-
-            await asyncio.gather(*(one(c) for c in range(chunks)))  # the chunks are independent
+            await asyncio.gather(*(self._chunk(man, c, chunks, holders[c], opener) for c in range(chunks)))
             for s in man.shards:
                 fd = opener(s.name, os.O_RDONLY)
                 try:
@@ -116,78 +108,23 @@ class Rebuilder:
             await run_blocking(self.store.abort, st.save_id)
             raise
 
-    async def _chunk(self, man: Manifest, chunk: int, holder: str, length: int) -> bytearray:
-        """Chunk ``chunk`` of ``man``: the slot from ``holder`` XOR its other members' chunks."""
+    async def _chunk(self, man: Manifest, chunk: int, chunks: int, holder: str, opener: Any) -> None:
+        """Chunk ``chunk`` of ``man``, decoded by ``holder`` (its slot's node), into the staging files."""
+        off, length = layout.chunk_span(man.nbytes, chunks, chunk)
         p = self.cluster.peers[holder]
-        req = ppb.ReadParityRequest(requester=self.node_id, job=man.job, step=man.step, rank=man.rank, owner=man.node,
-                                    generation=man.generation, chunk=chunk)
-        buf: bytearray | None = None
-        size, digest, pos = 0, "", 0
-        members: list[dict] = []
+        req = ppb.RebuildChunkRequest(requester=self.node_id, job=man.job, step=man.step, rank=man.rank,
+                                      owner=man.node, generation=man.generation, chunk=chunk)
+        pos = 0
         try:
-            async for piece in p.stub.ReadParity(req, timeout=max(KNOBS.commit_timeout, KNOBS.rpc_timeout)):
-                if buf is None:
-                    size, digest, members = members_of(piece.meta_json)
-                    expect = max((_span(m)[1] for m in members), default=0)
-                    if size != expect or size < length:
-                        raise DataLossError(f"parity slot on {holder} is {size} bytes; its members' chunks need "
-                                            f"{expect} (and this chunk {length})")
-                    buf = bytearray(size)
-                    continue
-                if pos + len(piece.data) > size:
-                    raise DataLossError(f"parity slot on {holder} sent more than its {size} bytes")
-                buf[pos:pos + len(piece.data)] = piece.data
+            async for piece in p.stub.RebuildChunk(req, timeout=max(KNOBS.commit_timeout, KNOBS.rpc_timeout)):
+                if pos + len(piece.data) > length:
+                    raise DataLossError(f"peer {holder} sent more than the {length} bytes of chunk {chunk}")
+                await run_blocking(write_range, opener, man, off + pos, piece.data)
                 pos += len(piece.data)
         except grpc.RpcError as e:
-            raise error_from_rpc(e, f"peer {holder} ({p.address})") from None
-        if buf is None or pos != size:
-            raise UnavailableError(f"parity slot on {holder}: {pos} of {size} bytes arrived")
-        actual = await run_blocking(checksum.digest, memoryview(buf)[:size])
-        if actual != digest:
-            if self.metrics:
-                self.metrics.checksum_failures.labels(tier="peer").inc()
-            msg = (f"parity slot of {man.job} step {man.step} on {holder} fails its checksum (expected {digest}, "
-                   f"got {actual})")
-            log.error("%s", msg)
-            raise DataLossError(msg)
-        # the other members' chunks, all at once (every XOR runs on the event loop: one at a time)
-        await asyncio.gather(*(self._xor_member(buf, m) for m in members if (m["node"], m["rank"], m["generation"],
-                               m["chunk"]) != (man.node, man.rank, man.generation, chunk)))
-        return buf
-
-    async def _xor_member(self, buf: bytearray, m: dict) -> None:
-        other, (off, length) = m["man"], _span(m)
-        if length > len(buf):
-            raise DataLossError(f"parity slot is shorter than the chunk of {other.key} it protects")
-        local = self.store.get(*other.key)
-        if local is not None and local.generation == other.generation:  # held here: no network
-            held, pos = local, 0
-            it = read_range(lambda n: self.store.open_shard(held, n), held, off, length)
-            try:
-                while (b := await run_blocking(next, it, None)) is not None:
-                    xor_into(memoryview(buf)[pos:], b)
-                    pos += len(b)
-            finally:
-                it.close()
-            return
-        if other.node == self.node_id:
-            raise UnavailableError(f"{other.key} generation {other.generation} is no longer held here")
-
-        async def sink(pos: int, data: bytes) -> None:
-            xor_into(memoryview(buf)[pos:], data)
-
-        await pull_range(self.cluster, other.node, self.node_id, other, off, length, sink)
-
-
-def _span(m: dict) -> tuple[int, int]:
-    """(offset, length) of a slot member's chunk in its rank; parses (and checks the MAC of) its
-    manifest once, kept as ``m["man"]``."""
-    try:
-        if "man" not in m:
-            m["man"] = Manifest.from_json(m["manifest"])
-        chunks, chunk = int(m["chunks"]), int(m["chunk"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise DataLossError(f"parity slot member is malformed: {e}") from None
-    if not 0 <= chunk < chunks:
-        raise DataLossError(f"parity slot member names chunk {chunk} of {chunks}")
-    return layout.chunk_span(m["man"].nbytes, chunks, chunk)
+            err = error_from_rpc(e, f"peer {holder} ({p.address})")
+            log.error("chunk %d of %s step %d rank %d could not be decoded on %s: %s", chunk, man.job, man.step,
+                      man.rank, holder, err)
+            raise err from None
+        if pos != length:
+            raise UnavailableError(f"peer {holder} sent {pos} of the {length} bytes of chunk {chunk}")

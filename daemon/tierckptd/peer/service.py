@@ -153,12 +153,12 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
             yield piece
 
     @rpc_stream
-    async def ReadParity(self, request: ppb.ReadParityRequest, context: Any):
+    async def RebuildChunk(self, request: ppb.RebuildChunkRequest, context: Any):
         check_job(request.job)
         check_step(request.step)
         check_node(request.owner, "owner")
-        async for piece in self._parity().protector.read_parity(request.job, request.step, request.owner,
-                                                                 request.rank, request.generation, request.chunk):
+        async for piece in self._parity().protector.rebuild_chunk(request.job, request.step, request.owner,
+                                                                   request.rank, request.generation, request.chunk):
             yield piece
 
     @rpc
