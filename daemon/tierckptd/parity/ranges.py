@@ -12,8 +12,8 @@ from ..local.manifest import Manifest
 
 __all__ = ["PIECE", "spans", "read_range", "write_range"]
 
-PIECE = 1 << 20
-"""Bytes per streamed piece (well below the gRPC message limit)."""
+PIECE = 4 << 20
+"""Bytes per streamed piece (below the default 16 MiB gRPC message limit, `max_message_bytes`)."""
 
 
 def spans(man: Manifest, offset: int, length: int) -> Iterator[tuple[str, int, int, int]]:
