@@ -205,3 +205,16 @@ def test_retention_drops_the_parity_of_evicted_steps(daemon_factory):
     wait_until(lambda: steps_with_parity() == {2}, timeout=60, what="step 1's parity dropped after its eviction")
     with cl.d["n1"].client() as c:
         assert c.latest(job) == 2
+
+
+def test_a_lost_nodes_rank_is_reconstructed_on_another_node(daemon_factory):
+    """Restart elsewhere: n3 is gone for good; n0 (a member of its group) restores n3's rank."""
+    cl = Cluster(daemon_factory, 5, replicas=0, extra=PARITY)
+    job, world = "pare", 5
+    sums = _save_all(cl, job, 9, world, [123_457] * world)
+    cl.d["n3"].kill()
+    with cl.d["n0"].client() as c:
+        ck = c.restore(job, 3, step=9)
+        assert ck.tier == "peer"
+        assert {n: _checksum.digest(np.asarray(ck.shards[n])) for n in ("a", "b")} == sums[3]
+        assert c.restore(job, 0, step=9).tier == "local"

@@ -46,7 +46,7 @@ class Parity:
         self.pstore = ParityStore(store.root, fsync=config.fsync == "always")
         self.encoder = Encoder(self.node_id, store, cluster, self.size, metrics)
         self.protector = Protector(self.node_id, store, self.pstore, cluster, self.size, metrics)
-        self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, metrics)
+        self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
 
     def group(self) -> list[str]:
         return layout.group_of(self.node_id, self.cluster.ids(), self.size)

@@ -26,6 +26,7 @@ from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from ..offload import run_blocking, run_owning
 from . import layout
+from .protector import Protector
 from .ranges import write_range
 
 __all__ = ["Rebuilder"]
@@ -35,9 +36,9 @@ log = logging.getLogger(__name__)
 
 class Rebuilder:
     def __init__(self, node_id: str, store: LocalStore, cluster: Membership, size: int, receiver: Any,
-                 metrics: Any = None) -> None:
+                 protector: Protector, metrics: Any = None) -> None:
         self.node_id, self.store, self.cluster, self.size = node_id, store, cluster, size
-        self.receiver, self.metrics = receiver, metrics
+        self.receiver, self.protector, self.metrics = receiver, protector, metrics
 
     async def locate(self, job: str, step: int | None, rank: int | None,
                      nodes: set[str] | None) -> list[tuple[str, Manifest, int, int]]:
@@ -46,13 +47,14 @@ class Rebuilder:
         req = ppb.ParityLookupRequest(requester=self.node_id, job=job, has_step=step is not None, step=step or 0,
                                       has_rank=rank is not None, rank=rank or 0)
         answers, _ = await self.cluster.fan_out("ParityLookup", req, nodes)
+        mine = self.protector.lookup(job, step, rank)  # this node protects chunks too
         out = []
-        for p, resp in answers:
+        for node, resp in [(p.node_id, r) for p, r in answers] + [(self.node_id, mine)]:
             for r in resp.ranks:
                 try:
-                    out.append((p.node_id, Manifest.from_json(r.manifest_json), r.chunk, r.chunks))
+                    out.append((node, Manifest.from_json(r.manifest_json), r.chunk, r.chunks))
                 except DataLossError as e:
-                    log.error("parity manifest from %s refused: %s", p.node_id, e)
+                    log.error("parity manifest from %s refused: %s", node, e)
         return out
 
     def near(self) -> set[str]:
@@ -111,18 +113,24 @@ class Rebuilder:
     async def _chunk(self, man: Manifest, chunk: int, chunks: int, holder: str, opener: Any) -> None:
         """Chunk ``chunk`` of ``man``, decoded by ``holder`` (its slot's node), into the staging files."""
         off, length = layout.chunk_span(man.nbytes, chunks, chunk)
-        p = self.cluster.peers[holder]
-        req = ppb.RebuildChunkRequest(requester=self.node_id, job=man.job, step=man.step, rank=man.rank,
-                                      owner=man.node, generation=man.generation, chunk=chunk)
+        if holder == self.node_id:  # its slot is here
+            pieces = self.protector.rebuild_chunk(man.job, man.step, man.node, man.rank, man.generation, chunk)
+            where = "here"
+        else:
+            p = self.cluster.peers[holder]
+            req = ppb.RebuildChunkRequest(requester=self.node_id, job=man.job, step=man.step, rank=man.rank,
+                                          owner=man.node, generation=man.generation, chunk=chunk)
+            pieces = p.stub.RebuildChunk(req, timeout=max(KNOBS.commit_timeout, KNOBS.rpc_timeout))
+            where = f"peer {holder} ({p.address})"
         pos = 0
         try:
-            async for piece in p.stub.RebuildChunk(req, timeout=max(KNOBS.commit_timeout, KNOBS.rpc_timeout)):
+            async for piece in pieces:
                 if pos + len(piece.data) > length:
                     raise DataLossError(f"peer {holder} sent more than the {length} bytes of chunk {chunk}")
                 await run_blocking(write_range, opener, man, off + pos, piece.data)
                 pos += len(piece.data)
         except grpc.RpcError as e:
-            err = error_from_rpc(e, f"peer {holder} ({p.address})")
+            err = error_from_rpc(e, where)
             log.error("chunk %d of %s step %d rank %d could not be decoded on %s: %s", chunk, man.job, man.step,
                       man.rank, holder, err)
             raise err from None
