@@ -218,3 +218,38 @@ def test_a_lost_nodes_rank_is_reconstructed_on_another_node(daemon_factory):
         assert ck.tier == "peer"
         assert {n: _checksum.digest(np.asarray(ck.shards[n])) for n in ("a", "b")} == sums[3]
         assert c.restore(job, 0, step=9).tier == "local"
+
+
+def test_parity_lost_on_a_protector_is_protected_again(daemon_factory):
+    """A slot caught mid-XOR by a crash is dropped at start-up, and a step's parity dropped on a
+    protector is noticed at the next audit: the owners protect their chunks again."""
+    import grpc
+    from tierckpt.v1 import peer_pb2 as ppb
+    from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
+
+    cl = Cluster(daemon_factory, 5, replicas=0, extra=(*PARITY, "--knobs", "catch_up_interval=2"))
+    job, world = "parl", 5
+    sums = _save_all(cl, job, 6, world, [77_777] * world)
+    # n1 crashes while its slot is being written: dropped at start-up, then rebuilt by its members
+    cl.d["n1"].kill()
+    meta = next((cl.d["n1"].local_dir / "parity").rglob("slot-*.json"))
+    doc = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**doc, "pending": True}))
+    cl.start("n1")
+    cl.wait_peers("n1")
+    wait_until(lambda: _parity_bytes(cl.d["n1"]) > 0, timeout=60, what="n1's slot rebuilt after the crash")
+    assert "was being written at a crash: dropped" in cl.d["n1"].log_tail(400)
+    # the step's parity dropped on n2 behind its members' backs: the audit notices
+    with grpc.insecure_channel(f"127.0.0.1:{cl.ports['n2']}") as ch:
+        removed = ppb_grpc.PeerStub(ch).DropParity(ppb.DropParityRequest(requester="n0", job=job, step=6), timeout=10)
+    assert removed.removed == 1 and _parity_bytes(cl.d["n2"]) == 0
+    wait_until(lambda: _parity_bytes(cl.d["n2"]) > 0, timeout=60, what="n2's slot protected again after the audit")
+    wait_until(lambda: len([m for m in (cl.d["n2"].local_dir / "parity").rglob("slot-*.json")
+                            if len(json.loads(m.read_text())["members"]) == 4]) == 1, timeout=60,
+               what="all four members back in n2's slot")
+    assert "is no longer on n2: protecting it again" in cl.d["n0"].log_tail(400)
+    cl.replace("n3")
+    cl.wait_peers("n3")
+    with cl.d["n3"].client() as c:
+        ck = c.restore(job, 3, step=6)
+        assert {n: _checksum.digest(np.asarray(ck.shards[n])) for n in ("a", "b")} == sums[3]

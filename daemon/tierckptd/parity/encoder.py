@@ -111,6 +111,22 @@ class Encoder:
                         if man.node == self.node_id:
                             self.ensure(man)
 
+    def reconcile(self, job: str, answered: set[str], held: set[tuple[str, int, int, str, int]]) -> None:
+        """``held``: (protector, step, rank, generation, chunk) the ``answered`` protectors hold of
+        ``job``; an own rank a protector acknowledged but no longer holds (its slot was dropped
+        after a crash) is protected again."""
+        for st in list(self._prots.values()):
+            if st.man.job != job or st.man.node != self.node_id:
+                continue
+            lost = [h for h in st.acked if h in answered
+                    and (h, st.man.step, st.man.rank, st.man.generation, st.holders.index(h)) not in held]
+            for h in lost:
+                log.warning("parity of %s step %d rank %d is no longer on %s: protecting it again", job, st.man.step,
+                            st.man.rank, h)
+                del st.acked[h]
+            if lost:
+                self.ensure(st.man)
+
     def pending(self) -> list[float]:
         now = time.monotonic()
         return [now - st.since for st in self._prots.values() if not st.reached and not st.event.is_set()]

@@ -67,6 +67,24 @@ class Parity:
         self.cluster.also_watch = set(self.group()) - {self.node_id}
         self.encoder.catch_up()
 
+    async def audit(self) -> None:
+        """Ask this node's protectors what they hold of its jobs (O(jobs x K) calls) and protect
+        again what one of them lost."""
+        prot = set(self.encoder.protectors())
+        for job in self.store.jobs():
+            answers, _ = await self.cluster.fan_out("ParityLookup", ppb.ParityLookupRequest(
+                requester=self.node_id, job=job), prot)
+            held = set()
+            for p, resp in answers:
+                for r in resp.ranks:
+                    try:
+                        man = Manifest.from_json(r.manifest_json)
+                    except TierckptError:
+                        continue
+                    if man.node == self.node_id:
+                        held.add((p.node_id, man.step, man.rank, man.generation, r.chunk))
+            self.encoder.reconcile(job, {p.node_id for p, _ in answers}, held)
+
     def on_evict(self, eviction: Eviction) -> None:
         self.encoder.forget(eviction.job, eviction.step, eviction.ranks, eviction.reason)
         if eviction.reason == "retention":

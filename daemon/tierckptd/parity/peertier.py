@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
@@ -50,11 +51,19 @@ class ParityPeerTier(PeerTier):
 
     async def _catch_up_loop(self) -> None:
         """Owned ranks whose parity is missing, or on a protector that restarted (a replaced node
-        lost the parity it held): protected again. Cheap when nothing changed."""
+        lost the parity it held): protected again; cheap when nothing changed. Every
+        ``KNOBS.catch_up_interval`` the protectors are also asked what they hold (a slot dropped
+        after a crash during its XOR)."""
+        last_audit = time.monotonic()
         while True:
             await asyncio.sleep(KNOBS.refresh_interval)
             try:
                 self.parity.catch_up()
+                if time.monotonic() - last_audit > KNOBS.catch_up_interval:
+                    last_audit = time.monotonic()
+                    await self.parity.audit()
+            except asyncio.CancelledError:
+                raise
             except Exception:  # task boundary: keep catching up
                 log.exception("parity catch-up failed")
 
