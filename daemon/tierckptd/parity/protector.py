@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tierckpt.errors import (
+    CapacityError,
     FailedPreconditionError,
     NotFoundError,
     PermissionDeniedError,
@@ -71,6 +72,11 @@ class Protector:
 
     async def _pull_and_add(self, man: Manifest, chunk: int, chunks: int) -> Any:
         off, length = layout.chunk_span(man.nbytes, chunks, chunk)
+        use = self.store.usage()
+        free = use.capacity - use.charged - self.pstore.nbytes()
+        if length > free:  # a bound on what a peer can make this node hold (parity is not charged to the store)
+            raise CapacityError(f"local_capacity: no room here for a {length}-byte parity chunk of {man.key} "
+                                f"({max(free, 0)} bytes free besides {self.pstore.nbytes()} of parity)")
         name, fd = await run_blocking(self.pstore.incoming, man.job, man.step)
         try:
             async def sink(pos: int, data: bytes) -> None:
