@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -217,7 +216,3 @@ class ParityStore:
         with self.fs.dir((PARITY_DIR, job), create=True) as jfd:
             self.fs.remove_tree(jfd, f"{step:020d}")
         return len(slots)
-
-    def steps(self) -> Iterator[tuple[str, int]]:
-        with self._lock:
-            return iter(list(self._steps))
