@@ -106,6 +106,10 @@ class DaemonConfig:
     """NAME:PORT of a headless Service whose A records are the peers (Kubernetes)."""
     replicas: int = 1
     """Peer copies made of every committed rank (0 disables replication)."""
+    redundancy: str = "replicas"
+    """Peer redundancy: "replicas" (`replicas` full copies of every rank) or "parity:K+1" (XOR parity across placement
+    groups of K+1 consecutive ring nodes: 1 + 1/K of the memory per node, survives the loss of one node of a group;
+    `replicas` is then 0). Reed-Solomon (parity:K+M, M >= 2) is refused: not built yet."""
     persistent: str = ""
     """Object store URL: file:///dir, s3://bucket/prefix or gs://bucket/prefix (empty: no persistent tier)."""
     persist_every: int = 0
@@ -193,8 +197,36 @@ class DaemonConfig:
 
         return parse_client_jobs(self.client_jobs)
 
+    @property
+    def parity(self) -> tuple[int, int] | None:
+        """(K, M) of ``redundancy = "parity:K+M"``; None for replicas."""
+        return parse_redundancy(self.redundancy)
+
     def other_peers(self) -> tuple[Peer, ...]:
         return tuple(p for p in self.peers if p.node_id != self.node_id)
+
+
+_PARITY_RE = re.compile(r"^parity:(\d{1,3})\+(\d{1,2})$")
+
+
+def parse_redundancy(text: str) -> tuple[int, int] | None:
+    """``"replicas"`` -> None; ``"parity:K+M"`` -> (K, M).
+
+    Raises:
+        ConfigError: anything else, K < 1, M < 1, or M >= 2 (Reed-Solomon is not built yet).
+    """
+    if text == "replicas":
+        return None
+    m = _PARITY_RE.match(text)
+    if not m:
+        raise ConfigError(f"redundancy: {text!r} must be replicas or parity:K+M (e.g. parity:4+1)")
+    k, mm = int(m.group(1)), int(m.group(2))
+    if k < 1 or mm < 1:
+        raise ConfigError(f"redundancy: {text!r} needs K >= 1 data nodes and M >= 1 parity nodes")
+    if mm > 1:
+        raise ConfigError(f"redundancy: {text!r}: only M = 1 (XOR parity) is built; Reed-Solomon for M >= 2 is not "
+                          "(use parity:K+1 or replicas)")
+    return k, mm
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
@@ -372,6 +404,8 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"log_format: {cfg.log_format!r} must be plain or json")
     if not cfg.local_dir:
         raise ConfigError("local_dir: must not be empty")
+    if cfg.parity is not None and cfg.replicas:
+        cfg = dataclasses.replace(cfg, replicas=0)  # parity replaces the full copies
     _validate_network(cfg)
     _validate_persistent(cfg)
     _validate_s3(cfg)

@@ -34,7 +34,12 @@ def build_tiers(config: DaemonConfig, store, metrics, cluster=None, backend=None
     if cluster is not None:
         from .peer import PeerTier
 
-        tiers.append(PeerTier(config, store, cluster, metrics))
+        if config.parity:  # parity instead of full replicas (redundancy = "parity:K+1")
+            from .parity.peertier import ParityPeerTier
+
+            tiers.append(ParityPeerTier(config, store, cluster, metrics))
+        else:
+            tiers.append(PeerTier(config, store, cluster, metrics))
     if config.persistent:
         from .persistent import PersistentTier
 

@@ -228,14 +228,15 @@ class Target:
         assert "Traceback" not in log, log[-5000:]
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+@pytest.fixture(scope="module", params=["replicas:1", "parity:4+1"])
+def target(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Target]:
     from tierckptd.testing import Daemon, scratch_dir
 
     root = scratch_dir("tck-fz-")
     port = free_port()
+    redundancy = ("--replicas", "1") if request.param == "replicas:1" else ("--redundancy", request.param)
     d = Daemon(root, "n0", port=port, args=(
-        "--peers", f"n0=127.0.0.1:{port},n1=127.0.0.1:{free_port()}", "--replicas", "1",
+        "--peers", f"n0=127.0.0.1:{port},n1=127.0.0.1:{free_port()}", *redundancy,
         "--knobs=rpc_timeout=0.5,fanout_deadline=0.5,refresh_interval=0.5"))
     d.start()
     with d.client() as c:

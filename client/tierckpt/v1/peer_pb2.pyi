@@ -247,3 +247,113 @@ class VerifyCopiesResponse(_message.Message):
     COPIES_FIELD_NUMBER: _ClassVar[int]
     copies: _containers.RepeatedCompositeFieldContainer[VerifiedCopy]
     def __init__(self, copies: _Optional[_Iterable[_Union[VerifiedCopy, _Mapping]]] = ...) -> None: ...
+
+class ProtectRankRequest(_message.Message):
+    __slots__ = ("sender", "manifest_json", "chunk", "chunks")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    manifest_json: str
+    chunk: int
+    chunks: int
+    def __init__(self, sender: _Optional[str] = ..., manifest_json: _Optional[str] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+
+class ProtectRankResponse(_message.Message):
+    __slots__ = ("already", "parity_bytes")
+    ALREADY_FIELD_NUMBER: _ClassVar[int]
+    PARITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    already: bool
+    parity_bytes: int
+    def __init__(self, already: _Optional[bool] = ..., parity_bytes: _Optional[int] = ...) -> None: ...
+
+class ReadRankRangeRequest(_message.Message):
+    __slots__ = ("requester", "job", "step", "rank", "generation", "offset", "length")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    job: str
+    step: int
+    rank: int
+    generation: str
+    offset: int
+    length: int
+    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., generation: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class DataPiece(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class RebuildChunkRequest(_message.Message):
+    __slots__ = ("requester", "job", "step", "rank", "owner", "generation", "chunk")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    job: str
+    step: int
+    rank: int
+    owner: str
+    generation: str
+    chunk: int
+    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., owner: _Optional[str] = ..., generation: _Optional[str] = ..., chunk: _Optional[int] = ...) -> None: ...
+
+class ParityLookupRequest(_message.Message):
+    __slots__ = ("requester", "job", "has_step", "step", "has_rank", "rank")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    HAS_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    HAS_RANK_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    job: str
+    has_step: bool
+    step: int
+    has_rank: bool
+    rank: int
+    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ..., has_rank: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class ProtectedRank(_message.Message):
+    __slots__ = ("manifest_json", "chunk", "chunks")
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    manifest_json: str
+    chunk: int
+    chunks: int
+    def __init__(self, manifest_json: _Optional[str] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+
+class ParityLookupResponse(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[ProtectedRank]
+    def __init__(self, ranks: _Optional[_Iterable[_Union[ProtectedRank, _Mapping]]] = ...) -> None: ...
+
+class DropParityRequest(_message.Message):
+    __slots__ = ("requester", "job", "step")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    job: str
+    step: int
+    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class DropParityResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...

@@ -85,6 +85,31 @@ class PeerStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.WarmReplicaRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.WarmReplicaResponse.FromString,
                 _registered_method=True)
+        self.ProtectRank = channel.unary_unary(
+                '/tierckpt.v1.Peer/ProtectRank',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.ProtectRankRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.ProtectRankResponse.FromString,
+                _registered_method=True)
+        self.ReadRankRange = channel.unary_stream(
+                '/tierckpt.v1.Peer/ReadRankRange',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.ReadRankRangeRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.FromString,
+                _registered_method=True)
+        self.RebuildChunk = channel.unary_stream(
+                '/tierckpt.v1.Peer/RebuildChunk',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.FromString,
+                _registered_method=True)
+        self.ParityLookup = channel.unary_unary(
+                '/tierckpt.v1.Peer/ParityLookup',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.ParityLookupRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.ParityLookupResponse.FromString,
+                _registered_method=True)
+        self.DropParity = channel.unary_unary(
+                '/tierckpt.v1.Peer/DropParity',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.DropParityRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.DropParityResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -169,6 +194,44 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProtectRank(self, request, context):
+        """Protect one chunk of the sender's rank with parity here (pulls the chunk, XORs it into a
+        slot, commits). Idempotent: a chunk already protected answers already = true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadRankRange(self, request, context):
+        """Stream a byte range of a committed rank held here (parity encoding and reconstruction).
+        Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RebuildChunk(self, request, context):
+        """Decode one chunk of a protected rank here and stream it (restore after a node loss).
+        Idempotent; NOT_FOUND if this node does not protect it, DATA_LOSS if its slot is corrupt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ParityLookup(self, request, context):
+        """The ranks protected here for a job. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropParity(self, request, context):
+        """Drop the parity slots of a step. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -221,6 +284,31 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.WarmReplica,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.WarmReplicaRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.WarmReplicaResponse.SerializeToString,
+            ),
+            'ProtectRank': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProtectRank,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.ProtectRankRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.ProtectRankResponse.SerializeToString,
+            ),
+            'ReadRankRange': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadRankRange,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.ReadRankRangeRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.SerializeToString,
+            ),
+            'RebuildChunk': grpc.unary_stream_rpc_method_handler(
+                    servicer.RebuildChunk,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.SerializeToString,
+            ),
+            'ParityLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.ParityLookup,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.ParityLookupRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.ParityLookupResponse.SerializeToString,
+            ),
+            'DropParity': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropParity,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.DropParityRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.DropParityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -494,6 +582,141 @@ class Peer:
             '/tierckpt.v1.Peer/WarmReplica',
             tierckpt_dot_v1_dot_peer__pb2.WarmReplicaRequest.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.WarmReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProtectRank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Peer/ProtectRank',
+            tierckpt_dot_v1_dot_peer__pb2.ProtectRankRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.ProtectRankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadRankRange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tierckpt.v1.Peer/ReadRankRange',
+            tierckpt_dot_v1_dot_peer__pb2.ReadRankRangeRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.DataPiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RebuildChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tierckpt.v1.Peer/RebuildChunk',
+            tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.DataPiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ParityLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Peer/ParityLookup',
+            tierckpt_dot_v1_dot_peer__pb2.ParityLookupRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.ParityLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropParity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Peer/DropParity',
+            tierckpt_dot_v1_dot_peer__pb2.DropParityRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.DropParityResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -112,6 +112,7 @@ class Membership:
         self._completeness = Completeness(self.node_id)
         self._down_since: dict[str, float] = {}
         self._returned = False  # a peer came up or restarted since the last refresh() (any path)
+        self.also_watch: set[str] = set()  # watched besides the ring neighbourhood (the parity group)
 
     # ------------------------------------------------------------------------------ channels
 
@@ -231,7 +232,8 @@ class Membership:
 
     def watched(self) -> set[str]:
         """The neighbourhood this node keeps in touch with (:func:`ring.watched`)."""
-        return ring.watched(self.node_id, self.ids(), self.maybe_up(), self.config.replicas, KNOBS.max_widen)
+        return ring.watched(self.node_id, self.ids(), self.maybe_up(), self.config.replicas,
+                            KNOBS.max_widen) | (self.also_watch & set(self.peers))
 
     def maybe_up(self) -> set[str]:
         """The peers not known to be down (up, or never contacted yet)."""

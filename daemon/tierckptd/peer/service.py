@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.common.names import MAX_SHARDS_PER_RANK, check_job, check_node, check_owner, check_step
-from tierckpt.errors import InvalidArgumentError, PermissionDeniedError
+from tierckpt.errors import FailedPreconditionError, InvalidArgumentError, PermissionDeniedError
 from tierckpt.v1 import peer_pb2 as ppb
 from tierckpt.v1 import peer_pb2_grpc as ppb_grpc
 
 from ..offload import run_blocking
-from ..rpc import Authorizing, rpc
+from ..rpc import Authorizing, rpc, rpc_stream
 
 if TYPE_CHECKING:
     from .tier import PeerTier
@@ -127,3 +127,51 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
         self.guard.check_hint(request.sender)
         accepted = await run_blocking(self.tier.store.warm.expect, request.job, request.rank, list(request.sizes))
         return ppb.WarmReplicaResponse(bytes=accepted)
+
+    # ------------------------------------------------------------------------------ parity
+
+    def _parity(self) -> Any:
+        parity = getattr(self.tier, "parity", None)
+        if parity is None:
+            raise FailedPreconditionError(f"redundancy: node {self.tier.node_id} does not use parity")
+        return parity
+
+    @rpc
+    async def ProtectRank(self, request: ppb.ProtectRankRequest, context: Any) -> ppb.ProtectRankResponse:
+        if not request.manifest_json:
+            raise InvalidArgumentError("manifest_json: required")
+        return await self._parity().protector.protect(request.sender, request.manifest_json, request.chunk,
+                                                      request.chunks)
+
+    @rpc_stream
+    async def ReadRankRange(self, request: ppb.ReadRankRangeRequest, context: Any):
+        check_job(request.job)
+        check_step(request.step)
+        async for piece in self._parity().protector.read_rank_range(request.job, request.step, request.rank,
+                                                                     request.generation, request.offset,
+                                                                     request.length):
+            yield piece
+
+    @rpc_stream
+    async def RebuildChunk(self, request: ppb.RebuildChunkRequest, context: Any):
+        check_job(request.job)
+        check_step(request.step)
+        check_node(request.owner, "owner")
+        async for piece in self._parity().protector.rebuild_chunk(request.job, request.step, request.owner,
+                                                                   request.rank, request.generation, request.chunk):
+            yield piece
+
+    @rpc
+    async def ParityLookup(self, request: ppb.ParityLookupRequest, context: Any) -> ppb.ParityLookupResponse:
+        check_job(request.job)
+        parity = getattr(self.tier, "parity", None)
+        if parity is None:
+            return ppb.ParityLookupResponse()
+        return parity.protector.lookup(request.job, request.step if request.has_step else None,
+                                                 request.rank if request.has_rank else None)
+
+    @rpc
+    async def DropParity(self, request: ppb.DropParityRequest, context: Any) -> ppb.DropParityResponse:
+        check_job(request.job)
+        check_step(request.step)
+        return ppb.DropParityResponse(removed=await self._parity().drop_local(request.job, request.step))

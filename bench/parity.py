@@ -1,0 +1,166 @@
+"""Parity (``--redundancy parity:4+1``) against full replicas (``--replicas 1``), side by side in
+one run, on five daemons on loopback each time.
+
+Per configuration: each of the five nodes saves one rank of ``--mib`` MiB (two shards) of one
+step; the bench reports
+
+- host memory per node: bytes in the local dir (own ranks + replicas or parity slots) divided by
+  the node's own data (the issue's target: <= 1.3x with single-loss survival);
+- commit to redundant: from the local commit (``fut.result()``) to ``fut.wait("peer")``, the
+  median over the five ranks (the five are saved and waited for concurrently);
+- bytes on the network: derived from the protocol (replicas: one full copy per rank; parity:
+  every protector pulls its chunk, 1/K of the rank, so one rank's worth in all; a reconstruction
+  moves K times the rank in all: each of the K protectors reads the K-1 other chunks of its slot
+  and sends the decoded chunk, so the restoring node itself receives one rank's worth);
+- restore after a node loss: n2 is killed (-9) and wiped, restarted, and restores its rank
+  (replicas: a full copy from its replica holder over the bulk channel; parity: the four chunks
+  decoded by the four protectors at once, over gRPC streams); the median of ``--restores`` repeats,
+  each one replacing n2 again;
+- XOR encode rate against memcpy (numpy, one thread, ``--xor-mib`` MiB buffers, best of 5).
+
+Usage: PYTHONPATH=client:daemon .venv/bin/python bench/parity.py [--mib 64] [--restores 3] [--runs 3] [--xor-mib 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tierckpt.common import checksum
+from tierckptd.parity.xor import xor_into
+from tierckptd.testing import Daemon, free_port, scratch_dir
+
+NODES = [f"n{i}" for i in range(5)]
+
+
+def dir_bytes(d: Daemon) -> int:
+    total = 0
+    for sub in ("jobs", "parity"):
+        for p in (d.local_dir / sub).rglob("*"):
+            if p.is_file() and not p.is_symlink():
+                total += p.stat().st_size
+    return total
+
+
+def start(root: Path, flags: tuple[str, ...]) -> dict[str, Daemon]:
+    ports = {n: free_port() for n in NODES}
+    peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
+    ds = {n: Daemon(root, n, port=ports[n], args=("--peers", peers, "--log-level", "WARNING", *flags))
+          for n in NODES}
+    for d in ds.values():
+        d.start()
+    for n, d in ds.items():
+        with d.client() as c:
+            deadline = time.monotonic() + 60
+            while {p.node_id for p in c.status().peers if p.up} != set(NODES) - {n}:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{n} does not see its peers")
+                time.sleep(0.2)
+    return ds
+
+
+def one_config(name: str, flags: tuple[str, ...], mib: int, restores: int) -> dict:
+    root = scratch_dir("tck-parity-")
+    ds = start(root, flags)
+    nbytes = mib << 20
+    half = nbytes // 2
+    rng = np.random.default_rng(1)
+    data = {r: (rng.integers(0, 256, half, dtype=np.uint8), rng.integers(0, 256, nbytes - half, dtype=np.uint8))
+            for r in range(5)}
+    sums = {r: (checksum.digest(a), checksum.digest(b)) for r, (a, b) in data.items()}
+    try:
+        def save(rank: int) -> float:
+            with ds[NODES[rank]].client() as c:
+                fut = c.save("bench", 1, rank, 5, {"a": data[rank][0], "b": data[rank][1]})
+                fut.result(timeout=300)
+                t0 = time.perf_counter()
+                fut.wait("peer", timeout=300)
+                return time.perf_counter() - t0
+
+        with ThreadPoolExecutor(5) as pool:
+            to_redundant = list(pool.map(save, range(5)))
+        mem = [dir_bytes(ds[n]) / nbytes for n in NODES]
+        restore_s = []
+        for _ in range(restores):
+            ds["n2"].kill()
+            ds["n2"].wipe()
+            ds["n2"].start()
+            with ds["n2"].client() as c:
+                deadline = time.monotonic() + 60
+                while {p.node_id for p in c.status().peers if p.up} != set(NODES) - {"n2"}:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("n2 does not see its peers after the restart")
+                    time.sleep(0.2)
+                t0 = time.perf_counter()
+                ck = c.restore("bench", 2, step=1)
+                restore_s.append(time.perf_counter() - t0)
+                got = (checksum.digest(np.asarray(ck.shards["a"])), checksum.digest(np.asarray(ck.shards["b"])))
+                assert got == sums[2], "restored bytes differ"
+                ck = None
+        return {"name": name, "mem_max": max(mem), "mem_mean": statistics.mean(mem),
+                "to_redundant": statistics.median(to_redundant), "restore": statistics.median(restore_s)}
+    finally:
+        for d in ds.values():
+            d.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def xor_rate(mib: int) -> tuple[float, float]:
+    n = mib << 20
+    a = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8)
+    b = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+    best_x = best_c = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        xor_into(a, b)
+        best_x = min(best_x, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        np.copyto(a, b)
+        best_c = min(best_c, time.perf_counter() - t0)
+    return n / best_x / 1e9, n / best_c / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--restores", type=int, default=3)
+    ap.add_argument("--xor-mib", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    k = 4
+    # x rank bytes: to protect, to restore (all links), into the restoring node
+    net = {"replicas:1": (1.0, 1.0, 1.0), "parity:4+1": (1.0, float(k), 1.0)}
+    ratios: dict[str, list[float]] = {"to_redundant": [], "restore": []}
+    print(f"{args.mib} MiB per rank, 5 nodes, one rank each; {args.runs} runs, the two configurations in turn")
+    print("| run | redundancy | memory per node (max / mean, x own data) | commit -> redundant (median s) | network "
+          "to protect (x rank) | network to restore, all links / into the restorer (x rank) | restore after a node "
+          "loss (median s) |")
+    print("|---|---|---|---|---|---|---|")
+    mem_ok = True
+    for run in range(1, args.runs + 1):
+        rows = [one_config("replicas:1", ("--replicas", "1"), args.mib, args.restores),
+                one_config("parity:4+1", ("--redundancy", "parity:4+1"), args.mib, args.restores)]
+        for r in rows:
+            n = net[r["name"]]
+            print(f"| {run} | {r['name']} | {r['mem_max']:.3f} / {r['mem_mean']:.3f} | {r['to_redundant']:.3f} | "
+                  f"{n[0]:.2f} | {n[1]:.2f} / {n[2]:.2f} | {r['restore']:.3f} |", flush=True)
+        rep, par = rows
+        mem_ok = mem_ok and par["mem_max"] <= 1.3
+        for key, values in ratios.items():
+            values.append(par[key] / rep[key])
+    print(f"parity / replicas, per run: commit->redundant {', '.join(f'{x:.2f}' for x in ratios['to_redundant'])} "
+          f"(median {statistics.median(ratios['to_redundant']):.2f}x); restore after a loss "
+          f"{', '.join(f'{x:.2f}' for x in ratios['restore'])} (median {statistics.median(ratios['restore']):.2f}x, "
+          f"target <= 1.5x: {'met' if statistics.median(ratios['restore']) <= 1.5 else 'NOT met'}); memory <= 1.3x "
+          f"of own data with single-loss survival: {'met' if mem_ok else 'NOT met'}")
+    x, c = xor_rate(args.xor_mib)
+    print(f"XOR encode {x:.2f} GB/s vs memcpy {c:.2f} GB/s ({x / c:.2f}x), one thread, {args.xor_mib} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""What the peer tier calls when ``redundancy = "parity:K+1"``: one object holding the parity
+held here (:class:`.slots.ParityStore`), the owner side (:class:`.encoder.Encoder`), the holder
+side (:class:`.protector.Protector`) and reconstruction (:class:`.rebuild.Rebuilder`).
+
+Semantics on the peer tier's contract: ``wait("peer")`` resolves once the parity of every chunk
+of the rank is committed on its protectors; ``fetch`` reconstructs a rank no live peer holds in
+full; catalogs list a rank as held by its protectors; a step evicted by retention has its
+parity dropped on the protectors (``DropParity``, the whole step: retention evicts a complete
+step on every node alike).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from tierckpt.errors import TierckptError
+from tierckpt.v1 import peer_pb2 as ppb
+
+from ..cluster.membership import Membership
+from ..config import DaemonConfig
+from ..local.manifest import Manifest
+from ..local.store import Eviction, LocalStore
+from ..offload import run_blocking
+from ..tiers import RankCopy
+from . import layout
+from .encoder import Encoder
+from .protector import Protector
+from .rebuild import Rebuilder
+from .slots import ParityStore
+
+__all__ = ["Parity"]
+
+log = logging.getLogger(__name__)
+
+
+class Parity:
+    def __init__(self, config: DaemonConfig, store: LocalStore, cluster: Membership, receiver: Any,
+                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task], metrics: Any = None) -> None:
+        assert config.parity is not None
+        k, m = config.parity
+        self.size = k + m
+        self.node_id, self.store, self.cluster, self._spawn = config.node_id, store, cluster, spawn
+        self.pstore = ParityStore(store.root, fsync=config.fsync == "always")
+        self.encoder = Encoder(self.node_id, store, cluster, self.size, metrics)
+        self.protector = Protector(self.node_id, store, self.pstore, cluster, self.size, metrics)
+        self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
+
+    def group(self) -> list[str]:
+        return layout.group_of(self.node_id, self.cluster.ids(), self.size)
+
+    async def start(self) -> None:
+        await run_blocking(self.pstore.open)
+        self.cluster.also_watch = set(self.group()) - {self.node_id}
+        log.info("peer tier: parity over group %s (K=%d, M=1), %d parity bytes held", ",".join(self.group()),
+                 self.size - 1, self.pstore.nbytes())
+
+    # ------------------------------------------------------------------------------ owner side
+
+    def on_commit(self, man: Manifest) -> None:
+        if man.node == self.node_id:
+            self.encoder.ensure(man)
+
+    def catch_up(self) -> None:
+        self.cluster.also_watch = set(self.group()) - {self.node_id}
+        self.encoder.catch_up()
+
+    async def audit(self) -> None:
+        """Ask this node's protectors what they hold of its jobs (O(jobs x K) calls) and protect
+        again what one of them lost."""
+        prot = set(self.encoder.protectors())
+        for job in self.store.jobs():
+            answers, _ = await self.cluster.fan_out("ParityLookup", ppb.ParityLookupRequest(
+                requester=self.node_id, job=job), prot)
+            held = set()
+            for p, resp in answers:
+                for r in resp.ranks:
+                    try:
+                        man = Manifest.from_json(r.manifest_json)
+                    except TierckptError:
+                        continue
+                    if man.node == self.node_id:
+                        held.add((p.node_id, man.step, man.rank, man.generation, r.chunk))
+            self.encoder.reconcile(job, {p.node_id for p, _ in answers}, held)
+
+    def on_evict(self, eviction: Eviction) -> None:
+        self.encoder.forget(eviction.job, eviction.step, eviction.ranks, eviction.reason)
+        if eviction.reason == "retention":
+            self._spawn(self._drop_remote(eviction.job, eviction.step))
+
+    async def _drop_remote(self, job: str, step: int) -> None:
+        req = ppb.DropParityRequest(requester=self.node_id, job=job, step=step)
+        _, missed = await self.cluster.fan_out("DropParity", req, set(self.encoder.protectors()))
+        if missed:
+            log.info("parity of %s step %d: drop not answered by %s (dropped at their own retention)", job, step,
+                     ",".join(missed))
+
+    # ------------------------------------------------------------------------------ holder side
+
+    async def drop_local(self, job: str, step: int) -> int:
+        return await run_blocking(self.pstore.drop, job, step)
+
+    # ------------------------------------------------------------------------------ catalogs
+
+    async def copies(self, job: str, nodes: set[str] | None, rank: int | None = None,
+                     job_owner: str | None = None) -> dict[int, dict[int, RankCopy]]:
+        """step -> rank -> copy for the ranks protected on ``nodes`` (None: every peer)."""
+        try:
+            found = await self.rebuilder.locate(job, None, rank, nodes)
+        except TierckptError as e:
+            log.info("parity lookup of %s failed: %s", job, e)
+            return {}
+        out: dict[int, dict[int, RankCopy]] = {}
+        for holder, man, _chunk, _chunks in found:
+            if job_owner not in (None, man.job_owner):
+                continue
+            old = out.setdefault(man.step, {}).get(man.rank)
+            nodes_ = tuple(sorted(set(old.nodes if old else ()) | {holder}))
+            out[man.step][man.rank] = RankCopy(man.world_size, nodes_, man.nbytes,
+                                               min(old.created, man.created) if old else man.created, man.job_owner)
+        return out
+
+    def status(self) -> dict:
+        pending = self.encoder.pending()
+        return {"redundancy": f"parity:{self.size - 1}+1", "parity_group": self.group(),
+                "parity_bytes": self.pstore.nbytes(), "parity_pending_ranks": len(pending)}

@@ -1,0 +1,128 @@
+"""The holder side of parity: ProtectRank (pull a chunk, XOR it into a slot), and the streams
+other nodes read (a chunk decoded from its slot here; a byte range of a rank held here).
+
+Nothing a peer sends is trusted beyond what is checked here: the manifest's MAC
+(:meth:`Manifest.from_json`), that the sender owns the rank, that this node is the protector of
+that chunk by the layout's rule, and that the sender streams exactly the chunk's length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tierckpt.errors import (
+    CapacityError,
+    FailedPreconditionError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from tierckpt.v1 import peer_pb2 as ppb
+
+from ..cluster.membership import Membership
+from ..local.manifest import Manifest
+from ..local.store import LocalStore
+from ..offload import run_blocking
+from . import layout
+from .decode import decode_chunk, pull_range
+from .ranges import PIECE, read_range
+from .slots import ParityStore
+
+__all__ = ["Protector"]
+
+
+class Protector:
+    """Parity slots held here for the other members of this node's group."""
+
+    def __init__(self, node_id: str, store: LocalStore, pstore: ParityStore, cluster: Membership, size: int,
+                 metrics: Any = None) -> None:
+        self.node_id, self.store, self.pstore, self.cluster, self.size = node_id, store, pstore, cluster, size
+        self.metrics = metrics
+        self._inflight: dict[tuple[str, int, int, str, int], asyncio.Lock] = {}
+        self._pulling = asyncio.Semaphore(1)
+        """One chunk pulled at a time: the chunk waits in a temporary file (1/K of a rank) until it
+        is XORed in, so at most one such file exists and the memory stays ~1 + 1/K. A holder
+        receives K chunks of 1/K per step, as many bytes as one full replica."""
+
+    async def protect(self, sender: str, manifest_json: str, chunk: int, chunks: int) -> ppb.ProtectRankResponse:
+        man = Manifest.from_json(manifest_json)
+        if man.node != sender:
+            raise PermissionDeniedError(f"sender: {sender!r} does not own {man.key} (its owner is {man.node!r})")
+        want = layout.chunk_of(self.node_id, sender, self.cluster.ids(), self.size)
+        prot = layout.protectors(sender, self.cluster.ids(), self.size)
+        if want != chunk or chunks != len(prot):
+            raise PermissionDeniedError(f"chunk: node {self.node_id} protects chunk {want} of {len(prot)} of "
+                                        f"{sender}'s ranks, not chunk {chunk} of {chunks}")
+        key = (*man.key, man.generation, chunk)
+        lock = self._inflight.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:
+                slot = self.pstore.find(man.job, man.step, man.node, man.rank, man.generation, chunk)
+                if slot is not None:
+                    return ppb.ProtectRankResponse(already=True, parity_bytes=slot.size)
+                async with self._pulling:
+                    slot = await self._pull_and_add(man, chunk, chunks)
+                return ppb.ProtectRankResponse(already=False, parity_bytes=slot.size)
+        finally:
+            if not lock.locked() and self._inflight.get(key) is lock:
+                del self._inflight[key]
+
+    async def _pull_and_add(self, man: Manifest, chunk: int, chunks: int) -> Any:
+        off, length = layout.chunk_span(man.nbytes, chunks, chunk)
+        use = self.store.usage()
+        free = use.capacity - use.charged - self.pstore.nbytes()
+        if length > free:  # a bound on what a peer can make this node hold (parity is not charged to the store)
+            raise CapacityError(f"local_capacity: no room here for a {length}-byte parity chunk of {man.key} "
+                                f"({max(free, 0)} bytes free besides {self.pstore.nbytes()} of parity)")
+        name, fd = await run_blocking(self.pstore.incoming, man.job, man.step)
+        try:
+            async def sink(pos: int, data: bytes) -> None:
+                await run_blocking(os.pwrite, fd, data, pos)
+
+            await pull_range(self.cluster, man.node, self.node_id, man, off, length, sink)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                await run_blocking(self.pstore.discard, man.job, man.step, name)
+            raise
+        return await run_blocking(self.pstore.add, man, chunk, chunks, name, fd, length)
+
+    # ------------------------------------------------------------------------------ streams
+
+    async def rebuild_chunk(self, job: str, step: int, owner: str, rank: int, generation: str,
+                            chunk: int) -> AsyncIterator[ppb.DataPiece]:
+        """The bytes of a protected chunk, decoded here (:func:`.decode.decode_chunk`)."""
+        slot, fd = await run_blocking(self.pstore.open_slot, job, step, owner, rank, generation, chunk)
+        try:
+            target = next(m for m in slot.members if m.key == (owner, rank, generation, chunk))
+            data = await decode_chunk(self.node_id, self.store, self.cluster, slot, fd, target, self.metrics)
+        finally:
+            os.close(fd)
+        for off in range(0, len(data), PIECE):
+            yield ppb.DataPiece(data=bytes(data[off:off + PIECE]))
+
+    async def read_rank_range(self, job: str, step: int, rank: int, generation: str, offset: int,
+                              length: int) -> AsyncIterator[ppb.DataPiece]:
+        man = self.store.get(job, step, rank)
+        if man is None:
+            raise NotFoundError(f"{job} step {step} rank {rank} is not held by node {self.node_id}")
+        if man.generation != generation:
+            raise FailedPreconditionError(f"generation: {job} step {step} rank {rank} on {self.node_id} is "
+                                          f"{man.generation}, not {generation}")
+        if offset + length > man.nbytes:
+            raise FailedPreconditionError(f"offset/length: past the {man.nbytes} bytes of the rank")
+        it = read_range(lambda n: self.store.open_shard(man, n), man, offset, length)
+        try:
+            while (b := await run_blocking(next, it, None)) is not None:
+                yield ppb.DataPiece(data=b)
+        finally:
+            it.close()
+
+    def lookup(self, job: str, step: int | None, rank: int | None) -> ppb.ParityLookupResponse:
+        return ppb.ParityLookupResponse(ranks=[ppb.ProtectedRank(manifest_json=m.manifest, chunk=m.chunk,
+                                                                 chunks=m.chunks)
+                                               for m in self.pstore.lookup(job, step, rank)])
+
