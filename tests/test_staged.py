@@ -202,3 +202,51 @@ def test_checkpointer_failed_copy_fails_the_future_and_training_goes_on(daemon):
         ck.wait()
         assert ck.stats.failed == 1 and ck.stats.committed == 0
         assert ck.client.list("ckfail") == []
+
+
+def _held_step(model, opt, held, what: str) -> None:
+    """The next optimizer step waits while the copy is held, and runs once it is let go."""
+    stepped = threading.Event()
+    trainer = threading.Thread(target=lambda: (_train(model, opt), stepped.set()))
+    trainer.start()
+    assert not stepped.wait(0.5), f"{what}: the optimizer step ran before the save was staged"
+    held.go.set()
+    assert stepped.wait(30), f"{what}: the optimizer step never ran"
+    trainer.join(30)
+
+
+def test_checkpoint_manager_waits_at_the_optimizer_step_not_in_save(daemon):
+    from tierckpt.manager import CheckpointManager
+
+    model, opt = _model_and_opt()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with CheckpointManager("mgr", address=daemon.address) as mgr:
+        held = mgr._checkpointer()._copier = HeldTensorCopier(mgr._checkpointer()._copier)
+        fut = mgr.save(1, {"model": model, "optim": opt})
+        assert held.started.wait(30) and not fut.staged.done()  # save() returned during the copy
+        _held_step(model, opt, held, "CheckpointManager")
+        fut.result(30)
+        got = mgr.restore({"model": torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512)),
+                           "optim": None}, strict=False)
+        assert got is not None and got.step == 1
+        for k, v in want.items():
+            assert torch.equal(got.state["model"].state_dict()[k], v), k
+
+
+def test_lightning_checkpoint_io_waits_at_the_optimizer_step_not_in_save(daemon, tmp_path):
+    pytest.importorskip("lightning_fabric", reason="the lightning extra is not installed")
+    from tierckpt.lightning import TierckptCheckpointIO
+
+    model, opt = _model_and_opt()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    io = TierckptCheckpointIO("lt", address=daemon.address)
+    held = io.checkpointer._copier = HeldTensorCopier(io.checkpointer._copier)
+    path = str(tmp_path / "step=1.ckpt")
+    io.save_checkpoint({"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()],
+                        "global_step": 1}, path)
+    assert held.started.wait(30)  # save_checkpoint returned during the copy
+    _held_step(model, opt, held, "Lightning")
+    got = io.load_checkpoint(path)  # waits for the commit and the pointer
+    io.teardown()
+    for k, v in want.items():
+        assert torch.equal(got["state_dict"][k], v), k
