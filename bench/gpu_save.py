@@ -183,7 +183,8 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=15)
     ap.add_argument("--matmuls", type=int, default=40)
     ap.add_argument("--skip-dcp", action="store_true")
-    ap.add_argument("--cpu-smoke", action="store_true", help="run on the CPU, small: checks the script, measures nothing")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run on the CPU, small: checks the script, measures nothing")
     args = ap.parse_args()
     global DEV
 
@@ -226,9 +227,10 @@ def main() -> int:
             tk = tierckpt_saves(torch, state, ck, args.runs, 1)
             hwm = _hwm_bytes() - hwm0
             refused = ck._copier.refused
+            maps = "NOT page-locked (pinned pool)" if refused else "page-locked"
             print(f"tierckpt Checkpointer.save: blocking {tk['blocking'] * 1e3:8.1f} ms | staged "
                   f"{tk['staged'] * 1e3:8.1f} ms ({tk['staged'] / fl:.2f}x floor) | committed "
-                  f"{tk['committed'] * 1e3:8.1f} ms | staging maps {'NOT page-locked (pinned pool)' if refused else 'page-locked'}")
+                  f"{tk['committed'] * 1e3:8.1f} ms | staging maps {maps}")
             print(f"host memory: peak RSS grew {hwm / (1 << 30):.2f} GiB during the saves "
                   f"({hwm / nbytes:.2f}x one copy of the state; the mapped staging files count once)")
 

@@ -5,7 +5,10 @@ stream (the saved bytes are those of that point) and returns a future at once; a
 thread makes a dedicated stream wait for the event and copies every tensor (a DTensor's local
 shard) into host memory: CUDA tensors into pinned buffers from PyTorch's caching host allocator
 (freed after the upload and reused by the next save: a reused pinned pool), CPU tensors into
-plain copies. The future resolves to the staged state dict once every copy landed; ``async_save``
+plain copies. Tensors under ``small_below`` bytes (module buffers such as BatchNorm statistics,
+which ``forward`` updates before any optimizer step) are first copied in ``stage()`` on their
+device (on a GPU, a device-side copy on the current stream, ordered before the trainer's next
+kernels). The future resolves to the staged state dict once every copy landed; ``async_save``
 returns its ``staging_completion``. Like :class:`tierckpt.torch.Checkpointer`, the stager waits
 for staging before the next optimizer step (a global pre-step hook), never in ``stage()``; call
 :meth:`Stager.wait_staged` before other in-place writes to the saved tensors.
@@ -50,7 +53,8 @@ def _rebuild(obj: Any, staged: dict[int, torch.Tensor]) -> Any:
         if hasattr(obj, "_local_tensor"):
             from torch.distributed.tensor import DTensor
 
-            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+            return DTensor.from_local(local, obj.device_mesh, obj.placements,  # type: ignore[attr-defined]
+                                      run_check=False,
                                       shape=obj.shape, stride=obj.stride())
         return local
     if isinstance(obj, dict):
@@ -72,7 +76,8 @@ class Stager(AsyncStager):
 
     _synchronize_after_execute = False
 
-    def __init__(self) -> None:
+    def __init__(self, small_below: int = 1 << 20) -> None:
+        self.small_below = small_below
         self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-dcp-stage")
         self._waiter = StagedWaiter()
         self._streams: dict[torch.device, Any] = {}
@@ -81,9 +86,13 @@ class Stager(AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> cf.Future:
         """A future of a host copy of ``state_dict``, made after this call returned."""
-        sources: list[torch.Tensor] = []
-        _collect(state_dict, sources)
-        devices = {t.device for t in sources if t.device.type == "cuda"}
+        found: list[torch.Tensor] = []
+        _collect(state_dict, found)
+        sources: dict[int, torch.Tensor] = {}  # id of the live tensor -> what the thread copies
+        for t in found:
+            small = t.numel() * t.element_size() < self.small_below
+            sources[id(t)] = t.detach().clone(memory_format=torch.contiguous_format) if small else t.detach()
+        devices = {t.device for t in sources.values() if t.device.type == "cuda"}
         marks = {d: torch.cuda.current_stream(d).record_event() for d in devices}
         fut = self._thread.submit(self._copy, state_dict, sources, marks)
         with self._lock:
@@ -91,7 +100,7 @@ class Stager(AsyncStager):
         self._waiter.add(fut)
         return fut
 
-    def _copy(self, state_dict: dict[str, Any], sources: list[torch.Tensor], marks: dict) -> dict[str, Any]:
+    def _copy(self, state_dict: dict[str, Any], sources: dict[int, torch.Tensor], marks: dict) -> dict[str, Any]:
         staged: dict[int, torch.Tensor] = {}
         done = []
         for dev, mark in marks.items():
@@ -100,14 +109,14 @@ class Stager(AsyncStager):
                 side = self._streams[dev] = torch.cuda.Stream(device=dev)
             side.wait_event(mark)
             with torch.cuda.stream(side):
-                for t in sources:
-                    if t.device == dev and id(t) not in staged:
+                for key, t in sources.items():
+                    if t.device == dev:
                         dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                        staged[id(t)] = dst.copy_(t.detach(), non_blocking=True)
+                        staged[key] = dst.copy_(t, non_blocking=True)
             done.append(side.record_event())
-        for t in sources:
-            if t.device.type != "cuda" and id(t) not in staged:
-                staged[id(t)] = t.detach().clone(memory_format=torch.contiguous_format).cpu()
+        for key, t in sources.items():
+            if t.device.type != "cuda":
+                staged[key] = t.clone(memory_format=torch.contiguous_format).cpu()
         for ev in done:
             ev.synchronize()
         return _rebuild(state_dict, staged)

@@ -12,6 +12,7 @@ waits. A copy that fails does not raise here: the save's future carries the fail
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import threading
 import weakref
 from typing import Any
@@ -43,8 +44,7 @@ class StagedWaiter:
             if self._handle is None:
                 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-                self._handle = register_optimizer_step_pre_hook(
-                    lambda opt, args, kwargs, ref=weakref.ref(self): _pre_step(ref, opt, args, kwargs))
+                self._handle = register_optimizer_step_pre_hook(functools.partial(_pre_step, weakref.ref(self)))
         staged.add_done_callback(self._discard)
 
     def _discard(self, staged: cf.Future) -> None:

@@ -88,7 +88,7 @@ class HostCopier(Copier):
         copy_host(pairs, io, _host_bytes)
 
     def host_copy(self, source: Any) -> memoryview:
-        return memoryview(_host_bytes(source))
+        return _host_bytes(source).data
 
 
 def copy_host(pairs: list[tuple[Any, np.ndarray]], io: cf.Executor, as_bytes: Callable[[Any], np.ndarray]) -> None:

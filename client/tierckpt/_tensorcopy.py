@@ -78,7 +78,7 @@ class TensorCopier(Copier):
 
     def host_copy(self, source: Any) -> memoryview:
         t = source.detach()
-        return memoryview(_host_bytes(t if t.device.type == "cpu" else t.cpu()))
+        return _host_bytes(t if t.device.type == "cpu" else t.cpu()).data
 
     # ------------------------------------------------------------------ CUDA
 
@@ -142,8 +142,9 @@ class TensorCopier(Copier):
         pending: list[tuple | None] = [None, None]
 
         def drain(k: int) -> None:
-            if pending[k] is not None:
-                ev, dst, n = pending[k]
+            item = pending[k]
+            if item is not None:
+                ev, dst, n = item
                 ev.synchronize()
                 np.copyto(dst, self._pool[k][:n].numpy())
                 pending[k] = None

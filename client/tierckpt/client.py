@@ -225,6 +225,12 @@ class SaveFuture(cf.Future):
         """Block until ``staged`` (the caller may then change what it saved); raises its failure."""
         self.staged.result(timeout)
 
+    def set_exception(self, exception: BaseException | None) -> None:
+        """Fail the save, and ``staged`` too if it was not reached (nobody waits for it forever)."""
+        if not self.staged.done():
+            self.staged.set_exception(exception)
+        super().set_exception(exception)
+
     def wait(self, tier: str = "local", timeout: float | None = None) -> list[str]:
         """Block until the rank is in ``tier``; returns the nodes holding it there.
 

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 from transformers import TrainerCallback
 
-from .agree import agree_restore_step
 from ._staging import Deferred
+from .agree import agree_restore_step
 from .client import Client, SaveFuture
 from .common.names import check_job
 from .errors import FailedPreconditionError, InvalidArgumentError, TierckptError

@@ -323,6 +323,8 @@ class CheckpointManager:
             pending = list(self._pending)
         cf.wait(pending)
         self._reap()
+        if self._torch is not None:
+            self._torch.close()  # its pre-step hook goes (the client is this manager's to close)
         if self._own_client:
             self.client.close()
 

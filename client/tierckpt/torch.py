@@ -149,8 +149,7 @@ def pack_tensors(items: list[tuple[str, torch.Tensor]], pack_below: int, max_own
     own = set(big)
     shards: dict[str, Any] = {}
     locs: list[TensorLoc | None] = [None] * len(items)
-    offset = 0
-    packed_at: dict[int, int] = {}
+    packed_at: dict[str, tuple[torch.device, int]] = {}  # pack shard -> (device, its size so far)
     for i, (name, t) in enumerate(items):
         if i in own:
             shards[name] = deferred(t) if defer else t

@@ -144,7 +144,8 @@ def test_save_does_not_wait_for_the_gpu_and_saves_the_bytes_of_save_time(daemon,
         small.fill_(4.0)
         fut.result(60)
         got = ck.read(1).state
-        assert torch.equal(got["w"], torch.full((64 << 20,), 7.0)) and torch.equal(got["small"], torch.full((100,), 3.0))
+        assert torch.equal(got["w"], torch.full((64 << 20,), 7.0))
+        assert torch.equal(got["small"], torch.full((100,), 3.0))
         if register:  # one host copy: no pinned pool was needed (the staging maps were page-locked)
             assert not ck._copier.refused and ck._copier._pool == []
         else:

@@ -51,7 +51,8 @@ def test_async_save_with_the_stager_saves_the_bytes_of_stage_time(daemon):
         assert stepped.wait(30)
         trainer.join(30)
         resp.upload_completion.result(60)
-        got = {"model": {k: torch.zeros_like(v) for k, v in before.items()}, "extra": {"epoch": 0, "t": torch.zeros(5, dtype=torch.int64)}}
+        got = {"model": {k: torch.zeros_like(v) for k, v in before.items()},
+               "extra": {"epoch": 0, "t": torch.zeros(5, dtype=torch.int64)}}
         dcp.load(got, storage_reader=tdcp.Reader("stg", 1, client=c), no_dist=True)
     stager.close()
     for k, v in before.items():
