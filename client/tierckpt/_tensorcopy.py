@@ -34,6 +34,7 @@ __all__ = ["TensorCopier", "tensor_bytes"]
 log = logging.getLogger(__name__)
 
 POOL_CHUNK = 64 << 20
+_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context (as torch.cuda._pin_memory_utils)
 
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -113,7 +114,7 @@ class TensorCopier(Copier):
         return cudart, registered, done, unregistered
 
     def _register(self, cudart: Any, dst: np.ndarray) -> bool:
-        err = cudart.cudaHostRegister(dst.ctypes.data, dst.nbytes, 0)
+        err = cudart.cudaHostRegister(dst.ctypes.data, dst.nbytes, _PORTABLE)
         if int(err) == 0:
             return True
         self.refused = True
@@ -124,7 +125,9 @@ class TensorCopier(Copier):
     @staticmethod
     def _unregister(cudart: Any, ptrs: list[int]) -> None:
         for ptr in ptrs:
-            cudart.cudaHostUnregister(ptr)
+            err = cudart.cudaHostUnregister(ptr)
+            if int(err) != 0:  # the mapping is unmapped after the commit either way
+                log.warning("cudaHostUnregister of a staging mapping failed: %s", err)
 
     def _complete(self, cudart: Any, registered: list[int], done: list, unregistered: list) -> None:
         try:

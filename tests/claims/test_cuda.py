@@ -9,6 +9,8 @@ real daemon and check what comes back, on the device, byte for byte:
   saved bytes are those of the point of ``save()`` in the stream's order, copied into page-locked
   staging mappings (no pinned pool), or through the reused pinned pool where registration is off;
 - the optimizer step after a save waits for ``staged`` (the saved bytes are those before the step);
+- ``tierckpt.dcp.Stager``: ``dcp.async_save`` returns while the GPU is busy and stages the bytes
+  of that point;
 - the CUDA RNG state round-trips (the same random numbers after a load);
 - ``map_location="cpu"`` loads a GPU checkpoint into host tensors.
 """
@@ -187,3 +189,25 @@ def test_map_location_cpu_loads_a_gpu_checkpoint_into_host_tensors(daemon) -> No
         ck.load(state)
     assert state["t"].device.type == "cpu" and torch.equal(state["t"], t.cpu())
     assert state["nested"]["u"].device.type == "cpu" and torch.equal(state["nested"]["u"], t[:, :3].cpu())
+
+
+def test_dcp_stager_returns_before_the_gpu_copy_and_stages_the_bytes_of_stage_time(daemon) -> None:
+    import tierckpt
+    import tierckpt.dcp as tdcp
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.zeros(32 << 20, device="cuda")  # 128 MiB
+    busy = _slow_work_then(w, 5.0)
+    stager = tdcp.Stager()
+    with tierckpt.Client(daemon.address) as c:
+        t0 = time.perf_counter()
+        resp = dcp.async_save({"w": w}, storage_writer=tdcp.Writer("dcpgpu", 1, client=c), async_stager=stager,
+                              no_dist=True)
+        assert time.perf_counter() - t0 < busy / 2  # async_save did not wait for the queued GPU work
+        resp.staging_completion.result(60)
+        w.fill_(6.0)  # staged: the tensor may change
+        resp.upload_completion.result(60)
+        got = {"w": torch.empty(32 << 20)}
+        dcp.load(got, storage_reader=tdcp.Reader("dcpgpu", 1, client=c), no_dist=True)
+    stager.close()
+    assert torch.equal(got["w"], torch.full((32 << 20,), 5.0))
