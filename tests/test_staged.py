@@ -143,6 +143,9 @@ class HeldTensorCopier:
     def host_copy(self, source):
         return self.inner.host_copy(source)
 
+    def close(self):
+        self.inner.close()
+
 
 def _model_and_opt():
     torch.manual_seed(0)
@@ -250,3 +253,67 @@ def test_lightning_checkpoint_io_waits_at_the_optimizer_step_not_in_save(daemon,
     io.teardown()
     for k, v in want.items():
         assert torch.equal(got["state_dict"][k], v), k
+
+
+class FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister calls (address -> size registered now)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+        self.registers = 0
+
+    def cudaHostRegister(self, ptr, size, flags):
+        assert ptr not in self.held, "registered twice"
+        self.held[ptr] = size
+        self.registers += 1
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        assert self.held.pop(ptr, None) is not None, "unregistering what is not registered"
+        return 0
+
+
+def test_page_locked_staging_maps_are_registered_once_and_unregistered_before_unmapping(tmp_path):
+    """The registration lifecycle of TensorCopier (no GPU: the runtime calls are recorded): a kept
+    map is page-locked once and reused by later saves; every map is unregistered before it is
+    unmapped (a save's own maps at its commit or abort, kept maps when they age out), and close()
+    unregisters the rest."""
+    from tierckpt._staging import Destinations
+    from tierckpt._tensorcopy import TensorCopier
+    from tierckpt._transfer import StagingMaps
+
+    fake = FakeCudart()
+    copier = TensorCopier()
+    copier._cudart = lambda: fake
+    kept = StagingMaps(keep=1)
+    files = []
+    for i in range(3):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(bytes(1 << 20))
+        files.append(str(p))
+
+    def save(recycled_path: str, own_path: str) -> Destinations:
+        kept.new_save()
+        dests = Destinations(kept)
+        for path, recycled in ((recycled_path, True), (own_path, False)):
+            assert copier._page_locked(fake, dests.open(path, path, 1 << 20, recycled), [])
+        return dests
+
+    first = save(files[0], files[1])
+    assert fake.registers == 2 and len(fake.held) == 2
+    first.close()  # committed: its own map is unregistered, then unmapped; the kept one stays locked
+    assert fake.registers == 2 and len(fake.held) == 1
+    second = save(files[0], files[2])  # the kept map again: not registered a second time
+    assert fake.registers == 3 and len(fake.held) == 2
+    second.close()
+    assert len(fake.held) == 1
+    for _ in range(3):
+        kept.new_save()
+    kept.trim()  # the kept map aged out: unregistered before it is unmapped
+    assert fake.held == {}
+    third = save(files[1], files[2])
+    third.close()
+    assert len(fake.held) == 1
+    copier.close()
+    assert fake.held == {}
+    kept.close()

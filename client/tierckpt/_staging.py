@@ -16,6 +16,7 @@ Call order of a :class:`Copier`, per save::
                                 staging mappings
     3) host_copy(source)        instead of 1-2 when the bytes are streamed over gRPC (no shared
                                 filesystem): a host copy, in save()
+    close()                     when its saver closes: release what it holds between saves
 
 Until ``staged`` the caller must not change a deferred source: the torch integrations wait for it
 before the next optimizer step (:mod:`tierckpt._hooks`), never in ``save()``.
@@ -73,6 +74,9 @@ class Copier(ABC):
     @abstractmethod
     def host_copy(self, source: Any) -> memoryview:
         """A contiguous host copy (or view) of ``source``'s bytes, for a streamed save."""
+
+    def close(self) -> None:
+        """Release what the copier holds between saves (no copy may be in flight)."""
 
 
 def _host_bytes(source: Any) -> np.ndarray:
@@ -133,14 +137,13 @@ class Destinations:
         return np.frombuffer(mm, dtype=np.uint8)
 
     def close(self) -> None:
-        """Unmap the maps of their own (after the commit or the abort)."""
+        """Unmap the maps of their own (after the commit or the abort; a page-locked one is
+        unregistered first, see :data:`tierckpt._transfer.UNMAP_HOOKS`)."""
+        from ._transfer import unmap
+
         self.maps.clear()
         own, self._own = self._own, []
-        for mm in own:
-            try:
-                mm.close()
-            except BufferError:  # still exported (a failed copy's array): unmapped when collected
-                pass
+        unmap(own)
 
 
 class Stager:

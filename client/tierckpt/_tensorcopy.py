@@ -8,7 +8,10 @@ CPU tensors are copied with ``np.copyto`` on the client's I/O threads. CUDA tens
 2. ``copy`` (on the client's staging thread) page-locks each staging mapping
    (``cudaHostRegister`` through ``torch.cuda.cudart()``), makes a dedicated copy stream wait for
    the event, enqueues ``copy_(non_blocking=True)`` from the tensor into the mapping on that
-   stream, waits for the copies, and unregisters the mappings. Where registration is refused,
+   stream, and waits for the copies. A mapping stays registered until the client unmaps it
+   (:data:`tierckpt._transfer.UNMAP_HOOKS`): a save's own maps right after its commit or abort,
+   the kept maps of recycled files (reused by the next saves, which then page-lock nothing) when
+   they age out, the rest at :meth:`TensorCopier.close`. Where registration is refused,
    the copies go through a small pinned pool (two 64 MiB buffers, allocated once and reused by
    every save: double-buffered device-to-pinned copies, each chunk then copied into the mapping).
 
@@ -21,13 +24,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import mmap
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
 from ._staging import Copier, copy_host
+from ._transfer import UNMAP_HOOKS
 
 __all__ = ["TensorCopier", "tensor_bytes"]
 
@@ -60,6 +66,10 @@ class TensorCopier(Copier):
         self._streams: dict[torch.device, Any] = {}
         self._pool: list[torch.Tensor] = []
         self._lock = threading.Lock()  # one save's CUDA copies at a time (the client stages in order anyway)
+        self._locked: dict[int, tuple[mmap.mmap, int]] = {}  # id(map) -> (map, address): page-locked
+        self._locked_lock = threading.Lock()
+        self._hooked = False
+        self._cudart = torch.cuda.cudart  # the CUDA runtime bindings (tests give a recording stand-in)
 
     def mark(self, sources: list[Any]) -> dict[torch.device, Any]:
         devices = {s.device for s in sources if isinstance(s, torch.Tensor) and s.device.type == "cuda"}
@@ -91,8 +101,8 @@ class TensorCopier(Copier):
 
     def _enqueue(self, mark: dict, pairs: list[tuple[torch.Tensor, np.ndarray]]) -> tuple:
         """Enqueue the registered copies; returns what :meth:`_complete` waits for and undoes."""
-        cudart = torch.cuda.cudart()
-        registered: list[int] = []
+        cudart = self._cudart()
+        registered: list[int] = []  # page-locked for this copy only (not a staging map)
         done, unregistered = [], []
         try:
             for dev in {s.device for s, _ in pairs}:
@@ -102,8 +112,7 @@ class TensorCopier(Copier):
                     for src, dst in pairs:
                         if src.device != dev:
                             continue
-                        if not self.refused and self._register(cudart, dst):
-                            registered.append(dst.ctypes.data)
+                        if not self.refused and self._page_locked(cudart, dst, registered):
                             torch.from_numpy(dst).copy_(tensor_bytes(src), non_blocking=True)
                         else:
                             unregistered.append((src, dst))
@@ -112,6 +121,46 @@ class TensorCopier(Copier):
             self._unregister(cudart, registered)
             raise
         return cudart, registered, done, unregistered
+
+    def _page_locked(self, cudart: Any, dst: np.ndarray, transient: list[int]) -> bool:
+        """Whether ``dst`` is page-locked: registered by an earlier save (a kept map), or now."""
+        mm = getattr(dst.base, "obj", None)  # np.frombuffer(map) -> memoryview -> the map
+        if isinstance(mm, mmap.mmap):
+            with self._locked_lock:
+                if id(mm) in self._locked:
+                    return True
+        if not self._register(cudart, dst):
+            return False
+        if not isinstance(mm, mmap.mmap):
+            transient.append(dst.ctypes.data)
+            return True
+        with self._locked_lock:
+            self._locked[id(mm)] = (mm, dst.ctypes.data)
+            if not self._hooked:
+                ref = weakref.WeakMethod(self._unmapping)
+
+                def hook(m: mmap.mmap) -> None:
+                    f = ref()
+                    if f is not None:
+                        f(m)
+
+                UNMAP_HOOKS.append(hook)
+                self._hooked = True
+        return True
+
+    def _unmapping(self, mm: mmap.mmap) -> None:
+        """A staging map is about to be unmapped: unregister it if this copier page-locked it."""
+        with self._locked_lock:
+            got = self._locked.pop(id(mm), None)
+        if got is not None:
+            self._unregister(self._cudart(), [got[1]])
+
+    def close(self) -> None:
+        """Unregister every mapping still page-locked (no copy may be in flight)."""
+        with self._locked_lock:
+            held, self._locked = list(self._locked.values()), {}
+        if held:
+            self._unregister(self._cudart(), [addr for _, addr in held])
 
     def _register(self, cudart: Any, dst: np.ndarray) -> bool:
         err = cudart.cudaHostRegister(dst.ctypes.data, dst.nbytes, _PORTABLE)

@@ -543,6 +543,7 @@ class Checkpointer:
             pending = list(self._pending)
         cf.wait(pending)
         self._waiter.close()
+        self._copier.close()  # page-locked staging maps are unregistered
         if self._own_client:
             self.client.close()
 
