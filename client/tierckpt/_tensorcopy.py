@@ -118,6 +118,8 @@ class TensorCopier(Copier):
                             unregistered.append((src, dst))
                 done.append(side.record_event())
         except BaseException:
+            for dev in {s.device for s, _ in pairs}:  # nothing may still be copying into a map that goes
+                self._stream(dev).synchronize()
             self._unregister(cudart, registered)
             raise
         return cudart, registered, done, unregistered
