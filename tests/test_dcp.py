@@ -49,7 +49,8 @@ def _zeros_like_full() -> dict:
 
 
 def _worker(address: str, job: str) -> None:
-    """One rank: save step 1 (dcp.save) and 2 (dcp.async_save) with DTensor shards, load both back."""
+    """One rank: save step 1 (dcp.save), 2 (dcp.async_save) and 3 (async_save with tierckpt.dcp.Stager)
+    with DTensor shards, load them back."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -69,8 +70,16 @@ def _worker(address: str, job: str) -> None:
     for t in ("big", "small"):  # the staged copy is saved, not what training does next
         sd2[t].to_local().add_(1000)
     fut.result()
+    stager = tdcp.Stager()  # step 3: staged by tierckpt's AsyncStager (DTensor shards), off the caller's thread
+    sd3 = sharded(full_state(3))
+    resp = dcp.async_save(sd3, storage_writer=tdcp.Writer(job, 3, address=address), async_stager=stager)
+    resp.staging_completion.result()
+    for t in ("big", "small"):  # staged: training may change the tensors
+        sd3[t].to_local().add_(1000)
+    resp.upload_completion.result()
+    stager.close()
     dist.barrier()
-    for step, version in ((1, 1), (None, 2)):
+    for step, version in ((1, 1), (2, 2), (None, 3)):
         target = sharded(_zeros_like_full())
         dcp.load(target, storage_reader=tdcp.Reader(job, step, address=address))
         expect = sharded(full_state(version))
@@ -150,19 +159,20 @@ def _run_ranks(address: str, job: str, world: int = 2, timeout: float = 50, mode
         assert p.returncode == 0 and f"rank {r} ok" in out, f"rank {r} failed:\n{out[-4000:]}"
 
 
-def test_two_rank_save_async_save_load_and_reshard_to_one(daemon):
+def test_two_rank_save_async_save_load_and_reshard_to_one(daemon_factory):
+    daemon = daemon_factory(args=("--keep-local", "3"))
     _run_ranks(daemon.address, "dcpjob")
     with daemon.client() as c:
         infos = {i.step: i for i in c.list("dcpjob")}
-        assert set(infos) == {1, 2} and all(i.complete and i.world_size == 3 for i in infos.values())
-        assert c.latest("dcpjob") == 2
+        assert set(infos) == {1, 2, 3} and all(i.complete and i.world_size == 3 for i in infos.values())
+        assert c.latest("dcpjob") == 3
         meta = c.restore("dcpjob", rank=2, step=2)
         assert list(meta.shards) == [tdcp.METADATA_SHARD] and meta.metadata["dcp_world_size"] == 2
         # The 64 KiB half of "big" is its own shard on each rank; the rest is packed.
         assert len(c.restore("dcpjob", rank=1, step=2).shards) == 2
 
         # Resharding 2 -> 1: one process, no process group, reads both saved ranks.
-        for step, version in ((1, 1), (2, 2)):
+        for step, version in ((1, 1), (2, 2), (3, 3)):
             target = _zeros_like_full()
             dcp.load(target, storage_reader=tdcp.Reader("dcpjob", step, client=c))
             expect = full_state(version)

@@ -35,7 +35,7 @@ from .errors import (
 from .v1 import tierckpt_pb2 as pb
 
 __all__ = ["write_requests", "write_files", "Progress", "StagingMaps", "copy_into", "map_verified", "read_stream",
-           "hash_staged", "batches", "run_batched", "MAP_MIN"]
+           "hash_staged", "batches", "run_batched", "MAP_MIN", "UNMAP_HOOKS", "unmap"]
 
 _COPY_PIECE = 64 << 20
 """Bytes per copy task: large shards are split so that several I/O threads copy them."""
@@ -45,6 +45,9 @@ not one executor task each."""
 MAP_MIN = 1 << 20
 """Smaller recycled files are written with pwrite: a kept map (and its warming) per small file
 costs more than it saves."""
+UNMAP_HOOKS: list[Callable[[mmap.mmap], None]] = []
+"""Called with every staging map about to be unmapped (:func:`unmap`): a copier that page-locked
+it (``tierckpt._tensorcopy``) unregisters it first."""
 
 
 def batches(items: list, size_of: Callable[[Any], int], limit: int = _BATCH) -> list[list]:
@@ -97,7 +100,7 @@ class StagingMaps:
         """Unmap every kept map now (the client is closing: no save is in flight)."""
         with self._lock:
             maps, self._maps = [mm for mm, _ in self._maps.values()], {}
-        _unmap(maps)
+        unmap(maps)
 
     def new_save(self) -> None:
         """A save begins (maps it does not use age by one)."""
@@ -112,7 +115,7 @@ class StagingMaps:
         with self._lock:
             stale = [k for k, (_, used) in self._maps.items() if self._save - used > self.keep]
             maps = [self._maps.pop(k)[0] for k in stale]
-        _unmap(maps)
+        unmap(maps)
 
     def get(self, path: str, size: int) -> mmap.mmap | None:
         """The kept writable map of the file at ``path`` (by inode), mapped (MAP_POPULATE) and
@@ -128,6 +131,10 @@ class StagingMaps:
                 if hit is not None and len(hit[0]) == size:
                     self._maps[key] = (hit[0], self._save)
                     return hit[0]
+                if hit is not None:  # the file was resized: its old map goes
+                    del self._maps[key]
+            if hit is not None:
+                unmap([hit[0]])
             try:
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -140,8 +147,11 @@ class StagingMaps:
             os.close(fd)
 
 
-def _unmap(maps: list[mmap.mmap]) -> None:
+def unmap(maps: list[mmap.mmap]) -> None:
+    """Unmap staging maps (the :data:`UNMAP_HOOKS` first)."""
     for mm in maps:
+        for hook in list(UNMAP_HOOKS):
+            hook(mm)
         try:
             mm.close()
         except BufferError:  # still exported by an in-flight user: unmapped when it lets go

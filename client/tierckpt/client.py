@@ -32,6 +32,7 @@ from ._catalog import CatalogMixin, CheckpointInfo, RankLocation, StepAvailabili
 from ._loans import Loans
 from ._restore import materialize, read_only_arrays
 from ._saveplan import SavePlanner, split_packed
+from ._staging import Copier, Deferred, HostCopier, Stager
 from ._transfer import StagingMaps, copy_into, hash_staged, run_batched, typed_os_error, write_requests
 from ._visible import FsView, Reporter, call_restore, log
 from .common.names import (
@@ -183,19 +184,33 @@ def _staged_copies(buffers: list[ShardBuffer], maps: dict[str, Any], staged: dic
     return paths_sizes, packed
 
 
-def _unshared(begun: pb.BeginSaveResponse, buffers: list[ShardBuffer], fut: SaveFuture) -> list[ShardBuffer]:
-    """The buffers to write: the daemon linked the shared ones from the base step."""
-    shared = {s.name for s in begun.shards if s.shared}
-    if not shared:
-        return buffers
-    fut.shared_bytes = sum(b.nbytes for b in buffers if b.name in shared)
-    return [b for b in buffers if b.name not in shared]
+def _unshared(begun: pb.BeginSaveResponse, buffers: list[ShardBuffer], later: list[tuple[str, Deferred]],
+              fut: SaveFuture) -> tuple[list[ShardBuffer], list[tuple[str, Deferred, pb.StagedShard]]]:
+    """The buffers and deferred shards to write (with their staging files): the daemon linked the
+    shared ones from the base step."""
+    staged = {s.name: s for s in begun.shards}
+    shared = {n for n, s in staged.items() if s.shared}
+    fut.shared_bytes = sum(b.nbytes for b in buffers if b.name in shared) + sum(d.nbytes for n, d in later
+                                                                                if n in shared)
+    return [b for b in buffers if b.name not in shared], [(n, d, staged[n]) for n, d in later if n not in shared]
+
+
+def _split_deferred(shards: Mapping[str, Any]) -> tuple[list[ShardBuffer], list[tuple[str, Deferred]]]:
+    """The shards copied in save() (as buffers) and the deferred ones (see :mod:`tierckpt._staging`)."""
+    later = [(n, v) for n, v in shards.items() if isinstance(v, Deferred)]
+    return [as_buffer(n, v) for n, v in shards.items() if not isinstance(v, Deferred)], later
 
 
 class SaveFuture(cf.Future):
     """Resolves to a :class:`SaveResult` when the rank is committed in the local tier.
 
     ``wait("peer" | "persistent")`` additionally waits for a background tier.
+
+    ``staged`` (a :class:`concurrent.futures.Future`) resolves once every byte of the save is in
+    the local tier's staging files: from then on the caller may change the buffers it saved. It
+    is already done when ``save()`` returns, except for :class:`~tierckpt._staging.Deferred`
+    shards (the torch integrations' tensors), copied after ``save()`` returned. A failed copy
+    fails ``staged`` and the future alike; the future never resolves before ``staged``.
     """
 
     def __init__(self, client: Client, job: str, step: int, rank: int) -> None:
@@ -204,6 +219,17 @@ class SaveFuture(cf.Future):
         self.job, self.step, self.rank = job, step, rank
         self.blocking_seconds = 0.0
         self.shared_bytes = 0
+        self.staged: cf.Future = cf.Future()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until ``staged`` (the caller may then change what it saved); raises its failure."""
+        self.staged.result(timeout)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        """Fail the save, and ``staged`` too if it was not reached (nobody waits for it forever)."""
+        if not self.staged.done():
+            self.staged.set_exception(exception)
+        super().set_exception(exception)
 
     def wait(self, tier: str = "local", timeout: float | None = None) -> list[str]:
         """Block until the rank is in ``tier``; returns the nodes holding it there.
@@ -302,6 +328,7 @@ class Client(CatalogMixin, DataManagementMixin):
         self._planner = SavePlanner()
         self._maps = StagingMaps()
         self._loans = Loans(self._release)
+        self._stager = Stager(self._maps, self._io)
         self._node_id: str | None = None
         self._fs_hidden = False
         self._closed = False
@@ -313,6 +340,7 @@ class Client(CatalogMixin, DataManagementMixin):
         if self._closed:
             return
         self._closed = True
+        self._stager.shutdown()
         self._committer.shutdown(wait=True)
         self._loans.stop(timeout=5.0)
         self._io.shutdown(wait=True)
@@ -335,7 +363,8 @@ class Client(CatalogMixin, DataManagementMixin):
 
     def save(self, job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any], *,
              metadata: Mapping[str, Any] | None = None, persist: bool = False,
-             policy: JobPolicy | None = None, unchanged: Iterable[str] = ()) -> SaveFuture:
+             policy: JobPolicy | None = None, unchanged: Iterable[str] = (),
+             copier: Copier | None = None) -> SaveFuture:
         """Stage one rank's shards and commit them in the background.
 
         ``policy`` (a :class:`JobPolicy`) sets the job's ``keep_local`` / ``keep_persistent`` /
@@ -348,6 +377,9 @@ class Client(CatalogMixin, DataManagementMixin):
 
         Returns once the bytes are copied out of the caller's buffers: the caller may modify them
         immediately. The future resolves when the rank is committed in the local tier.
+        Shards given as :class:`~tierckpt._staging.Deferred` are the exception: ``copier``
+        (default: host arrays, ``np.copyto``) copies them into the staging files after this call
+        returned; they must not change until the future's ``staged``.
 
         Raises:
             InvalidArgumentError: a bad name, rank, buffer or metadata, or an ``unchanged`` name that
@@ -357,22 +389,26 @@ class Client(CatalogMixin, DataManagementMixin):
         """
         t0 = time.perf_counter()
         hint = _check_save(job, step, rank, world_size, shards, unchanged)
-        buffers = [as_buffer(n, v) for n, v in shards.items()]
+        buffers, later = _split_deferred(shards)
+        copier = copier or HostCopier()
+        mark = copier.mark([d.source for _, d in later]) if later else None  # the bytes of this point
         meta = _encode_metadata(metadata)
         pol = policy.to_pb() if policy is not None else None
         stream = self.transfer == "stream" or self._fs_hidden
         specs, layout = self._planner.plan(buffers, self.pack_below, self.pack_min_shards)
         buffers, pack = split_packed(buffers, layout)  # the small shards go in one pack shard (see _pack)
+        specs = [*specs, *(pb.ShardSpec(name=n, size=d.nbytes, dtype=d.dtype, shape=list(d.shape)) for n, d in later)]
         req = pb.BeginSaveRequest(job=job, step=step, rank=rank, world_size=world_size, shards=specs,
                                   transfer=pb.TRANSFER_STREAM if stream else pb.TRANSFER_SHARED_FS)
         self._planner.hint(req, hint)
         begun, stream = self._begin(req, stream)
         fut = SaveFuture(self, job, step, rank)
-        buffers = _unshared(begun, buffers, fut)
+        buffers, deferred = _unshared(begun, buffers, later, fut)
         digests: dict[str, str] | None = None  # streamed saves: filled as the stream is sent
         try:
-            if stream:
-                digests = {}
+            if stream:  # no staging files to copy deferred shards into: host copies now
+                buffers += [ShardBuffer(n, copier.host_copy(d.source), d.dtype, d.shape) for n, d, _ in deferred]
+                deferred, digests = [], {}
                 self._call(self._stub.WriteShard, write_requests(begun.save_id, buffers, digests, pack), "WriteShard",
                            timeout=None)
             else:
@@ -381,13 +417,18 @@ class Client(CatalogMixin, DataManagementMixin):
         except BaseException:
             self._abort(begun.save_id)
             raise
+        stage = self._stager.submit(fut.staged, copier, mark, deferred) if deferred else None
+        if stage is None:
+            fut.staged.set_result(None)
+        sizes = [(n, d.nbytes) for n, d, _ in deferred]
+        del later, deferred  # the sources stay referenced by the staging thread only until copied
         fut.blocking_seconds = time.perf_counter() - t0
         paths_sizes: list[tuple[str, Any, int]] = []
         packed: tuple | None = None
         if not stream:  # hashed from the staged copies (kept maps, else the files)
             paths_sizes, packed = _staged_copies(buffers, maps, staged, layout)
         self._committer.submit(self._finish, fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol,
-                               packed)
+                               packed, (stage, sizes))
         return fut
 
     def _begin(self, req: pb.BeginSaveRequest, stream: bool) -> tuple[pb.BeginSaveResponse, bool]:
@@ -409,12 +450,16 @@ class Client(CatalogMixin, DataManagementMixin):
 
     def _finish(self, fut: SaveFuture, save_id: str, digests: dict[str, str] | None,
                 paths_sizes: list[tuple[str, Any, int]], meta: str, persist: bool, t0: float,
-                policy: pb.JobPolicy | None = None, packed: tuple[_pack.Layout, Any, str] | None = None) -> None:
-        if not fut.set_running_or_notify_cancel():
-            self._abort(save_id)
-            return
-        digests_streamed = digests is not None
+                policy: pb.JobPolicy | None = None, packed: tuple[_pack.Layout, Any, str] | None = None,
+                deferred: tuple[cf.Future | None, list[tuple[str, int]]] = (None, [])) -> None:
+        digests_streamed, dests = digests is not None, None
         try:
+            if deferred[0] is not None:  # no commit before staged: a failed copy aborts the save
+                dests = deferred[0].result()
+                paths_sizes = [*paths_sizes, *((n, dests.maps[n] if size else "", size) for n, size in deferred[1])]
+            if not fut.set_running_or_notify_cancel():
+                self._abort(save_id)
+                return
             if digests is None:  # staged through the shared dir: hash the staged copies
                 digests = {}
                 if packed is not None:
@@ -438,8 +483,11 @@ class Client(CatalogMixin, DataManagementMixin):
                 e = typed_os_error(e, "commit")
             elif not isinstance(e, TierckptError):
                 e = InternalError(f"commit failed: {e!r}")
-            fut.set_exception(e)
+            if not fut.cancelled():
+                fut.set_exception(e)
         finally:
+            if dests is not None:
+                dests.close()
             self._maps.trim()  # in this background thread, not in a later save's blocking path
 
     def _abort(self, save_id: str) -> None:

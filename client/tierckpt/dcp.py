@@ -9,6 +9,10 @@
     fut = dcp.async_save(sd, storage_writer=tierckpt.dcp.Writer("job", step))
     dcp.load(sd, storage_reader=tierckpt.dcp.Reader("job", step))     # step=None: the latest
 
+    stager = tierckpt.dcp.Stager()    # stage() does not stop the trainer (see tierckpt._dcpstage)
+    resp = dcp.async_save(sd, storage_writer=tierckpt.dcp.Writer("job", step), async_stager=stager)
+    # resp.staging_completion: the tensors may change; the next optimizer step waits for it
+
 Layout of a DCP checkpoint of ``W`` ranks as tierckpt step ``(job, step)`` of world size ``W + 1``:
 
 * tierckpt rank ``r < W`` holds the write items of DCP rank ``r``: every item (a tensor chunk or
@@ -69,6 +73,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import errors as _errors
+from ._dcpstage import Stager
 from .client import Checkpoint, Client
 from .common.names import check_job, check_step
 from .errors import (
@@ -81,7 +86,7 @@ from .errors import (
 )
 from .torch import PACKED_SHARD, TensorLoc, bytes_of, pack_tensors, shard_name, view_tensor
 
-__all__ = ["Writer", "Reader", "ItemLoc", "METADATA_SHARD", "held_ranks", "loadable"]
+__all__ = ["Writer", "Reader", "Stager", "ItemLoc", "METADATA_SHARD", "held_ranks", "loadable"]
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,10 @@ The Trainer keeps deciding when to save (``save_strategy``, ``save_steps``) and 
 checkpoint holds (model weights, optimizer, scheduler, scaler, RNG states, ``trainer_state.json``):
 at each save point, after it has written ``output_dir/checkpoint-<step>``,
 :meth:`TierckptCallback.on_save` stores every file of that folder as one shard of tierckpt step
-``<step>`` (the files are mapped and copied straight into the daemon's staging files; the commit
-runs in the background). :meth:`TierckptCallback.restore` writes the newest step every rank can
+``<step>`` (the files are mapped and copied straight into the daemon's staging files after
+``on_save`` returned, on the client's staging thread; the commit follows in the background).
+Nothing waits for ``staged`` at the next optimizer step: the sources are the Trainer's files,
+which the next update does not overwrite. :meth:`TierckptCallback.restore` writes the newest step every rank can
 restore back into ``output_dir/checkpoint-<step>`` (from the nearest tier: after a node loss, a
 peer or the object store) and returns that path for ``resume_from_checkpoint``, so the Trainer
 resumes exactly as from its own folder, data-loader position and RNG states included.
@@ -36,6 +38,7 @@ from typing import Any
 import numpy as np
 from transformers import TrainerCallback
 
+from ._staging import Deferred
 from .agree import agree_restore_step
 from .client import Client, SaveFuture
 from .common.names import check_job
@@ -140,7 +143,11 @@ class TierckptCallback(TrainerCallback):
         shards: dict[str, Any] = {}
         for name, rel in names.items():
             path = os.path.join(folder, rel)
-            shards[name] = np.memmap(path, mode="r") if os.path.getsize(path) else b""
+            if os.path.getsize(path):
+                mm = np.memmap(path, mode="r")
+                shards[name] = Deferred(mm, mm.nbytes, mm.dtype.str, mm.shape)  # copied after on_save returned
+            else:
+                shards[name] = b""
         if not shards:
             shards["empty"] = b""  # this process wrote nothing here; it still commits its rank
         meta = {"tierckpt.format": FORMAT, "files": names, "global_step": step, "epoch": state.epoch}
@@ -155,7 +162,7 @@ class TierckptCallback(TrainerCallback):
             self._failed(step, e)
             return
         finally:
-            shards.clear()  # drop the file maps: the bytes are staged (or the save failed)
+            shards.clear()  # the staging thread holds the file maps until they are copied
         with self._lock:
             self._pending.append(fut)
         fut.add_done_callback(self._done)

@@ -279,8 +279,7 @@ class CheckpointManager:
             self.stats.last_error = repr(err)
 
     def _log_failure(self, fut: cf.Future) -> None:
-        err = fut.exception()
-        if err is not None:
+        if (err := fut.exception()) is not None:
             log.warning("checkpoint save of %s step %s rank %d failed%s: %s: %s", self.job, getattr(fut, "step", "?"),
                         self.rank, "" if self.raise_on_error else "; training goes on", type(err).__name__, err)
 
@@ -323,6 +322,8 @@ class CheckpointManager:
             pending = list(self._pending)
         cf.wait(pending)
         self._reap()
+        if self._torch is not None:
+            self._torch.close()  # its pre-step hook goes (the client is this manager's to close)
         if self._own_client:
             self.client.close()
 

@@ -17,8 +17,19 @@ Layout of one rank in the store: every tensor of at least ``pack_below`` bytes i
 (named after its path, e.g. ``t.model.layers.0.weight``); smaller ones are packed, 64-byte
 aligned, into one ``packed`` shard; everything that is not a tensor travels in the pickled
 ``objects.pkl`` shard, which also maps tensor paths to (shard, offset, dtype, shape). Identical
-views (tied weights) are stored once. CUDA tensors are staged through reusable pinned host
-buffers; on CPU the client copies straight from the tensors' memory.
+views (tied weights) are stored once.
+
+Saving does not stop the trainer: :meth:`Checkpointer.save` returns once the copies are enqueued.
+Tensors with their own shard (and, on a GPU, one device-side pack of the small ones) are copied
+straight into the local tier's staging files after ``save()`` returned, CUDA tensors on a
+dedicated stream after an event on the current stream, into page-locked staging mappings (one
+host copy; see :mod:`tierckpt._tensorcopy`). The returned future's ``staged`` says when the
+saved tensors may change; the Checkpointer waits for it before the next optimizer step (a global
+optimizer step pre-hook), never in ``save()``. Code that writes saved tensors in place outside an
+optimizer step (an EMA updated before the step, a write through ``.data``) calls
+:meth:`Checkpointer.wait_staged` first. Small CPU tensors (the ``packed`` shard) and the objects
+are copied in ``save()``, so module buffers updated in ``forward`` (BatchNorm statistics) are
+saved as they were at ``save()``.
 
 Restoring maps the shards copy-on-write: :meth:`Checkpointer.read` hands back tensors that share
 that memory (zero copy; a write touches private copies of the pages, never the stored checkpoint),
@@ -50,6 +61,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ._hooks import StagedWaiter
+from ._staging import Deferred
+from ._tensorcopy import TensorCopier, tensor_bytes
 from .agree import agree_restore_step, restore_same_world
 from .client import Checkpoint, Client, SaveFuture
 from .common.names import check_job
@@ -94,11 +108,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous CPU tensor."""
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
 def shard_name(path: str, taken: set[str], prefix: str = "t.") -> str:
     """A valid, unique shard name for a tensor path (``[A-Za-z0-9._-]``, no ``..``)."""
     base = re.sub(r"\.{2,}", ".", _BAD_CHARS.sub("_", prefix + path))[:200]
@@ -110,14 +119,27 @@ def shard_name(path: str, taken: set[str], prefix: str = "t.") -> str:
     return name
 
 
-def pack_tensors(items: list[tuple[str, torch.Tensor]], pack_below: int,
-                 max_own: int = _MAX_OWN_SHARDS) -> tuple[dict[str, Any], list[TensorLoc]]:
-    """Lay CPU tensors out as shards: large ones on their own, small ones packed into one buffer.
+def deferred(t: torch.Tensor) -> Deferred:
+    """A contiguous tensor as a shard copied after ``save()`` returned (see :mod:`tierckpt._staging`)."""
+    return Deferred(t, t.numel() * t.element_size(), "torch:" + _dtype_name(t.dtype), tuple(t.shape))
+
+
+def _pack_name(device: torch.device) -> str:
+    return PACKED_SHARD if device.type == "cpu" else f"{PACKED_SHARD}.{device.type}{device.index or 0}"
+
+
+def pack_tensors(items: list[tuple[str, torch.Tensor]], pack_below: int, max_own: int = _MAX_OWN_SHARDS,
+                 defer: bool = False) -> tuple[dict[str, Any], list[TensorLoc]]:
+    """Lay tensors out as shards: large ones on their own, small ones packed into one buffer.
 
     Args:
-        items: (shard name, contiguous CPU tensor) in table order; names are already unique.
+        items: (shard name, contiguous tensor) in table order; names are already unique. Without
+            ``defer`` every tensor is on the CPU.
         pack_below: tensors with fewer bytes go into the ``packed`` shard.
         max_own: at most this many tensors get their own shard (the largest ones).
+        defer: tensors with their own shard are given as :class:`Deferred` (copied after
+            ``save()`` returned); small tensors of a GPU are packed on that GPU (a device-side
+            copy, ordered before the trainer's next kernels) into a deferred ``packed.cudaN``.
 
     Returns:
         The shards for :meth:`Client.save` and one :class:`TensorLoc` per item.
@@ -127,24 +149,31 @@ def pack_tensors(items: list[tuple[str, torch.Tensor]], pack_below: int,
     own = set(big)
     shards: dict[str, Any] = {}
     locs: list[TensorLoc | None] = [None] * len(items)
-    offset = 0
-    packed_at: dict[int, int] = {}
+    packed_at: dict[str, tuple[torch.device, int]] = {}  # pack shard -> (device, its size so far)
     for i, (name, t) in enumerate(items):
         if i in own:
-            shards[name] = t
+            shards[name] = deferred(t) if defer else t
             locs[i] = TensorLoc(name, 0, sizes[i], _dtype_name(t.dtype), tuple(t.shape))
         else:
-            packed_at[i] = offset
-            locs[i] = TensorLoc(PACKED_SHARD, offset, sizes[i], _dtype_name(t.dtype), tuple(t.shape))
-            offset += -(-sizes[i] // _ALIGN) * _ALIGN
-    if packed_at:
-        buf = np.empty(max(offset, 1), dtype=np.uint8)
-        flat = torch.from_numpy(buf)
-        for i, off in packed_at.items():
-            if sizes[i]:
-                flat[off : off + sizes[i]].copy_(_as_bytes(items[i][1]))
-        shards[PACKED_SHARD] = buf
+            pack = _pack_name(t.device) if defer else PACKED_SHARD
+            offset = packed_at.setdefault(pack, (t.device, 0))[1]
+            locs[i] = TensorLoc(pack, offset, sizes[i], _dtype_name(t.dtype), tuple(t.shape))
+            packed_at[pack] = (t.device, offset + -(-sizes[i] // _ALIGN) * _ALIGN)
+    for pack, (device, size) in packed_at.items():
+        flat = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)
+        for loc, (_, t) in zip(locs, items):
+            if loc is not None and loc.shard == pack and loc.nbytes:
+                flat[loc.offset : loc.offset + loc.nbytes].copy_(tensor_bytes(t))
+        shards[pack] = flat.numpy() if device.type == "cpu" else deferred(flat)
     return shards, locs  # type: ignore[return-value]
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where contiguous (CPU or CUDA), else a contiguous copy on its device; other
+    devices are copied to the CPU."""
+    if t.device.type not in ("cpu", "cuda"):
+        return t.to("cpu").contiguous()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def bytes_of(ck: Checkpoint, shard: str) -> torch.Tensor:
@@ -397,7 +426,8 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._pending: set[SaveFuture] = set()
         self._deferred: BaseException | None = None
-        self._pinned: dict[tuple, torch.Tensor] = {}
+        self._copier = TensorCopier()
+        self._waiter = StagedWaiter()  # staged, awaited before the next optimizer step
         self.incremental = bool(incremental)
         self._prints: dict[str, _Print] = {}  # shard -> fingerprint at the last committed save (incremental)
 
@@ -407,10 +437,14 @@ class Checkpointer:
              persist: bool = False) -> SaveFuture:
         """Save ``state`` as ``step`` of this rank.
 
-        Returns once every byte has been copied out of the state: training may modify it at once.
-        The future resolves to a :class:`tierckpt.SaveResult` when the rank is committed locally;
-        its ``total_blocking_seconds`` is the time this call held the caller (state dicts, GPU
-        staging, packing and the client's copy).
+        Returns once the copies are enqueued (the objects and small CPU tensors are copied here;
+        tensors with their own shard, and everything on a GPU, after this call returned). The
+        future's ``staged`` resolves once every byte is in the local tier's staging files: the
+        saved tensors must not change before it. This Checkpointer waits for it before the next
+        ``step()`` of any optimizer; anything else that writes saved tensors in place first calls
+        :meth:`wait_staged`. The future resolves to a :class:`tierckpt.SaveResult` when the rank
+        is committed locally (never before ``staged``); its ``total_blocking_seconds`` is the
+        time this call held the caller.
 
         Args:
             metadata: a small JSON object stored in the manifest (see :attr:`Restored.metadata`).
@@ -427,10 +461,11 @@ class Checkpointer:
         tensors: list[tuple[str, torch.Tensor]] = []
         seen: dict = {}
         skeleton = {k: _split(_state_of(v), str(k), tensors, seen) for k, v in state.items()}
-        cpu = self._to_host([t for _, t in tensors])
+        srcs = [_contiguous(t) for _, t in tensors]
         taken: set[str] = set()
         names = [shard_name(p, taken) for p, _ in tensors]
-        shards, locs = pack_tensors(list(zip(names, cpu)), self.pack_below)
+        shards, locs = pack_tensors(list(zip(names, srcs)), self.pack_below, defer=True)
+        del srcs
         devices = [str(t.device) for _, t in tensors]
         locs = [dataclasses.replace(loc, device=d) for loc, d in zip(locs, devices)]
         shards[OBJECTS_SHARD] = pickle.dumps({"format": FORMAT, "state": skeleton, "tensors": locs},
@@ -443,7 +478,8 @@ class Checkpointer:
             unchanged = [n for n, p in prints.items() if (was := self._prints.get(n)) is not None and was.same(p)]
         try:
             fut = self.client.save(self.job, step, self.rank, self.world_size, shards, metadata=meta,
-                                   persist=persist, unchanged=unchanged)
+                                   persist=persist, unchanged=unchanged, copier=self._copier)
+            self._waiter.add(fut.staged)
         except InvalidArgumentError:
             raise  # a bad name or metadata is a bug in the caller, not a storage failure
         except (TierckptError, OSError) as e:
@@ -461,27 +497,11 @@ class Checkpointer:
         fut.add_done_callback(functools.partial(self._done, prints=prints))
         return fut
 
-    def _to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """CPU, contiguous versions; CUDA tensors go through cached pinned buffers."""
-        out, streams, pinned = [], set(), {}
-        for i, t in enumerate(tensors):
-            if t.device.type == "cuda":
-                key = (i, tuple(t.shape), t.dtype)
-                buf = self._pinned.get(key)
-                if buf is None:
-                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                pinned[key] = buf
-                buf.copy_(t, non_blocking=True)
-                streams.add(torch.cuda.current_stream(t.device))
-                out.append(buf)
-            elif t.device.type != "cpu":
-                out.append(t.to("cpu").contiguous())
-            else:
-                out.append(t if t.is_contiguous() else t.contiguous())
-        for s in streams:
-            s.synchronize()
-        self._pinned = pinned  # reused by the next save of the same layout; others are freed
-        return out
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until the saves started so far are staged (their tensors may change); whether all
+        are by ``timeout``. Called before every optimizer step; call it before other in-place
+        writes to saved tensors. A failed copy is not raised here (its save's future fails)."""
+        return self._waiter.wait(timeout)
 
     def _done(self, fut: cf.Future, prints: dict[str, _Print] | None = None) -> None:
         err = fut.exception()
@@ -522,6 +542,8 @@ class Checkpointer:
         with self._lock:
             pending = list(self._pending)
         cf.wait(pending)
+        self._waiter.close()
+        self._copier.close()  # page-locked staging maps are unregistered
         if self._own_client:
             self.client.close()
 

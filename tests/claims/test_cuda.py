@@ -5,15 +5,19 @@ real daemon and check what comes back, on the device, byte for byte:
 
 - a training state on the GPU (module, AdamW state, a bfloat16 and a strided tensor) is restored
   onto the GPU in place, equal to what was saved;
-- the pinned host buffers that stage device-to-host copies are reused by the next save of the
-  same layout, and a tensor changed right after ``save()`` returns does not change the saved
-  bytes (the copy completed before the call returned), nor does the reuse change older steps;
+- ``save()`` returns while the GPU is still busy with queued work (it never synchronizes), the
+  saved bytes are those of the point of ``save()`` in the stream's order, copied into page-locked
+  staging mappings (no pinned pool), or through the reused pinned pool where registration is off;
+- the optimizer step after a save waits for ``staged`` (the saved bytes are those before the step);
+- ``tierckpt.dcp.Stager``: ``dcp.async_save`` returns while the GPU is busy and stages the bytes
+  of that point;
 - the CUDA RNG state round-trips (the same random numbers after a load);
 - ``map_location="cpu"`` loads a GPU checkpoint into host tensors.
 """
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import pytest
@@ -102,20 +106,66 @@ def test_a_gpu_training_state_is_restored_onto_the_gpu(daemon) -> None:
     assert all(p.is_cuda for p in model2.parameters()) and extra2["bf16"].is_cuda
 
 
-def test_pinned_staging_buffers_are_reused_and_never_stale(daemon) -> None:
-    w = torch.arange(1 << 16, dtype=torch.float32, device="cuda")
-    first = w.cpu().clone()
-    with Checkpointer("pinned", address=daemon.address) as ck:
-        fut = ck.save(1, {"w": w})
-        w.add_(1)  # the trainer goes on at once: the saved bytes are the ones before
+def _slow_work_then(w: torch.Tensor, value: float) -> float:
+    """Queue ~0.2 s or more of matmuls on the current stream, then ``w.fill_(value)``; returns the
+    seconds the matmuls take on their own (measured first, with events)."""
+    a = torch.randn(4096, 4096, device="cuda") / 64
+
+    def burn() -> None:
+        x = a
+        for _ in range(40):
+            x = torch.tanh(x @ a)
+
+    burn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    burn()
+    end.record()
+    end.synchronize()
+    burn()  # queued again: the save below is called while this runs
+    w.fill_(value)
+    return start.elapsed_time(end) / 1000
+
+
+@pytest.mark.parametrize("register", [True, False], ids=["registered-staging-maps", "pinned-pool"])
+def test_save_does_not_wait_for_the_gpu_and_saves_the_bytes_of_save_time(daemon, register) -> None:
+    w = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")  # 256 MiB
+    small = torch.zeros(100, device="cuda")  # packed on the device
+    with Checkpointer("async", address=daemon.address) as ck:
+        ck._copier.register = register
+        ck._copier.refused = not register
+        busy = _slow_work_then(w, 7.0)
+        small.fill_(3.0)
+        t0 = time.perf_counter()
+        fut = ck.save(1, {"w": w, "small": small})
+        blocking = time.perf_counter() - t0
+        assert blocking < busy / 2, (blocking, busy)  # save() did not wait for the queued work
+        ck.wait_staged(60)
+        assert fut.staged.done() and fut.staged.exception() is None
+        w.fill_(9.0)  # staged: the trainer may change the tensors
+        small.fill_(4.0)
         fut.result(60)
-        bufs = {k: b.data_ptr() for k, b in ck._pinned.items()}
-        assert bufs and all(b.is_pinned() for b in ck._pinned.values())
-        ck.save(2, {"w": w}).result(60)
-        assert {k: b.data_ptr() for k, b in ck._pinned.items()} == bufs  # the same pinned pages again
-        one, two = ck.read(1), ck.read(2)
-        assert one is not None and two is not None
-        assert torch.equal(one.state["w"], first) and torch.equal(two.state["w"], first + 1)
+        got = ck.read(1).state
+        assert torch.equal(got["w"], torch.full((64 << 20,), 7.0))
+        assert torch.equal(got["small"], torch.full((100,), 3.0))
+        if register:  # one host copy: no pinned pool was needed (the staging maps were page-locked)
+            assert not ck._copier.refused and ck._copier._pool == []
+        else:
+            assert len(ck._copier._pool) == 2 and all(b.is_pinned() for b in ck._copier._pool)
+
+
+def test_the_optimizer_step_after_a_save_waits_for_staged(daemon) -> None:
+    model, opt = _trained(0)
+    want = _host(model.state_dict())
+    with Checkpointer("step", address=daemon.address) as ck:
+        fut = ck.save(1, {"model": model, "optim": opt})
+        x = torch.randint(0, 50, (4, 9), device="cuda")
+        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, 50), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()  # the pre-step hook waited for staged
+        assert fut.staged.done()
+        fut.result(60)
+        _assert_restored(ck.read(1).state["model"], {k: _Was(torch.device("cpu"), v.values) for k, v in want.items()})
 
 
 def test_cuda_rng_state_round_trips(daemon) -> None:
@@ -139,3 +189,25 @@ def test_map_location_cpu_loads_a_gpu_checkpoint_into_host_tensors(daemon) -> No
         ck.load(state)
     assert state["t"].device.type == "cpu" and torch.equal(state["t"], t.cpu())
     assert state["nested"]["u"].device.type == "cpu" and torch.equal(state["nested"]["u"], t[:, :3].cpu())
+
+
+def test_dcp_stager_returns_before_the_gpu_copy_and_stages_the_bytes_of_stage_time(daemon) -> None:
+    import tierckpt
+    import tierckpt.dcp as tdcp
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.zeros(32 << 20, device="cuda")  # 128 MiB
+    busy = _slow_work_then(w, 5.0)
+    stager = tdcp.Stager()
+    with tierckpt.Client(daemon.address) as c:
+        t0 = time.perf_counter()
+        resp = dcp.async_save({"w": w}, storage_writer=tdcp.Writer("dcpgpu", 1, client=c), async_stager=stager,
+                              no_dist=True)
+        assert time.perf_counter() - t0 < busy / 2  # async_save did not wait for the queued GPU work
+        resp.staging_completion.result(60)
+        w.fill_(6.0)  # staged: the tensor may change
+        resp.upload_completion.result(60)
+        got = {"w": torch.empty(32 << 20)}
+        dcp.load(got, storage_reader=tdcp.Reader("dcpgpu", 1, client=c), no_dist=True)
+    stager.close()
+    assert torch.equal(got["w"], torch.full((32 << 20,), 5.0))
