@@ -75,7 +75,7 @@ def take_dir_lock(fs: LocalDir) -> int:
     return fd
 
 
-TOP_DIRS = ("staging", "recycle", "jobs", QUARANTINE_DIR, POLICY_DIR, "drain-queue")
+TOP_DIRS = ("staging", "recycle", "reserve", "jobs", QUARANTINE_DIR, POLICY_DIR, "drain-queue")
 """The directories directly below the local dir (``drain-queue`` is the persistent tier's queue)."""
 
 
