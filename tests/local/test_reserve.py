@@ -178,3 +178,32 @@ def test_bad_local_reserve_is_one_line_naming_the_field(scratch):
         assert p.returncode == 2, p.stderr
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and "local_reserve" in lines[0], p.stderr
+
+
+def test_replicas_take_the_receivers_reserve_and_a_restart_keeps_it(daemon_factory):
+    from ..harness import Cluster
+
+    reserve = ("--local-reserve", "16MiB", "--knobs", f"reserve_extent={4 * MIB}")
+    cl = Cluster(daemon_factory, 2, extra=reserve)
+    state = {"w": np.arange(MIB, dtype=np.float32)}  # one 4 MiB shard
+    with cl.d["n0"].client() as c0, cl.d["n1"].client() as c1:
+        for c in (c0, c1):
+            wait_until(lambda c=c: c.status().reserve_ready_bytes == 16 * MIB, 60, "the reserve filled", 0.05)
+        fut = c0.save("job", 1, 0, 1, state)
+        fut.result(30)
+        holders = fut.wait("peer", timeout=60)
+        receiver = c1 if holders == ["n1"] else c0
+        assert receiver.status().reserve_taken_bytes >= 4 * MIB  # the replica's staging file came from it
+        # Refilled in the background once idle.
+        wait_until(lambda: receiver.status().reserve_ready_bytes == 16 * MIB, 60, "the reserve refilled", 0.05)
+    n1 = cl.d["n1"]
+    with n1.client() as c:
+        wait_until(lambda: c.status().reserve_ready_bytes == 16 * MIB, 60, "the reserve full", 0.05)
+    files = {p.name for p in (n1.local_dir / "reserve").iterdir()}
+    n1.terminate()
+    n1.start()
+    with n1.client() as c:
+        wait_until(lambda: c.status().reserve_ready_bytes == 16 * MIB, 60, "the reserve kept", 0.05)
+        # The files it found are kept (their pages stay resident), none added.
+        assert {p.name for p in (n1.local_dir / "reserve").iterdir()} == files
+        assert c.status().reserve_taken_bytes == 0  # a new daemon's counter

@@ -33,6 +33,9 @@ node is idle. At start-up, files left in ``reserve/`` by a previous run (regular
 ``<size>.<id>`` of that size) are kept up to the target and touched again; anything else there is
 removed (a symlink as a link).
 
+With a reserve, the store neither warms pool files after commits nor takes peers' WarmReplica
+hints (:mod:`.warm`): the reserve holds the pages they would add.
+
 Every file operation goes through :class:`.localfs.LocalDir` (no symlink is followed). The
 in-memory state is guarded by the store's lock (methods ending in ``_locked``); file moves of
 taken files happen outside it, on files no one else can take.

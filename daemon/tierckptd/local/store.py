@@ -169,6 +169,7 @@ class LocalStore(StoreRetention):
         self.warm = WarmPages(self._lock, self._catalog, self._recycle, lambda: self.capacity - self._used_locked(),
                               self._saves.busy, self._saves.open_jobs_locked, self.policies.keep_local,
                               lambda tmpfs: machine_headroom(self._fs.fd, tmpfs))
+        self.warm.hints_off = bool(reserve)  # the reserve holds what hinted pool files would add
         self._committer = Committer(self._lock, self._saves, self._layout, self._catalog, self._recycle,
                                     self._retain_locked, max_metadata_bytes)
 
