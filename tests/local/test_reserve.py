@@ -4,6 +4,7 @@ cleaned at restart, never through a symlink."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -166,6 +167,15 @@ def test_a_daemon_with_a_reserve_saves_into_it(daemon_factory):
         ck = c.restore("job", 0, step=3)
         assert all(np.array_equal(ck.shards[k], v) for k, v in state.items())
         ck.close()
+    from tests.harness import _BIN_DIR
+
+    p = subprocess.run([str(_BIN_DIR / "tierckpt"), "--address", d.address, "status", "--json"],
+                       capture_output=True, text=True, timeout=30)
+    local = json.loads(p.stdout)["local_tier"]
+    assert local["reserve_target_bytes"] == 24 * MIB and local["reserve_taken_bytes"] == 24 * MIB
+    p = subprocess.run([str(_BIN_DIR / "tierckpt"), "--address", d.address, "status"],
+                       capture_output=True, text=True, timeout=30)
+    assert ", reserve " in p.stdout and " of 24.0 MiB)" in p.stdout, p.stdout
 
 
 def test_bad_local_reserve_is_one_line_naming_the_field(scratch):
