@@ -153,7 +153,13 @@ def test_a_reserve_larger_than_the_capacity_is_a_config_error(scratch):
 
 
 def test_a_daemon_with_a_reserve_saves_into_it(daemon_factory):
-    d = daemon_factory(args=("--local-reserve", "24MiB", "--keep-local", "2", "--knobs", f"reserve_extent={4 * MIB}"))
+    from tierckptd.testing import free_port
+
+    from ..metrics_scrape import scrape
+
+    port = free_port()
+    d = daemon_factory(args=("--local-reserve", "24MiB", "--keep-local", "2", "--knobs", f"reserve_extent={4 * MIB}",
+                             "--metrics-port", str(port)))
     state = {f"w{i}": np.full(MIB, i, dtype=np.float32) for i in range(2)}  # 2 x 4 MiB
     with d.client() as c:
         wait_until(lambda: c.status().reserve_ready_bytes == 24 * MIB, 60, "the reserve filled", 0.05)
@@ -164,6 +170,9 @@ def test_a_daemon_with_a_reserve_saves_into_it(daemon_factory):
             c.save("job", step, 0, 1, state).result(30)
         st = c.status()
         assert st.reserve_taken_bytes == 3 * 8 * MIB  # every save of the series took the reserve
+        m = scrape(port)
+        assert m["tierckpt_local_reserve_taken_bytes"] == 3 * 8 * MIB
+        assert 0 < m["tierckpt_local_reserve_bytes"] <= m["tierckpt_local_used_bytes"]
         ck = c.restore("job", 0, step=3)
         assert all(np.array_equal(ck.shards[k], v) for k, v in state.items())
         ck.close()
