@@ -11,9 +11,11 @@ warm-up), all on the same tmpfs. Printed:
   dcp.save (>= 2x faster), restore vs dcp.load (>= 5x faster)
 - save series: every save's blocking time, for keep_local 1 and 2, with and without a restore
   (mapped, then released) after each save; worst/first (target <= 1.5x) and the steady state
-  (median from the first save that can reuse an evicted step's files, save keep_local + 2)
+  (median from the first save that can reuse an evicted step's files, save keep_local + 2).
+  Each series' daemon holds a reserve (``local_reserve``) of (keep_local + 1) x the state from
+  start-up, as the shipped configs do; the series starts once it is filled (``--reserve 0``: none)
 
-Usage: python bench/local_tier.py [--runs 5] [--arrays 16] [--mib 64] [--saves 8] [--series-only]
+Usage: python bench/local_tier.py [--runs 5] [--arrays 16] [--mib 64] [--saves 8] [--series-only] [--reserve 0]
        python bench/local_tier.py --saves 0 --layout 16x64MiB,512x1MiB,4000x128KiB
 """
 
@@ -49,17 +51,24 @@ def median_time(fn, runs: int, warmup: int = 1, setup=None) -> float:
 
 
 def save_series(state: dict, work: Path, keep_local: int, restore: bool, saves: int, gap: float = 0.0,
-                knobs: str = "") -> list[float]:
+                knobs: str = "", reserve: bool = True) -> list[float]:
     """Blocking time of each of ``saves`` saves into a fresh daemon; with ``restore``, the step is
     restored (mapped, checked, then released) after each commit, as an evaluation reader would.
-    ``gap``: seconds of "training" between a commit and the next save; ``knobs``: daemon knobs."""
+    ``gap``: seconds of "training" between a commit and the next save; ``knobs``: daemon knobs;
+    ``reserve``: the daemon holds (keep_local + 1) x the state from start-up (``local_reserve``)."""
     import tierckpt
 
-    flags = ("--keep-local", str(keep_local), *(("--knobs", knobs) if knobs else ()))
+    nbytes = (keep_local + 1) * sum(a.nbytes for a in state.values()) if reserve else 0
+    flags = ("--keep-local", str(keep_local), "--local-reserve", str(nbytes), *(("--knobs", knobs) if knobs else ()))
     daemon = Daemon(work, f"k{keep_local}{'r' if restore else ''}", args=flags).start()
     blocking = []
     try:
         with tierckpt.Client(daemon.address) as c:
+            t0 = time.perf_counter()
+            while c.status().reserve_ready_bytes < nbytes:  # held from start-up: filled before the job saves
+                time.sleep(0.1)
+            if nbytes:
+                print(f"  (reserve of {nbytes / 2**30:.2f} GiB filled {time.perf_counter() - t0:.1f} s after start-up)")
             for step in range(1, saves + 1):
                 t0 = time.perf_counter()
                 f = c.save("series", step, 0, 1, state)
@@ -80,13 +89,15 @@ def save_series(state: dict, work: Path, keep_local: int, restore: bool, saves: 
     return blocking
 
 
-def print_series(state: dict, work: Path, saves: int, gap: float = 0.0, knobs: str = "") -> None:
+def print_series(state: dict, work: Path, saves: int, gap: float = 0.0, knobs: str = "", reserve: bool = True) -> None:
     print(f"\nsave series ({saves} saves each, {gap:g} s between a commit and the next save"
-          f"{', knobs ' + knobs if knobs else ''}; blocking seconds per save; steady = median from save keep_local+2):")
+          f"{', knobs ' + knobs if knobs else ''}, "
+          f"{'a reserve of (keep_local + 1) x the state' if reserve else 'no reserve'}"
+          "; blocking seconds per save; steady = median from save keep_local+2):")
     steady_of: dict[tuple[int, bool], float] = {}
     for keep_local in (1, 2):
         for restore in (False, True):
-            b = save_series(state, work, keep_local, restore, saves, gap, knobs)
+            b = save_series(state, work, keep_local, restore, saves, gap, knobs, reserve)
             steady = statistics.median(b[keep_local + 1:]) if len(b) > keep_local + 1 else float("nan")
             steady_of[(keep_local, restore)] = steady
             ratio = max(b) / b[0]
@@ -121,6 +132,8 @@ def main() -> None:
     ap.add_argument("--series-only", action="store_true", help="only the save series")
     ap.add_argument("--gap", type=float, default=0.0, help="seconds of training between a commit and the next save")
     ap.add_argument("--knobs", default="", help="daemon tuning knobs for the series (A/B runs), e.g. warm_pool=0")
+    ap.add_argument("--reserve", type=int, choices=(0, 1), default=1,
+                    help="1: each series' daemon holds local_reserve = (keep_local + 1) x the state (default); 0: none")
     args = ap.parse_args()
     layouts = parse_layout(args.layout or f"{args.arrays}x{args.mib}MiB")
     rng = np.random.default_rng(0)
@@ -132,7 +145,7 @@ def main() -> None:
             print(f"\n=== state: {count} float32 arrays of {size / 2**20:g} MiB, {total / 2**30:.2f} GiB; "
                   f"tmpfs dir {work}; median of {args.runs} runs")
             if args.saves and i == 0:
-                print_series(state, work, args.saves, args.gap, args.knobs)
+                print_series(state, work, args.saves, args.gap, args.knobs, bool(args.reserve))
             if not args.series_only:
                 compare(state, work, args.runs)
     finally:

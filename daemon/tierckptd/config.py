@@ -73,6 +73,11 @@ class DaemonConfig:
     """Local tier directory: a RAM disk (tmpfs) or a directory on NVMe."""
     local_capacity: int = 0
     """Bytes the local tier may hold (0 = 90% of the filesystem's size at start-up)."""
+    local_reserve: int = 0
+    """Bytes of memory the local tier holds from start-up, pre-touched, for new staging files of saves and replicas
+    (0 = none): size it like a RAM disk for a job, (keep_local + 1) x this node's checkpoint, so that back-to-back
+    saves never wait for new pages. Counted as used in local_capacity (which must hold it); refilled from evicted
+    files and, when idle, in the background."""
     fsync: str = "auto"
     """Flush data and manifests before a commit: "auto" (not on tmpfs), "always" or "never"."""
     keep_local: int = 2
@@ -293,7 +298,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
 
 
 def _coerce(key: str, value: Any) -> Any:
-    if key in ("local_capacity", "max_shard_bytes", "max_message_bytes", "max_metadata_bytes"):
+    if key in ("local_capacity", "local_reserve", "max_shard_bytes", "max_message_bytes", "max_metadata_bytes"):
         return parse_size(value, key)
     if key == "peers":
         return parse_peers(value, key)
@@ -373,6 +378,9 @@ def _validate(cfg: DaemonConfig) -> DaemonConfig:
     for key in ("keep_local",):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}: must be >= 1 (the newest complete step is always kept)")
+    if cfg.local_capacity and cfg.local_reserve > cfg.local_capacity:
+        raise ConfigError(f"local_reserve: {cfg.local_reserve} bytes exceed local_capacity ({cfg.local_capacity}), "
+                          "which must hold it")
     if cfg.max_open_saves < 1:
         raise ConfigError("max_open_saves: must be >= 1")
     if not 1 <= cfg.max_shards_per_save <= MAX_SHARDS_PER_RANK:
@@ -530,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     # What each value is, for --help: by the kind of value, not by the option's last word.
     metavars = {"node_id": "ID", "listen": "HOST:PORT", "socket": "PATH", "socket_mode": "MODE",
                 "socket_group": "GROUP", "socket_tenant": "NAME", "tenant_sockets": "NAME=PATH:GROUP[:MODE],...",
-                "local_dir": "DIR", "local_capacity": "BYTES", "fsync": "auto|always|never",
+                "local_dir": "DIR", "local_capacity": "BYTES", "local_reserve": "BYTES", "fsync": "auto|always|never",
                 "staging_timeout": "SECONDS", "max_shard_bytes": "BYTES", "max_open_saves": "N",
                 "max_shards_per_save": "N", "max_metadata_bytes": "BYTES",
                 "max_open_saves_per_client": "N", "client_jobs": "NAME=GLOB,...",

@@ -211,6 +211,10 @@ class Knobs:
     """Smaller files are never warmed (a few pages: creating the file costs more than it saves)."""
     warm_chunk: int = 8 << 20
     """Bytes allocated per step by the warming threads (each step holds the file's lock)."""
+    reserve_extent: int = 64 << 20
+    """Size of the files the reserve (``local_reserve``, see :mod:`tierckptd.local.reserve`) is
+    filled with; a shard up to twice this size takes one whole, any other size is covered too
+    (see there). Evicted files that refill it keep their own sizes."""
 
     # -- /metrics over HTTP (see :mod:`tierckptd.metrics_http`)
     metrics_http_workers: int = 4

@@ -192,7 +192,7 @@ async def _open_node(config: DaemonConfig, metrics):
             node.evicted(ev)
 
     cluster = build_membership(config, metrics)
-    store = LocalStore(config.local_dir, config.node_id, capacity=config.local_capacity,
+    store = LocalStore(config.local_dir, config.node_id, capacity=config.local_capacity, reserve=config.local_reserve,
                        keep_local=config.keep_local, fsync=config.fsync, max_shard_bytes=config.max_shard_bytes,
                        max_open_saves=config.max_open_saves, max_shards_per_save=config.max_shards_per_save,
                        max_metadata_bytes=config.max_metadata_bytes,

@@ -57,7 +57,8 @@ class Metrics:
         commit_latency, save_latency, restore_latency (tier), replication_latency.
     Gauges (``.set(v)``):
         replication_lag, drain_backlog_bytes, drain_oldest_age, local_capacity_bytes,
-        local_used_bytes, local_free_bytes, local_warm_bytes, peer_up (peer), tier_up (tier).
+        local_used_bytes, local_free_bytes, local_warm_bytes, local_reserve_bytes,
+        local_reserve_taken_bytes, peer_up (peer), tier_up (tier).
     Collectors: process (CPU, memory, file descriptors), platform (python_info), GC.
     """
 
@@ -160,6 +161,12 @@ class Metrics:
             "tierckpt_local_warm_bytes",
             "Bytes of pre-allocated files in the local tier's recycle pool (part of used; dropped first).",
             registry=r)
+        self.local_reserve_bytes = Gauge(
+            "tierckpt_local_reserve_bytes", "Bytes of pre-touched memory the local tier holds for new files "
+            "(local_reserve; part of used).", registry=r)
+        self.local_reserve_taken_bytes = Gauge(
+            "tierckpt_local_reserve_taken_bytes", "Shard bytes of saves and replicas that the reserve covered since "
+            "start-up (a count that only grows while the daemon runs).", registry=r)
 
         self.checksum_failures = Counter(
             "tierckpt_checksum_failures_total",

@@ -67,6 +67,8 @@ class Node:
         self.views = CatalogViews(store, self.tiers, node_id)
         if metrics:  # warming runs in the background: read at scrape time
             metrics.local_warm_bytes.set_function(lambda: store.usage().warm)
+            metrics.local_reserve_bytes.set_function(lambda: store.usage().reserve_charged)
+            metrics.local_reserve_taken_bytes.set_function(lambda: store.usage().reserve_taken)
             metrics.local_quarantined.inc(store.counters.get("quarantined", 0))  # by the start-up scan
         self.repair = LocalRepair(store, lambda: self.tier("peer"), metrics)
         self._restores = NodeRestore(store, self.tiers, self.views, self.repair, node_id=node_id, metrics=metrics,

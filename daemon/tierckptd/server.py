@@ -142,7 +142,7 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         return pb.BeginSaveResponse(
             save_id=st.save_id,
             shards=[pb.StagedShard(name=f.name, path="" if stream or f.shared else str(f.path),
-                                   recycled=f.recycled and not f.warm, shared=f.shared)
+                                   recycled=(f.recycled and not f.warm) or f.reserved, shared=f.shared)
                     for f in st.files.values()],
             fs_token=self.node.fs_token,
             local_dir=self.node.local_dir,
@@ -279,7 +279,8 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
         resp = pb.StatusResponse(
             node_id=st["node_id"], version=__version__, local_dir=self.node.local_dir,
             capacity_bytes=u.capacity, used_bytes=u.charged, staging_bytes=u.staging_charged,
-            recycle_bytes=u.recycle_charged,
+            recycle_bytes=u.recycle_charged, reserve_bytes=u.reserve_charged, reserve_target_bytes=u.reserve_target,
+            reserve_ready_bytes=u.reserve_ready, reserve_taken_bytes=u.reserve_taken,
             replicas=self.config.replicas, persistent_url=self.config.persistent, uptime_seconds=st["uptime"],
             fs_token=self.node.fs_token, now_unix=time.time(),
         )

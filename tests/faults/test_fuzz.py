@@ -188,7 +188,7 @@ class Target:
     def committed(self) -> dict[str, Any]:
         snap = snapshot(self.daemon.local_dir)
         # policies/: a well-formed SetJobPolicy legitimately writes a job's policy file
-        return {k: v for k, v in snap.items() if not k.startswith(("staging", "recycle", "policies"))}
+        return {k: v for k, v in snap.items() if not k.startswith(("staging", "recycle", "reserve", "policies"))}
 
     def log_size(self) -> int:
         return self.daemon.log_path.stat().st_size

@@ -51,7 +51,9 @@ def status_doc(st: Any) -> dict[str, Any]:
         "version": st.version,
         "uptime_seconds": st.uptime_seconds,
         "local_tier": {"dir": st.local_dir, "capacity_bytes": st.capacity_bytes, "used_bytes": st.used_bytes,
-                       "staging_bytes": st.staging_bytes, "recycle_bytes": st.recycle_bytes},
+                       "staging_bytes": st.staging_bytes, "recycle_bytes": st.recycle_bytes,
+                       "reserve_bytes": st.reserve_bytes, "reserve_target_bytes": st.reserve_target_bytes,
+                       "reserve_ready_bytes": st.reserve_ready_bytes, "reserve_taken_bytes": st.reserve_taken_bytes},
         "peer_tier": {"configured": len(st.peers) > 0, "replicas": st.replicas,
                       "peers": [{"node_id": p.node_id, "address": p.address, "up": p.up,
                                  # absent values are null (never seen: not 1970; no error: not "")
@@ -74,7 +76,9 @@ def cmd_status(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
     w = out.write
     w(f"node: {st.node_id} (tierckptd {st.version}, up {st.uptime_seconds:.0f} s) at {daemon.address}\n")
     w(f"local tier: {st.local_dir}: {fmt_bytes(st.used_bytes)} used of {fmt_bytes(st.capacity_bytes)}"
-      f" (staging {fmt_bytes(st.staging_bytes)}, recycle {fmt_bytes(st.recycle_bytes)})\n")
+      f" (staging {fmt_bytes(st.staging_bytes)}, recycle {fmt_bytes(st.recycle_bytes)}"
+      + (f", reserve {fmt_bytes(st.reserve_bytes)} of {fmt_bytes(st.reserve_target_bytes)}"
+         if st.reserve_target_bytes else "") + ")\n")
     if not st.peers:
         w("peer tier: not configured (no --peers or --peers-dns)\n")
     elif st.replicas == 0:

@@ -417,7 +417,7 @@ class PeerStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., up: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., last_error: _Optional[str] = ..., clock_skew_seconds: _Optional[float] = ..., clock_skew_known: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "version", "local_dir", "capacity_bytes", "used_bytes", "staging_bytes", "recycle_bytes", "jobs", "peers", "persistent_url", "drain_backlog_bytes", "drain_backlog_steps", "drain_oldest_age_seconds", "replicas", "uptime_seconds", "persistent_error", "now_unix", "fs_token")
+    __slots__ = ("node_id", "version", "local_dir", "capacity_bytes", "used_bytes", "staging_bytes", "recycle_bytes", "jobs", "peers", "persistent_url", "drain_backlog_bytes", "drain_backlog_steps", "drain_oldest_age_seconds", "replicas", "uptime_seconds", "persistent_error", "now_unix", "fs_token", "reserve_bytes", "reserve_target_bytes", "reserve_ready_bytes", "reserve_taken_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +436,10 @@ class StatusResponse(_message.Message):
     PERSISTENT_ERROR_FIELD_NUMBER: _ClassVar[int]
     NOW_UNIX_FIELD_NUMBER: _ClassVar[int]
     FS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_READY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TAKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     local_dir: str
@@ -454,7 +458,11 @@ class StatusResponse(_message.Message):
     persistent_error: str
     now_unix: float
     fs_token: str
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., local_dir: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., recycle_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., persistent_url: _Optional[str] = ..., drain_backlog_bytes: _Optional[int] = ..., drain_backlog_steps: _Optional[int] = ..., drain_oldest_age_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., persistent_error: _Optional[str] = ..., now_unix: _Optional[float] = ..., fs_token: _Optional[str] = ...) -> None: ...
+    reserve_bytes: int
+    reserve_target_bytes: int
+    reserve_ready_bytes: int
+    reserve_taken_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., local_dir: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., recycle_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., persistent_url: _Optional[str] = ..., drain_backlog_bytes: _Optional[int] = ..., drain_backlog_steps: _Optional[int] = ..., drain_oldest_age_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., persistent_error: _Optional[str] = ..., now_unix: _Optional[float] = ..., fs_token: _Optional[str] = ..., reserve_bytes: _Optional[int] = ..., reserve_target_bytes: _Optional[int] = ..., reserve_ready_bytes: _Optional[int] = ..., reserve_taken_bytes: _Optional[int] = ...) -> None: ...
 
 class JobPolicy(_message.Message):
     __slots__ = ("keep_local", "keep_persistent", "persist_every")

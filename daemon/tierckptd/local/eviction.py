@@ -59,7 +59,11 @@ class Evictor:
             ranks = self._catalog.steps(j).get(step, {})
             return bool(ranks) and all(safe_elsewhere(m) for m in ranks.values())
 
-        return self.make_room(need, capacity, used, allowed)
+        self._recycle.sink_paused = True  # the plan counts on freeing what it evicts
+        try:
+            return self.make_room(need, capacity, used, allowed)
+        finally:
+            self._recycle.sink_paused = False
 
     def make_room(self, need: int, capacity: int, used: int,
                   evictable: Callable[[str, int], bool] | None = None) -> list[Eviction]:

@@ -19,6 +19,7 @@ from .links import Ino
 from .localfs import FILE_MODE, STAGING_MODE, LocalDir, UnsafeFileError, digest_fd
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 from .recycle import RecyclePool
+from .reserve import Reserve
 from .staging import StagedFile, Staging
 
 __all__ = ["StoreLayout", "STAGING_DIR", "JOBS_DIR"]
@@ -34,9 +35,10 @@ _RANK_PREFIX = "rank-"
 class StoreLayout:
     """The local dir's layout (see :mod:`tierckptd.local.store`) over a :class:`LocalDir`."""
 
-    def __init__(self, fs: LocalDir, recycle: RecyclePool) -> None:
+    def __init__(self, fs: LocalDir, recycle: RecyclePool, reserve: Reserve | None = None) -> None:
         self.fs = fs
         self.recycle = recycle
+        self.reserve = reserve
 
     # -- names
 
@@ -61,11 +63,19 @@ class StoreLayout:
         """Make the save's directory and its sized files; recycled files (``reused``: shard -> pool
         name) are moved in if they still pass the pool's checks. Moved names leave ``reused``.
         ``prefault(fd, size)`` takes a descriptor of each new file of at least ``KNOBS.warm_min_bytes``
-        (see :mod:`.warm`)."""
+        (see :mod:`.warm`). Files taken from the reserve (``st.grant``) are handed over or freed
+        first (see :mod:`.reserve`)."""
+        grant, reserve = st.grant, self.reserve
+        if grant is not None and reserve is not None:
+            reserve.free(grant)  # just before the writer faults pages in
         with self.fs.dir(STAGING_DIR) as sfd, self.fs.child(sfd, st.save_id, create=True) as dfd:
             for f in st.files.values():
                 if f.shared:
                     continue
+                if grant is not None and reserve is not None and f.name in grant.whole:
+                    if reserve.hand_over(grant, f.name, dfd, f.size):
+                        continue
+                    f.reserved = False
                 big = prefault is not None and f.size >= max(1, KNOBS.warm_min_bytes)
                 if f.recycled:
                     ok = self.recycle.move_out(reused[f.name], f.size, dfd, f.name)

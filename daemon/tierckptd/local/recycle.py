@@ -63,6 +63,10 @@ class RecyclePool:
         self.data_bytes = 0
         self.warm_bytes = 0  # data bytes of the untaken warm files (a part of data_bytes)
         self.warm_taken = 0  # warm files handed to saves
+        # Where an evicted file goes first while it wants it (the reserve, see :mod:`.reserve`):
+        # sink(dir_fd, name, size) -> moved; not while ``sink_paused`` (a save making room).
+        self.sink: Callable[[int, str, int], bool] | None = None
+        self.sink_paused = False
 
     # -- which committed files may be recycled
 
@@ -116,6 +120,9 @@ class RecyclePool:
         (shared by another step, see :mod:`.links`) is never pooled: only this name goes."""
         if path in self._recyclable and size > 0 and self._single_link(dir_fd, name):
             self._recyclable.discard(path)
+            if (self.sink is not None and not self.sink_paused and not self._readers.get(path)
+                    and self.sink(dir_fd, name, size)):
+                return
             target = f"{size}.{secrets.token_hex(6)}"
             try:
                 with self.fs.dir(RECYCLE_DIR) as rfd:

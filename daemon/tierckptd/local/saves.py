@@ -98,6 +98,8 @@ class OpenSaves:
             superseded = not self.is_open(save_id)  # a newer save of the rank began meanwhile
             self.abort(save_id)
             self._recycle.discard(reused.values())  # taken from the pool (and its bytes) but not moved yet
+            if staging.grant is not None and self._layout.reserve is not None:
+                self._layout.reserve.discard(staging.grant)
             if e.errno == errno.ENOSPC:
                 raise CapacityError(f"local_dir {self._fs.root} is full: {e.strerror}") from e
             if superseded:
@@ -165,19 +167,30 @@ class OpenSaves:
     def _take_room_locked(self, staging: Staging, key: tuple[str, int, int]) -> dict[str, str]:
         # Pooled files of the right sizes first: they become this save's, so room is made only for
         # the rest (making room first could drop the very files the save would reuse).
+        # Then the reserve, for the rest (see :mod:`.reserve`): its charge is released before room is made.
         reused: dict[str, str] = {}
         for f in staging.files.values():
             taken = None if f.shared else self._recycle.take(f.size)
             if taken is not None:
                 reused[f.name], f.warm = taken
+        reserve = self._layout.reserve
+        if reserve is not None:
+            staging.grant = reserve.take_locked((f.name, f.size) for f in staging.files.values()
+                                                if not f.shared and f.name not in reused)
         try:
             self._make_room(charge(staging), staging.evictable, staging.job)
         except BaseException:
             for shard, name in reused.items():
                 self._recycle.untake(name, staging.files[shard].size)
+            if staging.grant is not None and reserve is not None:
+                reserve.untake_locked(staging.grant)
+                staging.grant = None
             raise
         for shard in reused:
             staging.files[shard].recycled = True
+        if staging.grant is not None:
+            for shard, (_name, fsize) in staging.grant.whole.items():
+                staging.files[shard].reserved = fsize >= staging.files[shard].size
         self._open[staging.save_id] = staging
         self._by_key[key] = staging.save_id
         return reused

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tierckpt.common.names import (
     MAX_SHARD_NAME,
@@ -46,6 +47,7 @@ class StagedFile:
     shape: tuple[int, ...] = ()
     recycled: bool = False
     warm: bool = False  # recycled from a warm pool file: allocated, never written (not faulted in)
+    reserved: bool = False  # a whole reserve file of at least its size (touched: faulted in), see .reserve
     written: int = 0  # bytes received through write_chunk (stream transfers)
     shared: bool = False  # a link to a committed file with the same bytes (nothing is written)
     ino: tuple[int, int] | None = None  # shared: (st_dev, st_ino) of the linked file
@@ -70,6 +72,7 @@ class Staging:
     inbound: bool = False  # written by this daemon (peer copy, restore fetch), not by a local trainer
     job_owner: str = ""  # the identity the copy is saved for (its manifest's job_owner)
     manifest_bytes: int = 0  # size of the manifest its commit writes (charged from then on; 0: not known yet)
+    grant: Any = None  # what it took from the reserve (a .reserve.Grant), until its files are created
 
     @property
     def nbytes(self) -> int:

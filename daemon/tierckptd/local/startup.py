@@ -75,9 +75,10 @@ def take_dir_lock(fs: LocalDir) -> int:
     return fd
 
 
-TOP_DIRS = ("staging", "recycle", "jobs", QUARANTINE_DIR, POLICY_DIR, "drain-queue", "parity")
+TOP_DIRS = ("staging", "recycle", "reserve", "jobs", QUARANTINE_DIR, POLICY_DIR, "drain-queue", "parity")
 """The directories directly below the local dir (``drain-queue`` is the persistent tier's queue,
-``parity`` the parity slots held for other nodes: :mod:`tierckptd.parity.slots`)."""
+``reserve`` the pre-touched memory of :mod:`.reserve`, ``parity`` the parity slots held for other
+nodes: :mod:`tierckptd.parity.slots`)."""
 
 
 def default_capacity(fs: LocalDir) -> int:

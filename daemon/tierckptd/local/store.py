@@ -5,6 +5,7 @@ Layout under ``local_dir``::
     .fs-token                                   random token: proves a client shares this filesystem
     staging/<save_id>/<shard>                   bytes being written (never read by restore)
     recycle/<size>.<id>                         data files of evicted steps kept for reuse
+    reserve/<size>.<id>                         pre-touched memory held for new files (local_reserve)
     jobs/<job>/<step:020d>/rank-<rank:07d>/<shard>.<generation>    committed data
     jobs/<job>/<step:020d>/rank-<rank:07d>/manifest.json           the commit marker, written last
 
@@ -30,7 +31,8 @@ Pieces: :mod:`.index` (in-memory state, the catalog), :mod:`.rules` (which steps
 :mod:`.localfs` (symlink-safe file operations), :mod:`.paths` (the file steps), :mod:`.startup`
 (lock, recovery, quarantine), :mod:`.eviction` (carrying out retention and capacity evictions),
 :mod:`.saves` (open saves), :mod:`.commit` (the commit path), :mod:`.links` (unchanged shards
-shared by inode), :mod:`.warm` (warm pages). :class:`LocalStore` is their facade.
+shared by inode), :mod:`.warm` (warm pages), :mod:`.reserve` (memory held from start-up).
+:class:`LocalStore` is their facade.
 
 Thread safety: every public method may be called from any thread (the daemon calls them through
 :func:`tierckptd.offload.run_blocking`). One lock guards the in-memory state; long file I/O
@@ -59,6 +61,7 @@ from .manifest import Manifest
 from .paths import StoreLayout
 from .policies import JobPolicies, JobPolicy
 from .recycle import RecyclePool
+from .reserve import Reserve
 from .retain import StoreRetention
 from .rules import Eviction, charge_file
 from .saves import OpenSaves
@@ -89,10 +92,15 @@ class Usage:
     warm: int = 0  # the part of ``recycle`` allocated ahead of need (see :mod:`.warm`)
     staging_charged: int = 0
     recycle_charged: int = 0
+    reserve: int = 0  # bytes held by the reserve (see :mod:`.reserve`), charged as ``reserve_charged``
+    reserve_charged: int = 0
+    reserve_target: int = 0
+    reserve_ready: int = 0  # of ``reserve``, touched and ready to hand out
+    reserve_taken: int = 0  # shard bytes the reserve covered since start-up (a counter)
 
     @property
     def used(self) -> int:
-        return self.committed + self.staging + self.recycle
+        return self.committed + self.staging + self.recycle + self.reserve
 
     @property
     def free(self) -> int:
@@ -117,13 +125,16 @@ class LocalStore(StoreRetention):
         max_shards_per_save: shards one save may declare (InvalidArgumentError naming ``shards``).
         max_metadata_bytes: metadata one rank's commit may carry (InvalidArgumentError naming
             ``metadata``); the manifest it is stored in is charged against the capacity.
+        reserve: bytes of pre-touched memory held for new staging files (``local_reserve``, see
+            :mod:`.reserve`); counted as used.
     """
 
     def __init__(self, root: str | os.PathLike, node_id: str, *, capacity: int = 0, keep_local: int = 2,
                  fsync: str = "auto", max_shard_bytes: int = 1 << 40, is_complete: CompletenessFn | None = None,
                  on_evict: Callable[[Eviction], None] | None = None,
                  max_open_saves: int = DEFAULT_MAX_OPEN_SAVES, policies: JobPolicies | None = None,
-                 max_shards_per_save: int = MAX_SHARDS_PER_RANK, max_metadata_bytes: int = MAX_METADATA_BYTES) -> None:
+                 max_shards_per_save: int = MAX_SHARDS_PER_RANK, max_metadata_bytes: int = MAX_METADATA_BYTES,
+                 reserve: int = 0) -> None:
         self.root = Path(root).absolute()
         self.node_id = node_id
         self._capacity_arg = capacity
@@ -139,7 +150,10 @@ class LocalStore(StoreRetention):
         self._fs = LocalDir(self.root)
         self._catalog = Catalog(is_complete)
         self._recycle = RecyclePool(self._fs, charge_file)
-        self._layout = StoreLayout(self._fs, self._recycle)
+        self.reserve = Reserve(self._fs, self._lock, reserve, lambda: self.capacity - self._used_locked(),
+                               lambda: self._saves.busy())  # noqa: PLW0108 (made below)
+        self._recycle.sink = self.reserve.adopt_locked if reserve else None
+        self._layout = StoreLayout(self._fs, self._recycle, self.reserve if reserve else None)
         self.counters: dict[str, int] = {"staging_reclaimed": 0, "evictions_capacity_undrained": 0,
                                          "quarantined": 0}
         self._evictor = Evictor(self._catalog, self._layout, self._recycle, self.counters)
@@ -155,6 +169,7 @@ class LocalStore(StoreRetention):
         self.warm = WarmPages(self._lock, self._catalog, self._recycle, lambda: self.capacity - self._used_locked(),
                               self._saves.busy, self._saves.open_jobs_locked, self.policies.keep_local,
                               lambda tmpfs: machine_headroom(self._fs.fd, tmpfs))
+        self.warm.hints_off = bool(reserve)  # the reserve holds what hinted pool files would add
         self._committer = Committer(self._lock, self._saves, self._layout, self._catalog, self._recycle,
                                     self._retain_locked, max_metadata_bytes)
 
@@ -176,14 +191,28 @@ class LocalStore(StoreRetention):
         if self._fsync_mode == "auto":
             self.fsync = not self.warm.tmpfs
         self.capacity = self._capacity_arg or default_capacity(self._fs)
+        if self.reserve.target > self.capacity:
+            if self._capacity_arg:
+                from ..config import ConfigError
+
+                raise ConfigError(f"local_reserve: {self.reserve.target} bytes exceed the local tier's capacity "
+                                  f"({self.capacity} bytes), which must hold it")
+            # The shipped configs size the reserve for a typical node; a smaller local dir keeps the
+            # daemon starting, with half its capacity held.
+            log.warning("local_reserve: %d bytes exceed the local tier's capacity (%d bytes, 90%% of %s); holding "
+                        "%d bytes instead: set local_reserve to (keep_local + 1) x this node's checkpoint",
+                        self.reserve.target, self.capacity, self.root, self.capacity // 2)
+            self.reserve.target = self.capacity // 2
         self.fs_token = write_fs_token(self._fs)
         res = rebuild(self._fs, self._catalog, self._recycle, self.policies, StoreLayout.rank_rel, self.counters)
         log.info("catalog rebuilt: %d committed ranks, %d uncommitted leftovers removed, %d quarantined",
                  len(res.manifests), res.dropped, res.quarantined)
+        self.reserve.open(self.warm.tmpfs)  # filled in the background, touched on tmpfs
 
     def close(self) -> None:
         """Stop warming; release the local_dir lock (a process exit releases it too)."""
         self.warm.warmer.stop()
+        self.reserve.stop()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -292,7 +321,10 @@ class LocalStore(StoreRetention):
                                                 node=node or self.node_id, generation=generation, created=created,
                                                 pin=pin, fsync=self.fsync)
         self._notify(evictions)
-        self.warm.committed()
+        if self.reserve.target:  # the reserve holds what pool warming would add (see .reserve)
+            self.reserve.kick()
+        else:
+            self.warm.committed()
         return man, evictions
 
     def abort(self, save_id: str) -> None:
@@ -370,10 +402,13 @@ class LocalStore(StoreRetention):
         with self._lock:
             staging = self._saves.data_bytes_locked()
             committed = self._catalog.data_bytes + self._catalog.links.data_bytes
+            r = self.reserve
             return Usage(self.capacity, committed, staging, self._recycle.data_bytes,
                          charged=self._used_locked(), warm=self._recycle.warm_bytes,
-                         staging_charged=self._saves.charged_locked(), recycle_charged=self._recycle.bytes)
+                         staging_charged=self._saves.charged_locked(), recycle_charged=self._recycle.bytes,
+                         reserve=r.data_bytes, reserve_charged=r.bytes, reserve_target=r.target,
+                         reserve_ready=r.ready_bytes, reserve_taken=r.taken_bytes)
 
     def _used_locked(self) -> int:
         return (self._catalog.committed_bytes + self._catalog.links.charged + self._saves.charged_locked()
-                + self._recycle.bytes)
+                + self._recycle.bytes + self.reserve.bytes)

@@ -475,6 +475,7 @@ class WarmPages:
         self.warmer = Warmer(self._next_warm, recycle.is_warm, self._busy, lambda: touching(self.tmpfs),
                              self._filled)
         self._hints: dict[int, int] = {}  # hinted pool files still to warm: size -> files wanted
+        self.hints_off = False  # the store holds a reserve (see .reserve): a first copy takes that instead
 
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:
@@ -531,10 +532,11 @@ class WarmPages:
     def expect(self, job: str, rank: int, sizes: list[int]) -> int:
         """A peer's first copy of its (job, rank) with these shard sizes is coming (a WarmReplica
         hint, see :mod:`tierckptd.peer.hints`): warm pool files for it in free capacity, in the
-        background. Ignored when hints are off here, or when this node holds a step of that rank
-        (the copy will recycle its files). Returns the bytes accepted."""
+        background. Ignored when hints are off here, when the store holds a reserve (the copy
+        takes it), or when this node holds a step of that rank (the copy will recycle its files).
+        Returns the bytes accepted."""
         with self._lock:
-            if not self.warming(KNOBS.warm_hint):
+            if self.hints_off or not self.warming(KNOBS.warm_hint):
                 return 0
             if any(rank in ranks for ranks in self._catalog.steps(job).values()):
                 return 0
