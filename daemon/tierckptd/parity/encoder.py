@@ -25,6 +25,7 @@ from ..knobs import KNOBS
 from ..local.manifest import Manifest
 from ..local.rules import retention_floor
 from ..local.store import LocalStore
+from ..peer.replicator import pending_ages, running_tasks
 from . import layout
 
 __all__ = ["Encoder"]
@@ -128,11 +129,10 @@ class Encoder:
                 self.ensure(st.man)
 
     def pending(self) -> list[float]:
-        now = time.monotonic()
-        return [now - st.since for st in self._prots.values() if not st.reached and not st.event.is_set()]
+        return pending_ages(self._prots.values())
 
     def cancel_all(self) -> list[asyncio.Task]:
-        return [st.task for st in self._prots.values() if st.task and not st.task.done()]
+        return running_tasks(self._prots.values())
 
     # ------------------------------------------------------------------------------ one rank
 

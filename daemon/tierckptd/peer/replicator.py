@@ -17,7 +17,7 @@ import collections
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,18 @@ __all__ = ["Replicator", "Pusher"]
 log = logging.getLogger(__name__)
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+
+
+def pending_ages(states: Iterable[Any]) -> list[float]:
+    """Ages (seconds) of the per-rank states (``since``, ``reached``, ``event``) not yet redundant:
+    replicas here, parity in :mod:`tierckptd.parity.encoder`."""
+    now = time.monotonic()
+    return [now - st.since for st in states if not st.reached and not st.event.is_set()]
+
+
+def running_tasks(states: Iterable[Any]) -> list[asyncio.Task]:
+    """The per-rank states' tasks still running (to cancel at stop)."""
+    return [st.task for st in states if st.task and not st.task.done()]
 
 
 @dataclass(eq=False)
@@ -184,11 +196,10 @@ class Replicator:
 
     def pending(self) -> list[float]:
         """Ages (seconds) of the ranks still short of their copies."""
-        now = time.monotonic()
-        return [now - st.since for st in self._reps.values() if not st.reached and not st.event.is_set()]
+        return pending_ages(self._reps.values())
 
     def cancel_all(self) -> list[asyncio.Task]:
-        return [st.task for st in self._reps.values() if st.task and not st.task.done()]
+        return running_tasks(self._reps.values())
 
     # ------------------------------------------------------------------------------ one rank
 
