@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from ._transfer import run_pieces
+
 __all__ = ["Deferred", "Copier", "HostCopier", "Destinations"]
 
 _PIECE = 64 << 20  # bytes per host copy task (as _transfer._COPY_PIECE)
@@ -97,20 +99,14 @@ class HostCopier(Copier):
 
 def copy_host(pairs: list[tuple[Any, np.ndarray]], io: cf.Executor, as_bytes: Callable[[Any], np.ndarray]) -> None:
     """Copy host sources into their destinations in pieces on ``io``; raises the first failure."""
-    futs = []
+    pieces: list[tuple[Any, ...]] = []
     for src, dst in pairs:
         raw = as_bytes(src)
         if raw.nbytes != dst.nbytes:
             raise ValueError(f"source of {raw.nbytes} bytes for a staging file of {dst.nbytes}")
         for off in range(0, dst.nbytes, _PIECE):
-            futs.append(io.submit(np.copyto, dst[off : off + _PIECE], raw[off : off + _PIECE]))
-    try:
-        for f in futs:
-            f.result()
-    finally:
-        for f in futs:
-            f.cancel()
-        cf.wait(futs)
+            pieces.append((np.copyto, dst[off : off + _PIECE], raw[off : off + _PIECE]))
+    run_pieces(io, pieces)
 
 
 class Destinations:

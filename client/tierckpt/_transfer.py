@@ -50,6 +50,20 @@ UNMAP_HOOKS: list[Callable[[mmap.mmap], None]] = []
 it (``tierckpt._tensorcopy``) unregisters it first."""
 
 
+
+def run_pieces(io: cf.Executor, pieces: list[tuple[Any, ...]]) -> None:
+    """Run ``fn(*args)`` for each piece on ``io`` and wait for all; the first error is raised once
+    none is running any more. No piece may outlive the call: a caller closes the descriptors the
+    pieces write to right after, and a late pwrite would write into whatever reuses the number."""
+    futs = [io.submit(*p) for p in pieces]
+    try:
+        for f in futs:
+            f.result()
+    finally:
+        for f in futs:
+            f.cancel()
+        cf.wait(futs)
+
 def batches(items: list, size_of: Callable[[Any], int], limit: int = _BATCH) -> list[list]:
     """Consecutive items grouped into lists of about ``limit`` bytes (each item in one list)."""
     out: list[list] = []
@@ -250,16 +264,7 @@ def copy_into(io: cf.Executor, kept: StagingMaps, buffers: list[ShardBuffer], st
             else:
                 into = fds[_pack.PACK] = os.open(s.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             pieces.extend((_pack.fill, into, batch) for batch in _pack.fill_batches(layout, [b.view for b in packed]))
-        futs = [io.submit(*p) for p in pieces]
-        try:
-            for f in futs:
-                f.result()
-        finally:
-            # No piece may outlive this call: the fds are closed below and their numbers
-            # reused by the next open, which a late pwrite would then write into.
-            for f in futs:
-                f.cancel()
-            cf.wait(futs)
+        run_pieces(io, pieces)
     except OSError as e:
         raise typed_os_error(e, "copying into the staging file") from None
     finally:
