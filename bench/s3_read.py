@@ -15,7 +15,8 @@ writes its copy once straight to moto (not timed, not through the limit), then r
 - ``tierckpt codec none`` / ``tierckpt codec auto``: a fresh daemon (local dir wiped, as after a
   cluster loss) restores the rank from ``--persistent s3://...`` (content layout, 8 MiB chunks
   fetched by parallel GETs); ``none`` stores the raw bytes (the throughput figure), ``auto`` the
-  default float codec (fewer bytes through the limit).
+  default float codec (fewer bytes through the limit); ``per-shard``: raw bytes in the per-shard
+  layout (one object per shard, s3transfer's parallel ranged GETs above 64 MiB).
 
 Every DCP restore runs in a fresh process (``--worker``) and times ``dcp.load`` alone (no
 interpreter or torch import); tierckpt's time is ``Client.restore`` on a started daemon. The
@@ -46,6 +47,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 ROW = 1024  # LARGE_MODEL's d_model: 43,690 rows of 1,024 float32 per array at 512 MiB
 DCP_KINDS = ("s3torchconnector", "s3fs")
+TCK_ARMS = {"none": ("--codec", "none"), "auto": ("--codec", "auto"),
+            "per-shard": ("--codec", "none", "--knobs", "per_shard_layout=1")}
+"""tierckpt's arms: daemon flags by name (``tierckpt codec NAME`` in the report)."""
 
 
 def make_state(mib: int) -> dict[str, np.ndarray]:
@@ -168,8 +172,8 @@ def main(argv: list[str]) -> int:
               f"per direction; writes straight to moto, {args.runs} restores per arm through the limit", flush=True)
         for kind in kinds:
             run_worker("save", kind, store.url(f"dcp-{kind}"), args.mib, direct)
-        for codec in ("none", "auto"):
-            flags = ("--persistent", store.url(f"tck-{codec}"), "--codec", codec, "--keep-local", "1")
+        for codec, extra in TCK_ARMS.items():
+            flags = ("--persistent", store.url(f"tck-{codec}"), "--keep-local", "1", *extra)
             d = Daemon(sock, f"w{codec}", env=direct, args=flags).start()
             with d.client() as c:
                 c.save("s3read", 1, 0, 1, state, persist=True).wait("persistent", timeout=600)
