@@ -260,9 +260,10 @@ def _pythonpath(*extra: Path) -> str:
 class ObjectStore:
     """moto_server (S3) on loopback, reached through bench/_throttle.py at ``rate`` bytes/s per direction."""
 
-    def __init__(self, work: Path, rate: float) -> None:
+    def __init__(self, work: Path, rate: float, dcp_client: str = "s3torchconnector") -> None:
         from tierckptd.testing import free_port
 
+        self.dcp_client = dcp_client  # the DCP arm's S3 storage (DCP_S3_CLIENTS)
         port = free_port()
         self.direct = f"http://127.0.0.1:{port}"
         self._log = open(work / "moto.log", "ab")  # closed in close()
@@ -396,7 +397,10 @@ class DcpArm:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store = store
         self.target = store.url(f"dcp-{work.name}") if store else str(self.dir)
-        self.env = {**store.env, "PYTHONPATH": _pythonpath(S3FS_PATH)} if store else None
+        self.client = store.dcp_client if store else ""
+        # s3fs's botocore is older than the daemon's boto3 wants: on the worker's path in that case only
+        self.env = {**store.env, **({"PYTHONPATH": _pythonpath(S3FS_PATH)} if self.client == "s3fs" else {})} \
+            if store else None
 
     def clear(self) -> None:
         if self.store:
@@ -406,7 +410,8 @@ class DcpArm:
     def command(self, steps: int, save_every: int, persist_every: int, log: Path, model: tuple[str, ...],
                 stop_after: int = 0) -> list[str]:
         return [sys.executable, str(Path(__file__).resolve()), "--dcp-worker", "--dcp-dir", self.target,
-                "--job", JOB, "--steps", str(steps), "--save-every", str(save_every), "--log-json", str(log),
+                *(("--dcp-s3-client", self.client) if self.client else ()), "--job", JOB, "--steps", str(steps),
+                "--save-every", str(save_every), "--log-json", str(log),
                 "--log-every", "100000", "--stop-after", str(stop_after), *model]
 
     def inject(self, kind: str) -> float:
@@ -560,53 +565,111 @@ def calibrate_tierckpt(work: Path, sock: Path, logs: Path, model: tuple[str, ...
 # read-ahead caching; DCP's reader otherwise pays a round trip per 5 MiB.
 _S3FS_OPTIONS: dict[str, Any] = {"endpoint_url": os.environ.get("AWS_ENDPOINT_URL"),
                                  "default_block_size": 32 * 2**20, "default_cache_type": "readahead"}
+DCP_S3_CLIENTS = ("s3torchconnector", "s3fs")
+"""The DCP arm's S3 storage: s3torchconnector's DCP ``S3StorageWriter`` / ``S3StorageReader`` (AWS's
+CRT client; the best available) or DCP's ``FsspecWriter`` / ``FsspecReader`` on s3fs (the fallback)."""
+
+
+def dcp_s3_client(choice: str) -> str:
+    """``auto``: s3torchconnector where it is installed, else s3fs (said on stdout)."""
+    import importlib.util
+
+    if choice != "auto":
+        return choice
+    if importlib.util.find_spec("s3torchconnector") is not None:
+        return "s3torchconnector"
+    print("note: s3torchconnector is not installed (the bench extra): the DCP arm uses s3fs")
+    return "s3fs"
+
+
+def _s3tc_config() -> Any:
+    from s3torchconnector import S3ClientConfig
+
+    # moto_server on 127.0.0.1: path-style requests (the CRT client finds the endpoint in AWS_ENDPOINT_URL)
+    return S3ClientConfig(force_path_style=True)
 
 
 class DcpStore:
     """Where the DCP worker keeps ``step-N`` checkpoints: a directory (``dcp.save``, fsync, then a
-    rename) or an S3 prefix (``dcp.async_save`` through fsspec/s3fs; DCP writes ``.metadata``
-    last, so a step is complete once that object exists)."""
+    rename) or an S3 prefix (``dcp.async_save`` through s3torchconnector or fsspec/s3fs, see
+    ``DCP_S3_CLIENTS``; DCP writes ``.metadata`` last, so a step is complete once that object
+    exists). With s3torchconnector, listing and pruning (not the data path) go through boto3."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, s3_client: str = "s3torchconnector") -> None:
         self.s3 = target.startswith("s3://")
         self.target = target.rstrip("/")
-        if self.s3:
+        self.client = s3_client if self.s3 else ""
+        if self.client == "s3fs":
             import s3fs
 
             self.fs = s3fs.S3FileSystem(use_listings_cache=False, **_S3FS_OPTIONS)
+        elif self.client:
+            import boto3
+
+            self.bucket, _, self.key = self.target.removeprefix("s3://").partition("/")
+            self.boto = boto3.client("s3")  # endpoint, region and credentials from the environment
 
     def path(self, step: int) -> str:
         return f"{self.target}/step-{step:08d}"
 
+    def _names(self) -> list[str]:
+        if self.client == "s3fs":
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.target, refresh=True)] \
+                if self.fs.exists(self.target) else []
+        if self.client:
+            pages = self.boto.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.key + "/",
+                                                                        Delimiter="/")
+            return [p["Prefix"].rstrip("/").rsplit("/", 1)[-1] for page in pages
+                    for p in page.get("CommonPrefixes", [])]
+        return [p.name for p in Path(self.target).glob("step-*")]
+
     def steps(self) -> list[int]:
         """Every step with a directory or prefix, complete or not, oldest first."""
-        if self.s3:
-            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.target, refresh=True)] \
-                if self.fs.exists(self.target) else []
-        else:
-            names = [p.name for p in Path(self.target).glob("step-*")]
-        return sorted(int(n[5:]) for n in names if n[5:].isdigit())
+        return sorted(int(n[5:]) for n in self._names() if n[5:].isdigit())
+
+    def _has_metadata(self, step: int) -> bool:
+        if self.client == "s3fs":
+            return bool(self.fs.exists(f"{self.path(step)}/.metadata"))
+        if self.client:
+            got = self.boto.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.key}/step-{step:08d}/.metadata")
+            return bool(got.get("KeyCount"))
+        return (Path(self.path(step)) / ".metadata").exists()
 
     def complete(self) -> list[int]:
-        meta = (lambda s: self.fs.exists(f"{self.path(s)}/.metadata")) if self.s3 else \
-            (lambda s: (Path(self.path(s)) / ".metadata").exists())
-        return [s for s in self.steps() if meta(s)]
+        return [s for s in self.steps() if self._has_metadata(s)]
+
+    def _remove(self, step: int) -> None:
+        if self.client == "s3fs":
+            self.fs.rm(self.path(step), recursive=True)
+        elif self.client:
+            pages = self.boto.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                        Prefix=f"{self.key}/step-{step:08d}/")
+            keys = [{"Key": o["Key"]} for page in pages for o in page.get("Contents", [])]
+            if keys:
+                self.boto.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
+        else:
+            shutil.rmtree(self.path(step), ignore_errors=True)
 
     def prune(self, keep: int = 2) -> None:
         """Removes all but the ``keep`` newest complete steps (and incomplete steps older than them)."""
         done = self.complete()
         for s in self.steps():
             if done[-keep:] and s < done[-keep:][0]:
-                self.fs.rm(self.path(s), recursive=True) if self.s3 else shutil.rmtree(self.path(s), ignore_errors=True)
+                self._remove(s)
 
     def save(self, state: dict, step: int) -> Any:
         """Saves ``state``; returns the async_save future (S3) or None once written (directory)."""
         import torch.distributed.checkpoint as dcp
 
         if self.s3:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+            if self.client == "s3fs":
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-            writer = FsspecWriter(self.path(step), sync_files=False, thread_count=2, **_S3FS_OPTIONS)
+                writer: Any = FsspecWriter(self.path(step), sync_files=False, thread_count=2, **_S3FS_OPTIONS)
+            else:
+                from s3torchconnector.dcp import S3StorageWriter
+
+                writer = S3StorageWriter(_region(), self.path(step), s3client_config=_s3tc_config(), thread_count=2)
             return dcp.async_save(state, storage_writer=writer, no_dist=True)
         tmp, final = Path(self.path(step) + ".tmp"), Path(self.path(step))
         shutil.rmtree(tmp, ignore_errors=True)
@@ -621,12 +684,21 @@ class DcpStore:
     def load(self, state: dict, step: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        if self.s3:
+        if self.client == "s3fs":
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
             dcp.load(state, storage_reader=FsspecReader(self.path(step), **_S3FS_OPTIONS), no_dist=True)
+        elif self.client:
+            from s3torchconnector.dcp import S3StorageReader
+
+            dcp.load(state, storage_reader=S3StorageReader(_region(), self.path(step), s3client_config=_s3tc_config()),
+                     no_dist=True)
         else:
             dcp.load(state, checkpoint_id=self.path(step))
+
+
+def _region() -> str:
+    return os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
 
 
 def _load_train_module() -> Any:
@@ -664,6 +736,7 @@ def dcp_worker(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dcp-worker", action="store_true")
     ap.add_argument("--dcp-dir", required=True)
+    ap.add_argument("--dcp-s3-client", choices=DCP_S3_CLIENTS, default="s3torchconnector")
     own, rest = ap.parse_known_args(argv)
     tr = _load_train_module()
     warnings.filterwarnings("ignore")  # DCP warns that it runs without a process group
@@ -672,7 +745,7 @@ def dcp_worker(argv: list[str]) -> int:
     jlog("start", job=args.job, rank=args.rank, world_size=args.world_size, pid=os.getpid())
     model, opt, sched, data = tr.build(args)
     extra = {"tokens_seen": 0}
-    store = DcpStore(own.dcp_dir)
+    store = DcpStore(own.dcp_dir, own.dcp_s3_client)
 
     def state() -> dict:
         msd, osd = get_state_dict(model, opt)
@@ -821,6 +894,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="shares of crash,node,cluster failures (default 0.6,0.3,0.1)")
     ap.add_argument("--s3-rate", type=float, default=64.0, metavar="MIB_S",
                     help="object-store bandwidth per direction, MiB/s (default 64: the 512 MiB state in 8 s)")
+    ap.add_argument("--dcp-s3-client", choices=("auto", *DCP_S3_CLIENTS), default="auto",
+                    help="the DCP arm's S3 storage with --s3 (auto: s3torchconnector where installed, else s3fs)")
     ap.add_argument("--sweep", default="", metavar="F,F,...",
                     help="also run the DCP arm at these multiples of its planned interval (same failure schedule)")
     ap.add_argument("--seed", type=int, default=1, help="failure schedule seed")
@@ -972,10 +1047,10 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir()
     print(f"model {' '.join(args.model)}; {args.steps} steps per arm; MTBI {args.mtbi:g} s (crash {fr['crash']:.0%}, "
           f"node {fr['node']:.0%}, cluster {fr['cluster']:.0%}); seed {args.seed}")
-    store = ObjectStore(work, args.s3_rate * 2**20) if args.s3 else None
+    store = ObjectStore(work, args.s3_rate * 2**20, dcp_s3_client(args.dcp_s3_client)) if args.s3 else None
     if store:
-        print(f"persistent tier and DCP: S3 (moto_server) through a {args.s3_rate:g} MiB/s limit per direction; "
-              f"local tier on {fstype(sock)} ({sock})")
+        print(f"persistent tier and DCP: S3 (moto_server) through a {args.s3_rate:g} MiB/s limit per direction "
+              f"(DCP through {store.dcp_client}); local tier on {fstype(sock)} ({sock})")
     else:
         print(f"DCP dir and persistent tier on {fstype(work)} ({work}); local tier on {fstype(sock)} ({sock})")
     try:
@@ -993,6 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps({
                 "steps": args.steps, "mtbi_s": args.mtbi, "fractions": fr, "seed": args.seed,
                 "model": list(args.model), "s3_rate_mib_s": args.s3_rate if store else None,
+                "dcp_s3_client": store.dcp_client if store else None,
                 "calibration": {"tierckpt": c["ct"], "dcp": c["cd"]}, "plan": c["tplan"].to_dict(),
                 "dcp_plan": c["dplan"].to_dict(), "intervals_steps": {
                     "save_every": c["save_every"], "persist_every": c["persist_every"], "dcp_every": c["dcp_every"]},

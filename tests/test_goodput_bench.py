@@ -179,6 +179,42 @@ def test_dcp_store_keeps_the_two_newest_complete_steps(tmp_path: Path) -> None:
     assert store.complete() == [20, 40]
 
 
+def test_dcp_store_on_s3_lists_and_prunes_like_the_directory(moto_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The s3torchconnector arm's housekeeping (boto3 listing and deletion; no s3torchconnector
+    needed): the same complete / incomplete rule as the directory store, on real S3 objects."""
+    import boto3
+
+    for k, v in moto_server.env.items():
+        monkeypatch.setenv(k, v)
+    bucket = moto_server.create_bucket()
+    s3 = boto3.client("s3")
+    for step, complete in ((10, True), (20, True), (30, False), (40, True), (50, False)):
+        s3.put_object(Bucket=bucket, Key=f"dcp/step-{step:08d}/__0_0.distcp", Body=b"data")
+        if complete:
+            s3.put_object(Bucket=bucket, Key=f"dcp/step-{step:08d}/.metadata", Body=b"x")
+    s3.put_object(Bucket=bucket, Key="dcp-other/step-00000070/.metadata", Body=b"x")  # a sibling prefix
+    store = gp.DcpStore(f"s3://{bucket}/dcp", "s3torchconnector")
+    assert store.steps() == [10, 20, 30, 40, 50]
+    assert store.complete() == [10, 20, 40]
+    store.prune()
+    assert store.steps() == [20, 30, 40, 50]
+    assert store.complete() == [20, 40]
+    left = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert not any(k.startswith("dcp/step-00000010/") for k in left)
+    assert "dcp-other/step-00000070/.metadata" in left
+
+
+def test_dcp_s3_client_choice(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert gp.dcp_s3_client("s3fs") == "s3fs"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert gp.dcp_s3_client("auto") == "s3fs"
+    assert "s3torchconnector is not installed" in capsys.readouterr().out
+    arm = gp.DcpArm.__new__(gp.DcpArm)
+    arm.target, arm.client = "s3://b/p", "s3torchconnector"
+    cmd = arm.command(steps=1, save_every=1, persist_every=0, log=Path("x"), model=())
+    assert cmd[cmd.index("--dcp-s3-client") + 1] == "s3torchconnector"
+
+
 def test_extrapolation_multi_tier_ahead_where_the_store_is_slow() -> None:
     slow = next(s for s in gp.SCALES if s.gpus == 16384 and s.store_gb_s == 25.0)
     assert slow.nodes == 2048 and slow.store_s == pytest.approx(3.164e9 / (25e9 / 2048), rel=0.01)
