@@ -52,7 +52,8 @@ def one_run(args: argparse.Namespace, run: int) -> tuple[list[float], list[float
     ports = {n: free_port() for n in ("n0", "n1")}
     peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
     flags = ("--peers", peers, "--replicas", "1", "--keep-local", "1", "--log-level", "WARNING",
-             *(("--knobs", args.knobs) if args.knobs else ()))
+             *(("--knobs", args.knobs) if args.knobs else ()),
+             *(("--local-reserve", str(int(args.reserve * (1 << 30)))) if args.reserve else ()))
     ds = {n: Daemon(root, n, port=ports[n], args=flags) for n in ports}
     try:
         for d in ds.values():
@@ -89,6 +90,8 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--runs", type=int, default=1, help="repeat with fresh daemons (round 1 happens once per run)")
+    ap.add_argument("--reserve", type=float, default=0.0,
+                    help="GiB of local_reserve on both daemons (issue 30: (keep_local + 1) x the state = 2 x --gib)")
     ap.add_argument("--knobs", default="", help="tuning knobs for both daemons (A/B runs), e.g. warm_hint=0")
     ap.add_argument("--settle", type=float, default=1.0, help="seconds between a round and its raw copy")
     ap.add_argument("--raw-copies", type=int, default=3,
