@@ -15,7 +15,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tierckpt.common.fileio import pwrite_all
 from tierckpt.common.names import MAX_SHARDS_PER_RANK, check_job, check_rank, check_step
@@ -44,6 +44,23 @@ ShareFn = Callable[[Staging], dict[str, tuple[Manifest, ShardEntry]]]
 log = logging.getLogger(__name__)
 
 _SAVE_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def _vanished(save_id: str, err: Exception, still_open: bool) -> Exception:
+    """What a missing staging file means: AbortedError when the save is no longer open (a newer
+    save of the rank superseded it, or it was aborted or expired), else ``err`` itself."""
+    if not still_open:
+        return AbortedError(f"save_id: {save_id!r} was superseded by a newer save of the rank, aborted or "
+                            f"expired while in use ({err})")
+    return err
+
+
+def _check_owner(staging: Staging, catalog: Catalog, open_saves: Iterable[Staging]) -> None:
+    """A job belongs to the identity that first saved it (DESIGN.md, trust model): a save or an
+    inbound copy for another owner of a job held or being saved here is refused."""
+    owners = catalog.owners(staging.job)
+    owners.update(st.job_owner for st in open_saves if st.job == staging.job and not st.inbound)
+    check_job_owner(staging.job, owners, staging.job_owner, "copy" if staging.inbound else "save")
 
 
 class OpenSaves:
@@ -103,24 +120,16 @@ class OpenSaves:
             if e.errno == errno.ENOSPC:
                 raise CapacityError(f"local_dir {self._fs.root} is full: {e.strerror}") from e
             if superseded:
-                raise self._vanished(save_id, e) from None
+                raise _vanished(save_id, e, self.is_open(save_id)) from None
             raise
         return staging
-
-    def _vanished(self, save_id: str, err: Exception) -> Exception:
-        """What a missing staging file means: AbortedError when the save is no longer open (a newer
-        save of the rank superseded it, or it was aborted or expired), else ``err`` itself."""
-        if not self.is_open(save_id):
-            return AbortedError(f"save_id: {save_id!r} was superseded by a newer save of the rank, aborted or "
-                                f"expired while in use ({err})")
-        return err
 
     def _reserve_locked(self, staging: Staging, share: ShareFn | None = None) -> dict[str, str]:
         """Supersede an older open save of the rank, bound open saves, link shared files, make
         room, take recycled files."""
         self.last_begin = time.monotonic()
         key = (staging.job, staging.step, staging.rank)
-        self._check_owner_locked(staging)
+        _check_owner(staging, self._catalog, self._open.values())
         older = self._by_key.get(key)
         if older is not None and staging.inbound and not self._open[older].inbound:
             raise FailedPreconditionError(f"{key[0]} step {key[1]} rank {key[2]}: a trainer's save of this rank is "
@@ -140,13 +149,6 @@ class OpenSaves:
             if share is not None:
                 self._layout.remove_staging(staging.save_id)
             raise
-
-    def _check_owner_locked(self, staging: Staging) -> None:
-        """A job belongs to the identity that first saved it (DESIGN.md, trust model): a save or an
-        inbound copy for another owner of a job held or being saved here is refused."""
-        owners = self._catalog.owners(staging.job)
-        owners.update(st.job_owner for st in self._open.values() if st.job == staging.job and not st.inbound)
-        check_job_owner(staging.job, owners, staging.job_owner, "copy" if staging.inbound else "save")
 
     def _link_locked(self, staging: Staging, sources: dict[str, tuple[Manifest, ShardEntry]]) -> None:
         """Link the committed files ``sources`` names into the staging area (see :mod:`.links`)."""
@@ -228,7 +230,7 @@ class OpenSaves:
         try:
             return self._layout.open_staged(st, f, flags)
         except (FileNotFoundError, FailedPreconditionError) as e:
-            raise self._vanished(save_id, e) from None
+            raise _vanished(save_id, e, self.is_open(save_id)) from None
 
     def write_chunk(self, save_id: str, shard: str, offset: int, data: bytes | memoryview, fd_cache: dict) -> None:
         """Write streamed bytes into a staging file (stream transfers). ``fd_cache`` maps paths to fds."""
@@ -243,7 +245,7 @@ class OpenSaves:
             try:
                 fd = fd_cache[f.path] = self._layout.open_staged(st, f, os.O_WRONLY)
             except (FileNotFoundError, FailedPreconditionError) as e:
-                raise self._vanished(save_id, e) from None
+                raise _vanished(save_id, e, self.is_open(save_id)) from None
         pwrite_all(fd, memoryview(data), offset)
         f.written += len(data)
 
@@ -260,7 +262,7 @@ class OpenSaves:
         try:
             return self._layout.check_staged(st, digests if verify else None, fsync=fsync)
         except (FileNotFoundError, FailedPreconditionError) as e:
-            gone = self._vanished(st.save_id, e)
+            gone = _vanished(st.save_id, e, self.is_open(st.save_id))
             self.abort(st.save_id)
             raise gone from None
         except BaseException:

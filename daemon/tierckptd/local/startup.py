@@ -87,6 +87,27 @@ def default_capacity(fs: LocalDir) -> int:
     return int(st.f_blocks * st.f_frsize * 0.9)
 
 
+def fit_reserve(target: int, capacity: int, explicit: bool, root: object) -> int:
+    """The reserve a local tier of ``capacity`` bytes holds for a ``local_reserve`` of ``target``.
+    The shipped configs size the reserve for a typical node: a smaller local dir whose capacity is
+    the default keeps the daemon starting, with half its capacity held (a warning says so).
+
+    Raises:
+        ConfigError: ``target`` exceeds an ``explicit`` capacity (naming ``local_reserve``).
+    """
+    if target <= capacity:
+        return target
+    if explicit:
+        from ..config import ConfigError
+
+        raise ConfigError(f"local_reserve: {target} bytes exceed the local tier's capacity ({capacity} bytes), "
+                          "which must hold it")
+    log.warning("local_reserve: %d bytes exceed the local tier's capacity (%d bytes, 90%% of %s); holding %d bytes "
+                "instead: set local_reserve to (keep_local + 1) x this node's checkpoint", target, capacity, root,
+                capacity // 2)
+    return capacity // 2
+
+
 def write_fs_token(fs: LocalDir) -> str:
     """A new random ``.fs-token`` in the local dir: a client that reads the same token shares the
     daemon's files (the fast path). Returns the token."""

@@ -66,7 +66,7 @@ from .retain import StoreRetention
 from .rules import Eviction, charge_file
 from .saves import OpenSaves
 from .staging import ShardSpec, StagedFile, Staging
-from .startup import default_capacity, prepare_local_dir, rebuild, write_fs_token
+from .startup import default_capacity, fit_reserve, prepare_local_dir, rebuild, write_fs_token
 from .warm import WarmPages, free_pages_go_to_hypervisor, machine_headroom, touching
 
 __all__ = ["LocalStore", "Staging", "StagedFile", "Usage", "Eviction", "fs_is_tmpfs", "DEFAULT_MAX_OPEN_SAVES"]
@@ -191,18 +191,7 @@ class LocalStore(StoreRetention):
         if self._fsync_mode == "auto":
             self.fsync = not self.warm.tmpfs
         self.capacity = self._capacity_arg or default_capacity(self._fs)
-        if self.reserve.target > self.capacity:
-            if self._capacity_arg:
-                from ..config import ConfigError
-
-                raise ConfigError(f"local_reserve: {self.reserve.target} bytes exceed the local tier's capacity "
-                                  f"({self.capacity} bytes), which must hold it")
-            # The shipped configs size the reserve for a typical node; a smaller local dir keeps the
-            # daemon starting, with half its capacity held.
-            log.warning("local_reserve: %d bytes exceed the local tier's capacity (%d bytes, 90%% of %s); holding "
-                        "%d bytes instead: set local_reserve to (keep_local + 1) x this node's checkpoint",
-                        self.reserve.target, self.capacity, self.root, self.capacity // 2)
-            self.reserve.target = self.capacity // 2
+        self.reserve.target = fit_reserve(self.reserve.target, self.capacity, bool(self._capacity_arg), self.root)
         self.fs_token = write_fs_token(self._fs)
         res = rebuild(self._fs, self._catalog, self._recycle, self.policies, StoreLayout.rank_rel, self.counters)
         log.info("catalog rebuilt: %d committed ranks, %d uncommitted leftovers removed, %d quarantined",

@@ -41,6 +41,14 @@ __all__ = ["Drainer"]
 log = logging.getLogger(__name__)
 
 
+def _count_failure(metrics: Any, *, final: bool) -> None:
+    """Count a failed drain attempt (``final``: the rank is given up)."""
+    if metrics:
+        metrics.drain_failures.inc()
+        if final:
+            metrics.saves.labels(tier="persistent", result="error").inc()
+
+
 class Drainer:
     """Queues selected ranks and drains them (see the module docstring).
 
@@ -132,7 +140,7 @@ class Drainer:
                           "drained (daemon restarted)", job, step, rank)
                 self.ledger.failed[(job, step, rank)] = (doc.get("generation"),
                                                          "left the local tier before it was drained")
-                self.count_failure(final=True)
+                _count_failure(self.metrics, final=True)
                 self.queue.remove(job, step, rank)
                 continue
             self.enqueue(man, doc["enqueued"], durable=False)
@@ -183,7 +191,7 @@ class Drainer:
         self.ledger.failed[man.key] = (man.generation, reason)
         self.queue.remove(*man.key)
         if failed:
-            self.count_failure(final=True)
+            _count_failure(self.metrics, final=True)
         log.log(logging.ERROR if failed else logging.INFO, "drain of %s step %d rank %d to %s %s: %s", man.job,
                 man.step, man.rank, self.url, "failed" if failed else "cancelled", reason)
         self.update_gauges()
@@ -244,7 +252,6 @@ class Drainer:
             self.cancel(e, f"the step was deleted on request (tierckpt rm): {err}")
             return
         except PermissionDeniedError as err:  # the job is another identity's in the store: never retried
-            log.error("drain of %s step %d rank %d refused: %s", man.job, man.step, man.rank, err)
             self.fail(e, str(err))
             return
         except DataLossError as err:  # the local copy is corrupt: nothing was published
@@ -271,7 +278,7 @@ class Drainer:
             retry = KNOBS.failed_retry_seconds
             e.error = str(err) or type(err).__name__
             e.not_before = time.monotonic() + retry
-            self.count_failure(final=False)
+            _count_failure(self.metrics, final=False)
             log.error("drain of %s step %d rank %d to %s failed: %s; trying again in %.0fs",
                       man.job, man.step, man.rank, self.url, e.error, retry)
             self.ledger.broadcast()
@@ -282,7 +289,7 @@ class Drainer:
         replaces the local one when a peer holds it, and the drain is tried again at once."""
         if self.ledger.pending.get(man.key) is not e:
             return
-        self.count_failure(final=False)
+        _count_failure(self.metrics, final=False)
         repaired = False
         if self.repair is not None:
             try:
@@ -332,13 +339,6 @@ class Drainer:
             self.store.pin(job, step, "drain")
 
     # ----------------------------------------------------------------------------- figures
-
-    def count_failure(self, *, final: bool) -> None:
-        """Count a failed attempt (``final``: the rank is given up)."""
-        if self.metrics:
-            self.metrics.drain_failures.inc()
-            if final:
-                self.metrics.saves.labels(tier="persistent", result="error").inc()
 
     def update_gauges(self) -> None:
         """Publish the backlog to the metrics."""
