@@ -12,6 +12,7 @@ again at their next catch-up. Nothing here follows a symlink (:class:`..local.lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -148,8 +149,22 @@ class ParityStore:
             return name, self.fs.create(sfd, name)
 
     def discard(self, job: str, step: int, name: str) -> None:
-        with self.fs.dir(_step_dir(job, step), create=True) as sfd:
+        """Remove a chunk's temporary file; a step or job dir left empty goes too (a refused or
+        failed pull leaves nothing behind)."""
+        with self.fs.dir(_step_dir(job, step)) as sfd:
             self.fs.unlink(sfd, name)
+        self._prune(job, step)
+
+    def _prune(self, job: str, step: int) -> None:
+        """Remove the step's and the job's parity dirs if they are empty and hold no slot."""
+        with self._lock:
+            if self._steps.get((job, step)):
+                return
+        with contextlib.suppress(FileNotFoundError):
+            with self.fs.dir((PARITY_DIR, job)) as jfd:
+                self.fs.rmdir(jfd, f"{step:020d}")
+            with self.fs.dir((PARITY_DIR,)) as pfd:
+                self.fs.rmdir(pfd, job)
 
     def add(self, man: Manifest, chunk: int, chunks: int, tmp_name: str, tmp_fd: int, length: int) -> Slot:
         """XOR the pulled chunk (``length`` bytes of ``tmp_fd``) into a slot with no chunk of
@@ -213,6 +228,8 @@ class ParityStore:
         with self._lock:
             slots = self._steps.pop((job, step), {})
             self._adding.pop((job, step), None)
-        with self.fs.dir((PARITY_DIR, job), create=True) as jfd:
-            self.fs.remove_tree(jfd, f"{step:020d}")
+        with contextlib.suppress(FileNotFoundError):  # nothing of the job here: nothing to make
+            with self.fs.dir((PARITY_DIR, job)) as jfd:
+                self.fs.remove_tree(jfd, f"{step:020d}")
+            self._prune(job, step)
         return len(slots)
