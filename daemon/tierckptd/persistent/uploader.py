@@ -141,11 +141,12 @@ class RankUploader:
         One listing per job and owner in this process (the catalog's): a job's owner does not change."""
         if (man.job, man.job_owner) in self._owner_checked:
             return
-        try:
-            copies = await self.catalog.catalog(man.job)
+        try:  # a listing of its own, awaited whole (the catalog's answer gives up after catalog_wait)
+            steps = await self.catalog.list_steps(man.job, KNOBS.catalog_retry)
         except UnavailableError as err:  # the listing failed: retried like a failed upload
             raise BackendError(str(err), retryable=True) from err
-        owners = {c.job_owner for ranks in copies.values() for c in ranks.values()}
+        owners = {self.catalog.known.get((man.job, step, rank), (0, 0.0, ""))[2]
+                  for step, ranks in steps.items() for rank in ranks}
         check_job_owner(man.job, owners, man.job_owner, f"drain to {self.catalog.url}")
         self._owner_checked[(man.job, man.job_owner)] = True
 
