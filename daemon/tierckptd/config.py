@@ -112,9 +112,9 @@ class DaemonConfig:
     replicas: int = 1
     """Peer copies made of every committed rank (0 disables replication)."""
     redundancy: str = "replicas"
-    """Peer redundancy: "replicas" (`replicas` full copies of every rank) or "parity:K+1" (XOR parity across placement
-    groups of K+1 consecutive ring nodes: 1 + 1/K of the memory per node, survives the loss of one node of a group;
-    `replicas` is then 0). Reed-Solomon (parity:K+M, M >= 2) is refused: not built yet."""
+    """Peer redundancy: "replicas" (`replicas` full copies of every rank) or "parity:K+M" (erasure coding across
+    placement groups of K+M consecutive ring nodes, K + M <= 32: 1 + M/K of the memory per node, survives the loss of
+    M nodes of a group; XOR for M = 1, Reed-Solomon for M >= 2; `replicas` is then 0)."""
     persistent: str = ""
     """Object store URL: file:///dir, s3://bucket/prefix or gs://bucket/prefix (empty: no persistent tier)."""
     persist_every: int = 0
@@ -215,23 +215,27 @@ _PARITY_RE = re.compile(r"^parity:(\d{1,3})\+(\d{1,2})$")
 
 
 def parse_redundancy(text: str) -> tuple[int, int] | None:
-    """``"replicas"`` -> None; ``"parity:K+M"`` -> (K, M).
+    """``"replicas"`` -> None; ``"parity:K+M"`` -> (K, M): XOR parity for M = 1, Reed-Solomon
+    (ISA-L, else numpy) for M >= 2.
 
     Raises:
-        ConfigError: anything else, K < 1, M < 1, or M >= 2 (Reed-Solomon is not built yet).
+        ConfigError: anything else, K < 1, M < 1, or K + M > 32.
     """
     if text == "replicas":
         return None
     m = _PARITY_RE.match(text)
     if not m:
-        raise ConfigError(f"redundancy: {text!r} must be replicas or parity:K+M (e.g. parity:4+1)")
+        raise ConfigError(f"redundancy: {text!r} must be replicas or parity:K+M (e.g. parity:4+1, parity:4+2)")
     k, mm = int(m.group(1)), int(m.group(2))
     if k < 1 or mm < 1:
         raise ConfigError(f"redundancy: {text!r} needs K >= 1 data nodes and M >= 1 parity nodes")
-    if mm > 1:
-        raise ConfigError(f"redundancy: {text!r}: only M = 1 (XOR parity) is built; Reed-Solomon for M >= 2 is not "
-                          "(use parity:K+1 or replicas)")
+    if k + mm > _MAX_GROUP:
+        raise ConfigError(f"redundancy: {text!r}: a parity group has at most {_MAX_GROUP} nodes (K + M <= "
+                          f"{_MAX_GROUP})")
     return k, mm
+
+
+_MAX_GROUP = 32
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)

@@ -58,7 +58,7 @@ def test_redundancy_option_is_validated_naming_the_field():
     cfg = parse_args(["--redundancy", "parity:4+1", "--replicas", "2"])
     assert cfg.parity == (4, 1) and cfg.replicas == 0  # parity replaces the full copies
     assert parse_args([]).parity is None and parse_args([]).redundancy == "replicas"
-    for bad in ("parity:4+2", "parity:0+1", "raid5", "parity:4"):
+    for bad in ("parity:30+3", "parity:0+1", "raid5", "parity:4"):
         with pytest.raises(ConfigError, match="^redundancy: "):
             parse_args(["--redundancy", bad])
 

@@ -249,24 +249,30 @@ class VerifyCopiesResponse(_message.Message):
     def __init__(self, copies: _Optional[_Iterable[_Union[VerifiedCopy, _Mapping]]] = ...) -> None: ...
 
 class ProtectRankRequest(_message.Message):
-    __slots__ = ("sender", "manifest_json", "chunk", "chunks")
+    __slots__ = ("sender", "manifest_json", "chunk", "chunks", "row", "lane")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     sender: str
     manifest_json: str
     chunk: int
     chunks: int
-    def __init__(self, sender: _Optional[str] = ..., manifest_json: _Optional[str] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+    row: int
+    lane: str
+    def __init__(self, sender: _Optional[str] = ..., manifest_json: _Optional[str] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ..., row: _Optional[int] = ..., lane: _Optional[str] = ...) -> None: ...
 
 class ProtectRankResponse(_message.Message):
-    __slots__ = ("already", "parity_bytes")
+    __slots__ = ("already", "parity_bytes", "lane")
     ALREADY_FIELD_NUMBER: _ClassVar[int]
     PARITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     already: bool
     parity_bytes: int
-    def __init__(self, already: _Optional[bool] = ..., parity_bytes: _Optional[int] = ...) -> None: ...
+    lane: str
+    def __init__(self, already: _Optional[bool] = ..., parity_bytes: _Optional[int] = ..., lane: _Optional[str] = ...) -> None: ...
 
 class ReadRankRangeRequest(_message.Message):
     __slots__ = ("requester", "job", "step", "rank", "generation", "offset", "length")
@@ -327,14 +333,38 @@ class ParityLookupRequest(_message.Message):
     def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ..., has_rank: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class ProtectedRank(_message.Message):
-    __slots__ = ("manifest_json", "chunk", "chunks")
+    __slots__ = ("manifest_json", "chunk", "chunks", "parity_rows", "stripe", "lane", "row")
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PARITY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
     manifest_json: str
     chunk: int
     chunks: int
-    def __init__(self, manifest_json: _Optional[str] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+    parity_rows: int
+    stripe: int
+    lane: str
+    row: int
+    def __init__(self, manifest_json: _Optional[str] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ..., parity_rows: _Optional[int] = ..., stripe: _Optional[int] = ..., lane: _Optional[str] = ..., row: _Optional[int] = ...) -> None: ...
+
+class ReadParityRowRequest(_message.Message):
+    __slots__ = ("requester", "job", "step", "stripe", "lane", "row")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    job: str
+    step: int
+    stripe: int
+    lane: str
+    row: int
+    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., stripe: _Optional[int] = ..., lane: _Optional[str] = ..., row: _Optional[int] = ...) -> None: ...
 
 class ParityLookupResponse(_message.Message):
     __slots__ = ("ranks",)

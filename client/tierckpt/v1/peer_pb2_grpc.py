@@ -110,6 +110,11 @@ class PeerStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.DropParityRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.DropParityResponse.FromString,
                 _registered_method=True)
+        self.ReadParityRow = channel.unary_stream(
+                '/tierckpt.v1.Peer/ReadParityRow',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.ReadParityRowRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -232,6 +237,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadParityRow(self, request, context):
+        """Reed-Solomon: stream one parity row held here (DATA_LOSS if it fails its checksum). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -309,6 +321,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.DropParity,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.DropParityRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.DropParityResponse.SerializeToString,
+            ),
+            'ReadParityRow': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadParityRow,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.ReadParityRowRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -717,6 +734,33 @@ class Peer:
             '/tierckpt.v1.Peer/DropParity',
             tierckpt_dot_v1_dot_peer__pb2.DropParityRequest.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.DropParityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadParityRow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tierckpt.v1.Peer/ReadParityRow',
+            tierckpt_dot_v1_dot_peer__pb2.ReadParityRowRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.DataPiece.FromString,
             options,
             channel_credentials,
             insecure,

@@ -60,13 +60,18 @@ class Encoder:
     def protectors(self) -> list[str]:
         return layout.protectors(self.node_id, self.cluster.ids(), self.size)
 
+    def holder_nodes(self) -> set[str]:
+        """The nodes holding parity of this node's ranks."""
+        return set(self.protectors())
+
     def ensure(self, man: Manifest) -> _Prot:
         st = self._prots.get(man.key)
         if st is None or st.man.generation != man.generation:
             if st is not None and st.task and not st.task.done():
                 st.task.cancel()
             st = self._prots[man.key] = _Prot(man, self.protectors())
-        stale = [h for h, inst in st.acked.items() if (p := self.cluster.get(h)) and p.instance and p.instance != inst]
+        stale = [h for h, inst in st.acked.items()
+                 if (p := self.cluster.get(self.node_of(h))) and p.instance and p.instance != inst]
         for h in stale:
             del st.acked[h]
         if (st.task is None or st.task.done()) and not st.reached:
@@ -74,6 +79,11 @@ class Encoder:
                 st.event, st.error = asyncio.Event(), None
             st.task = asyncio.create_task(self._protect(st))
         return st
+
+    @staticmethod
+    def node_of(target: str) -> str:
+        """The node of a protection target (here the node itself; see :class:`.rsencoder.RsEncoder`)."""
+        return target
 
     def protected(self, man: Manifest) -> bool:
         st = self._prots.get(man.key)

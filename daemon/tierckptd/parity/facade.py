@@ -1,6 +1,8 @@
-"""What the peer tier calls when ``redundancy = "parity:K+1"``: one object holding the parity
+"""What the peer tier calls when ``redundancy = "parity:K+M"``: one object holding the parity
 held here (:class:`.slots.ParityStore`), the owner side (:class:`.encoder.Encoder`), the holder
-side (:class:`.protector.Protector`) and reconstruction (:class:`.rebuild.Rebuilder`).
+side (:class:`.protector.Protector`) and reconstruction (:class:`.rebuild.Rebuilder`); for
+M >= 2 (Reed-Solomon) their ``rs*`` siblings (:class:`.rsslots.RsStore`,
+:class:`.rsencoder.RsEncoder`, :class:`.rsprotector.RsProtector`, :class:`.rsrebuild.RsRebuilder`).
 
 Semantics on the peer tier's contract: ``wait("peer")`` resolves once the parity of every chunk
 of the rank is committed on its protectors; ``fetch`` reconstructs a rank no live peer holds in
@@ -16,7 +18,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from tierckpt.errors import TierckptError
+from tierckpt.errors import FailedPreconditionError, InvalidArgumentError, TierckptError
 from tierckpt.v1 import peer_pb2 as ppb
 
 from ..cluster.membership import Membership
@@ -25,10 +27,14 @@ from ..local.manifest import Manifest
 from ..local.store import Eviction, LocalStore
 from ..offload import run_blocking
 from ..tiers import RankCopy
-from . import layout
+from . import layout, rslayout
 from .encoder import Encoder
 from .protector import Protector
 from .rebuild import Rebuilder
+from .rsencoder import RsEncoder, target
+from .rsprotector import RsProtector, check_row
+from .rsrebuild import RsRebuilder
+from .rsslots import RsStore
 from .slots import ParityStore
 
 __all__ = ["Parity"]
@@ -41,21 +47,54 @@ class Parity:
                  spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task], metrics: Any = None) -> None:
         assert config.parity is not None
         k, m = config.parity
-        self.size = k + m
+        self.k, self.m, self.size = k, m, k + m
         self.node_id, self.store, self.cluster, self._spawn = config.node_id, store, cluster, spawn
-        self.pstore = ParityStore(store.root, fsync=config.fsync == "always")
-        self.encoder = Encoder(self.node_id, store, cluster, self.size, metrics)
-        self.protector = Protector(self.node_id, store, self.pstore, cluster, self.size, metrics)
-        self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
+        fsync = config.fsync == "always"
+        self.pstore: Any
+        self.encoder: Any
+        self.protector: Any
+        self.rebuilder: Any
+        if m == 1:
+            self.pstore = ParityStore(store.root, fsync=fsync)
+            self.encoder = Encoder(self.node_id, store, cluster, self.size, metrics)
+            self.protector = Protector(self.node_id, store, self.pstore, cluster, self.size, metrics)
+            self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
+        else:
+            self.pstore = RsStore(store.root, fsync=fsync)
+            self.encoder = RsEncoder(self.node_id, store, cluster, self.size, metrics, k=k, m=m)
+            self.protector = RsProtector(self.node_id, store, self.pstore, cluster, k, m, metrics)
+            self.rebuilder = RsRebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
 
     def group(self) -> list[str]:
+        if self.m > 1:
+            return rslayout.group(self.node_id, self.cluster.ids(), self.k, self.m)
         return layout.group_of(self.node_id, self.cluster.ids(), self.size)
 
     async def start(self) -> None:
         await run_blocking(self.pstore.open)
         self.cluster.also_watch = set(self.group()) - {self.node_id}
-        log.info("peer tier: parity over group %s (K=%d, M=1), %d parity bytes held", ",".join(self.group()),
-                 self.size - 1, self.pstore.nbytes())
+        log.info("peer tier: parity over group %s (K=%d, M=%d%s), %d parity bytes held", ",".join(self.group()),
+                 self.k, self.m, "" if self.m == 1 else f", Reed-Solomon on {self.protector.codec(self.k).impl.name}",
+                 self.pstore.nbytes())
+
+    # ------------------------------------------------------------------------------ the holder's RPCs
+
+    async def protect(self, req: ppb.ProtectRankRequest) -> ppb.ProtectRankResponse:
+        if self.m == 1:
+            if req.row or req.lane:
+                raise InvalidArgumentError(f"row/lane: node {self.node_id} uses XOR parity (parity:{self.k}+1)")
+            return await self.protector.protect(req.sender, req.manifest_json, req.chunk, req.chunks)
+        return await self.protector.protect(req.sender, req.manifest_json, req.chunk, req.chunks, req.row, req.lane)
+
+    def read_row(self, req: ppb.ReadParityRowRequest) -> Any:
+        if self.m == 1:
+            raise FailedPreconditionError(f"redundancy: node {self.node_id} uses XOR parity: it keeps no rows")
+        check_row(req.row, self.m)
+        rslayout.check_lane(req.lane, 1)
+        if req.stripe >= 2 * self.size:
+            raise InvalidArgumentError(f"stripe: {req.stripe} is not a stripe of a group of at most "
+                                       f"{2 * self.size} nodes")
+        return self.protector.read_row(req.job, req.step, req.stripe, req.lane, req.row)
 
     # ------------------------------------------------------------------------------ owner side
 
@@ -70,7 +109,7 @@ class Parity:
     async def audit(self) -> None:
         """Ask this node's protectors what they hold of its jobs (O(jobs x K) calls) and protect
         again what one of them lost."""
-        prot = set(self.encoder.protectors())
+        prot = self.encoder.holder_nodes()
         for job in self.store.jobs():
             answers, _ = await self.cluster.fan_out("ParityLookup", ppb.ParityLookupRequest(
                 requester=self.node_id, job=job), prot)
@@ -81,7 +120,9 @@ class Parity:
                         man = Manifest.from_json(r.manifest_json)
                     except TierckptError:
                         continue
-                    if man.node == self.node_id:
+                    if man.node == self.node_id and r.parity_rows > 1:
+                        held.add((target(p.node_id, r.chunk, r.row), man.step, man.rank, man.generation, 0))
+                    elif man.node == self.node_id:
                         held.add((p.node_id, man.step, man.rank, man.generation, r.chunk))
             self.encoder.reconcile(job, {p.node_id for p, _ in answers}, held)
 
@@ -92,7 +133,7 @@ class Parity:
 
     async def _drop_remote(self, job: str, step: int) -> None:
         req = ppb.DropParityRequest(requester=self.node_id, job=job, step=step)
-        _, missed = await self.cluster.fan_out("DropParity", req, set(self.encoder.protectors()))
+        _, missed = await self.cluster.fan_out("DropParity", req, self.encoder.holder_nodes())
         if missed:
             log.info("parity of %s step %d: drop not answered by %s (dropped at their own retention)", job, step,
                      ",".join(missed))
@@ -124,5 +165,5 @@ class Parity:
 
     def status(self) -> dict:
         pending = self.encoder.pending()
-        return {"redundancy": f"parity:{self.size - 1}+1", "parity_group": self.group(),
+        return {"redundancy": f"parity:{self.k}+{self.m}", "parity_group": self.group(),
                 "parity_bytes": self.pstore.nbytes(), "parity_pending_ranks": len(pending)}

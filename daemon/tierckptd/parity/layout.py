@@ -19,19 +19,19 @@ from ..cluster import ring
 __all__ = ["groups", "group_of", "protectors", "chunk_span", "chunk_of"]
 
 
-def groups(nodes: Iterable[str], size: int) -> list[list[str]]:
+def groups(nodes: Iterable[str], size: int, least: int = 2) -> list[list[str]]:
     """The placement groups of the ring: consecutive sorted ids, ``size`` per group (a last group of
-    one node joins the one before)."""
+    fewer than ``least`` nodes joins the one before: 2 for XOR, M + 1 for Reed-Solomon)."""
     ids = sorted(set(nodes))
     out = [ids[i:i + size] for i in range(0, len(ids), max(1, size))]
-    if len(out) > 1 and len(out[-1]) < 2:
+    if len(out) > 1 and len(out[-1]) < least:
         out[-2].extend(out.pop())
     return out
 
 
-def group_of(node: str, nodes: Iterable[str], size: int) -> list[str]:
+def group_of(node: str, nodes: Iterable[str], size: int, least: int = 2) -> list[str]:
     """The group ``node`` belongs to (``node`` counted among ``nodes``)."""
-    for g in groups(set(nodes) | {node}, size):
+    for g in groups(set(nodes) | {node}, size, least):
         if node in g:
             return g
     raise AssertionError("unreachable: every node is in a group")

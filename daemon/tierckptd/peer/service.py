@@ -140,8 +140,7 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
     async def ProtectRank(self, request: ppb.ProtectRankRequest, context: Any) -> ppb.ProtectRankResponse:
         if not request.manifest_json:
             raise InvalidArgumentError("manifest_json: required")
-        return await self._parity().protector.protect(request.sender, request.manifest_json, request.chunk,
-                                                      request.chunks)
+        return await self._parity().protect(request)
 
     @rpc_stream
     async def ReadRankRange(self, request: ppb.ReadRankRangeRequest, context: Any):
@@ -169,6 +168,13 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
             return ppb.ParityLookupResponse()
         return parity.protector.lookup(request.job, request.step if request.has_step else None,
                                                  request.rank if request.has_rank else None)
+
+    @rpc_stream
+    async def ReadParityRow(self, request: ppb.ReadParityRowRequest, context: Any):
+        check_job(request.job)
+        check_step(request.step)
+        async for piece in self._parity().read_row(request):
+            yield piece
 
     @rpc
     async def DropParity(self, request: ppb.DropParityRequest, context: Any) -> ppb.DropParityResponse:

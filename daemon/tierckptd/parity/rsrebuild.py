@@ -1,0 +1,206 @@
+"""Reconstructing a lost rank from Reed-Solomon parity, on the restoring node.
+
+For each chunk: the lane of its stripe (:mod:`.rslayout`) with the most rows still answering,
+that lane's rows (``ReadParityRow``: each holder checks its row's checksum first) and the other
+members' chunks (``ReadRankRange`` from their owners, or this node's store); up to M of the
+lane's data blocks may be missing (:func:`.rsdecode.solve`). The staging, the check of every
+shard against the rank's manifest and the commit are :class:`.rebuild.Rebuilder`'s. More than M
+blocks of a stripe lost, or a corrupt row where no spare row is left, fail the reconstruction:
+the restore moves on to the next tier (the persistent one, or a DataLossError naming the row).
+
+The restoring node reads k blocks per chunk (k times the rank's bytes), where XOR parity's
+distributed decode reads the rank's bytes once: the price of decoding where the rows meet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from tierckpt.common.status import error_from_rpc
+from tierckpt.errors import DataLossError, NotFoundError, TierckptError, UnavailableError
+from tierckpt.v1 import peer_pb2 as ppb
+
+from ..knobs import KNOBS
+from ..local.manifest import Manifest
+from ..offload import run_blocking
+from . import layout, rslayout
+from .decode import pull_range
+from .ranges import read_range, write_range
+from .rebuild import Rebuilder
+from .rsdecode import solve
+
+__all__ = ["RsRebuilder"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Rec:
+    holder: str
+    man: Manifest
+    chunk: int
+    chunks: int
+    stripe: int
+    lane: str
+    row: int
+
+
+@dataclass
+class _Plan:
+    lane: tuple[int, str]  # (stripe, lane)
+    rows: dict[int, str]  # row -> holder
+    members: dict[int, dict[int, Manifest]]  # row -> data position -> member's manifest
+
+
+class RsRebuilder(Rebuilder):
+    """:class:`.rebuild.Rebuilder` with the chunks decoded here from the rows of their lanes."""
+
+    def near(self) -> set[str]:
+        return (set(self.protector.group(self.node_id)) | self.cluster.watched()) - {self.node_id}
+
+    async def records(self, job: str, step: int | None, rank: int | None, nodes: set[str] | None) -> list[_Rec]:
+        req = ppb.ParityLookupRequest(requester=self.node_id, job=job, has_step=step is not None, step=step or 0,
+                                      has_rank=rank is not None, rank=rank or 0)
+        answers, _ = await self.cluster.fan_out("ParityLookup", req, nodes)
+        mine = self.protector.lookup(job, step, rank)
+        out = []
+        for node, resp in [(p.node_id, r) for p, r in answers] + [(self.node_id, mine)]:
+            for r in resp.ranks:
+                try:
+                    if r.parity_rows < 2:
+                        continue  # an XOR slot (a node configured otherwise): not part of this code
+                    rslayout.check_lane(r.lane, 1)
+                    out.append(_Rec(node, Manifest.from_json(r.manifest_json), r.chunk, r.chunks, r.stripe, r.lane,
+                                    r.row))
+                except TierckptError as e:
+                    log.error("parity record from %s refused: %s", node, e)
+        return out
+
+    async def locate(self, job: str, step: int | None, rank: int | None,
+                     nodes: set[str] | None) -> list[tuple[str, Manifest, int, int]]:
+        return [(r.holder, r.man, r.chunk, r.chunks) for r in await self.records(job, step, rank, nodes)]
+
+    async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None) -> Manifest:
+        recs = await self.records(job, step, None, self.near()) or await self.records(job, step, None, None)
+        mine = [r for r in recs if r.man.key == (job, step, rank) and job_owner in (None, r.man.job_owner)]
+        if not mine:
+            raise NotFoundError(f"{job} step {step} rank {rank} is not protected by parity on any live peer")
+        newest = max(mine, key=lambda r: r.man.created).man
+        mine = [r for r in mine if r.man.generation == newest.generation]
+        total = mine[0].chunks
+        if not 1 <= total <= 64 or any(r.chunks != total or r.chunk >= total for r in mine):
+            raise DataLossError(f"{job} step {step} rank {rank}: its parity records disagree on the chunk count")
+        plans: dict[int, _Plan] = {}
+        for c in range(total):
+            lanes = Counter((r.stripe, r.lane) for r in mine if r.chunk == c)
+            if not lanes:
+                raise UnavailableError(f"{job} step {step} rank {rank}: no parity row of chunk {c} is on a live peer")
+            lane = lanes.most_common(1)[0][0]
+            rows = {r.row: r.holder for r in mine if r.chunk == c and (r.stripe, r.lane) == lane}
+            members: dict[int, dict[int, Manifest]] = {j: {} for j in rows}
+            for r in recs:
+                if (r.stripe, r.lane) == lane and rows.get(r.row) == r.holder and r.man.job == job:
+                    members[r.row][r.chunk] = r.man
+            plans[c] = _Plan(lane, rows, members)
+        t0 = time.perf_counter()
+        self.receiver.restore_begun(1)
+        try:
+            with self.receiver.fetching_rank((job, step, rank)):
+                local = await self._rebuild(newest, plans, total)  # type: ignore[arg-type]
+        finally:
+            self.receiver.restore_begun(-1)
+        log.info("reconstructed %s step %d rank %d from parity: %d bytes in %.3fs", job, step, rank, newest.nbytes,
+                 time.perf_counter() - t0)
+        self.receiver.announce(local)
+        return local
+
+    async def _chunk(self, man: Manifest, chunk: int, chunks: int, holder: Any, opener: Any) -> None:
+        plan: _Plan = holder
+        off, length = layout.chunk_span(man.nbytes, chunks, chunk)
+        codec = self.protector.codec(chunks)
+        positions: dict[int, Manifest] = {}
+        for ms in plan.members.values():
+            positions.update(ms)
+        positions[chunk] = man
+        known: dict[int, bytes | bytearray] = {}
+        reads = {i: self._member(m, i, chunks) for i, m in positions.items() if i != chunk}
+        got = await asyncio.gather(*reads.values(), return_exceptions=True)
+        for i, res in zip(reads, got):
+            if isinstance(res, asyncio.CancelledError):
+                raise res
+            if not isinstance(res, BaseException):
+                known[i] = res
+        unknown = [chunk, *sorted(i for i in positions if i != chunk and i not in known)]
+        expect = max(layout.chunk_span(mm.nbytes, chunks, i)[1] for i, mm in positions.items())
+        row_reads = {j: self._row(man, plan, j, expect) for j in plan.rows}
+        rows_got = await asyncio.gather(*row_reads.values(), return_exceptions=True)
+        rows, lost = {}, []
+        for j, res in zip(row_reads, rows_got):
+            if isinstance(res, asyncio.CancelledError):
+                raise res
+            if isinstance(res, BaseException):
+                lost.append(res)
+                continue
+            rows[j] = (res, set(plan.members[j]))
+        try:
+            data = await run_blocking(solve, codec, chunk, known, unknown, rows, length)
+        except UnavailableError as e:
+            bad = next((x for x in lost if isinstance(x, DataLossError)), None)
+            msg = f"chunk {chunk} of {man.job} step {man.step} rank {man.rank}: {e}"
+            log.error("%s%s", msg, f" ({bad})" if bad else "")
+            raise (DataLossError(f"{msg}; {bad}") if bad else UnavailableError(msg)) from None
+        await run_blocking(write_range, opener, man, off, data)
+
+    async def _member(self, m: Manifest, position: int, chunks: int) -> bytes:
+        """Data block ``position`` of member ``m`` (a chunk of its rank), from here or its owner."""
+        off, length = layout.chunk_span(m.nbytes, chunks, position)
+        buf = bytearray(length)
+        local = self.store.get(*m.key)
+        if local is not None and local.generation == m.generation:
+            held, pos = local, 0
+            it = read_range(lambda n: self.store.open_shard(held, n), held, off, length)
+            try:
+                while (b := await run_blocking(next, it, None)) is not None:
+                    buf[pos:pos + len(b)] = b
+                    pos += len(b)
+            finally:
+                it.close()
+            return bytes(buf)
+        if m.node == self.node_id or m.node not in self.cluster.peers:
+            raise UnavailableError(f"{m.key} is held by no live node known here")
+
+        async def sink(pos: int, data: bytes) -> None:
+            buf[pos:pos + len(data)] = data
+
+        await pull_range(self.cluster, m.node, self.node_id, m, off, length, sink)
+        return bytes(buf)
+
+    async def _row(self, man: Manifest, plan: _Plan, row: int, expect: int) -> bytearray:
+        """Row ``row`` of the plan's lane (at most ``expect`` bytes: its longest member's chunk)."""
+        holder = plan.rows[row]
+        stripe, lane = plan.lane
+        if holder == self.node_id:
+            buf = await self.protector.row_bytes(man.job, man.step, stripe, lane, row)
+            if len(buf) > expect:
+                raise DataLossError(f"parity row {row} here is {len(buf)} bytes; its members need {expect}")
+            return buf
+        p = self.cluster.peers[holder]
+        req = ppb.ReadParityRowRequest(requester=self.node_id, job=man.job, step=man.step, stripe=stripe, lane=lane,
+                                       row=row)
+        buf = bytearray()
+        try:
+            async for piece in p.stub.ReadParityRow(req, timeout=max(KNOBS.commit_timeout, KNOBS.rpc_timeout)):
+                if len(buf) + len(piece.data) > expect:
+                    raise DataLossError(f"peer {holder} sent more than the {expect} bytes of parity row {row}")
+                buf += piece.data
+        except grpc.RpcError as e:
+            err = error_from_rpc(e, f"peer {holder} ({p.address})")
+            log.warning("row %d of %s step %d from %s: %s", row, man.job, man.step, holder, err)
+            raise err from None
+        return buf
