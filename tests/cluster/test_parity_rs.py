@@ -109,9 +109,9 @@ def test_two_nodes_lost_every_rank_restored_exactly(daemon_factory):
     job = "rs"
     sizes = [300_000 + 7_919 * r for r in range(12)]
     sums = _save_all(cl, job, 5, sizes, per_node=2)  # two ranks per node: two lanes per stripe
-    for n in cl.ids:  # memory: parity ~ 2/4 of a node's own data, no full copies
-        own = sum(sizes[r] + 333 + r for r in range(12) if r % 6 == int(n[1:]))
-        assert 0 < _row_bytes(cl.d[n]) <= own * 0.5 * 1.1 + 64, n
+    own = {n: sum(sizes[r] + 333 + r for r in range(12) if r % 6 == int(n[1:])) for n in cl.ids}
+    for n in cl.ids:  # memory: parity ~ 2/4 of a node's data (rows padded to their longest member)
+        assert 0 < _row_bytes(cl.d[n]) <= max(own.values()) * 0.5 + 64, n
     lanes = {json.loads(p.read_text())["lane"] for p in _rows(cl.d["n0"])}
     assert len(lanes) >= 2
     for victim in ("n1", "n4"):
@@ -143,7 +143,7 @@ def test_any_two_of_six_lost_restores_on_a_survivor(daemon_factory):
                 assert _restored(c, job, rank, 2, sums) == "peer"
         cl.start(a)
         cl.start(b)
-        for n in (a, b):
+        for n in cl.ids:  # every node sees the restarted ones up again before the next round
             cl.wait_peers(n)
 
 

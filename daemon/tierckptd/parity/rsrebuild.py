@@ -34,6 +34,7 @@ from .decode import pull_range
 from .ranges import read_range, write_range
 from .rebuild import Rebuilder
 from .rsdecode import solve
+from .rsprotector import RsProtector
 
 __all__ = ["RsRebuilder"]
 
@@ -60,6 +61,8 @@ class _Plan:
 
 class RsRebuilder(Rebuilder):
     """:class:`.rebuild.Rebuilder` with the chunks decoded here from the rows of their lanes."""
+
+    protector: RsProtector  # type: ignore[assignment]  # the Reed-Solomon holder side, passed in by the facade
 
     def near(self) -> set[str]:
         return (set(self.protector.group(self.node_id)) | self.cluster.watched()) - {self.node_id}
@@ -141,13 +144,13 @@ class RsRebuilder(Rebuilder):
         row_reads = {j: self._row(man, plan, j, expect) for j in plan.rows}
         rows_got = await asyncio.gather(*row_reads.values(), return_exceptions=True)
         rows, lost = {}, []
-        for j, res in zip(row_reads, rows_got):
-            if isinstance(res, asyncio.CancelledError):
-                raise res
-            if isinstance(res, BaseException):
-                lost.append(res)
+        for j, got_row in zip(row_reads, rows_got):
+            if isinstance(got_row, asyncio.CancelledError):
+                raise got_row
+            if isinstance(got_row, BaseException):
+                lost.append(got_row)
                 continue
-            rows[j] = (res, set(plan.members[j]))
+            rows[j] = (got_row, set(plan.members[j]))
         try:
             data = await run_blocking(solve, codec, chunk, known, unknown, rows, length)
         except UnavailableError as e:
