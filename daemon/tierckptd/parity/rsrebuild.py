@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 from tierckpt.common.status import error_from_rpc
-from tierckpt.errors import DataLossError, NotFoundError, TierckptError, UnavailableError
+from tierckpt.errors import DataLossError, InvalidArgumentError, NotFoundError, TierckptError, UnavailableError
 from tierckpt.v1 import peer_pb2 as ppb
 
 from ..knobs import KNOBS
@@ -34,7 +34,7 @@ from .decode import pull_range
 from .ranges import read_range, write_range
 from .rebuild import Rebuilder
 from .rsdecode import solve
-from .rsprotector import RsProtector
+from .rsprotector import RsProtector, check_row
 
 __all__ = ["RsRebuilder"]
 
@@ -78,7 +78,14 @@ class RsRebuilder(Rebuilder):
                 try:
                     if r.parity_rows < 2:
                         continue  # an XOR slot (a node configured otherwise): not part of this code
+                    if r.parity_rows != self.protector.m:
+                        raise InvalidArgumentError(f"parity_rows: {r.parity_rows}, this node's code has M = "
+                                                   f"{self.protector.m}")
+                    check_row(r.row, self.protector.m)
                     rslayout.check_lane(r.lane, 1)
+                    if not r.chunk < r.chunks <= 64 or r.stripe >= 64:
+                        raise InvalidArgumentError(f"chunk: {r.chunk} of {r.chunks} (stripe {r.stripe}) is not a "
+                                                   "chunk of a group of at most 64 nodes")
                     out.append(_Rec(node, Manifest.from_json(r.manifest_json), r.chunk, r.chunks, r.stripe, r.lane,
                                     r.row))
                 except TierckptError as e:
@@ -108,7 +115,8 @@ class RsRebuilder(Rebuilder):
             rows = {r.row: r.holder for r in mine if r.chunk == c and (r.stripe, r.lane) == lane}
             members: dict[int, dict[int, Manifest]] = {j: {} for j in rows}
             for r in recs:
-                if (r.stripe, r.lane) == lane and rows.get(r.row) == r.holder and r.man.job == job:
+                if ((r.stripe, r.lane) == lane and rows.get(r.row) == r.holder and r.man.job == job
+                        and r.chunks == total):
                     members[r.row][r.chunk] = r.man
             plans[c] = _Plan(lane, rows, members)
         t0 = time.perf_counter()
