@@ -106,19 +106,12 @@ class RsRebuilder(Rebuilder):
         total = mine[0].chunks
         if not 1 <= total <= 64 or any(r.chunks != total or r.chunk >= total for r in mine):
             raise DataLossError(f"{job} step {step} rank {rank}: its parity records disagree on the chunk count")
-        plans: dict[int, _Plan] = {}
+        plans: dict[int, list[_Plan]] = {}
         for c in range(total):
             lanes = Counter((r.stripe, r.lane) for r in mine if r.chunk == c)
             if not lanes:
                 raise UnavailableError(f"{job} step {step} rank {rank}: no parity row of chunk {c} is on a live peer")
-            lane = lanes.most_common(1)[0][0]
-            rows = {r.row: r.holder for r in mine if r.chunk == c and (r.stripe, r.lane) == lane}
-            members: dict[int, dict[int, Manifest]] = {j: {} for j in rows}
-            for r in recs:
-                if ((r.stripe, r.lane) == lane and rows.get(r.row) == r.holder and r.man.job == job
-                        and r.chunks == total):
-                    members[r.row][r.chunk] = r.man
-            plans[c] = _Plan(lane, rows, members)
+            plans[c] = [self._plan(recs, mine, c, total, lane) for lane, _ in lanes.most_common()]
         t0 = time.perf_counter()
         self.receiver.restore_begun(1)
         try:
@@ -131,8 +124,29 @@ class RsRebuilder(Rebuilder):
         self.receiver.announce(local)
         return local
 
+    @staticmethod
+    def _plan(recs: list[_Rec], mine: list[_Rec], c: int, total: int, lane: tuple[int, str]) -> _Plan:
+        """Chunk ``c``'s rows in ``lane`` and each row's members (as their holders answered)."""
+        rows = {r.row: r.holder for r in mine if r.chunk == c and (r.stripe, r.lane) == lane}
+        members: dict[int, dict[int, Manifest]] = {j: {} for j in rows}
+        for r in recs:
+            if (r.stripe, r.lane) == lane and rows.get(r.row) == r.holder and r.chunks == total:
+                members[r.row][r.chunk] = r.man
+        return _Plan(lane, rows, members)
+
     async def _chunk(self, man: Manifest, chunk: int, chunks: int, holder: Any, opener: Any) -> None:
-        plan: _Plan = holder
+        """Chunk ``chunk`` decoded from the first of its lanes (most rows first) that decodes."""
+        plans: list[_Plan] = holder
+        for i, plan in enumerate(plans):
+            try:
+                return await self._chunk_in(man, chunk, chunks, plan, opener)
+            except (UnavailableError, DataLossError) as e:
+                if i == len(plans) - 1:
+                    raise
+                log.info("chunk %d of %s step %d rank %d: lane %s did not decode (%s); trying lane %s", chunk,
+                         man.job, man.step, man.rank, plan.lane[1], e, plans[i + 1].lane[1])
+
+    async def _chunk_in(self, man: Manifest, chunk: int, chunks: int, plan: _Plan, opener: Any) -> None:
         off, length = layout.chunk_span(man.nbytes, chunks, chunk)
         codec = self.protector.codec(chunks)
         positions: dict[int, Manifest] = {}
