@@ -100,3 +100,27 @@ def test_decode_refuses_too_few_and_out_of_range():
         c.update([0], [bytearray(10)], 4, data[0])
     with pytest.raises(ValueError, match="K \\+ M <= 32"):
         rs.Codec(30, 3)
+
+
+def test_solve_uses_only_rows_holding_every_unknown():
+    from tierckpt.errors import UnavailableError
+    from tierckptd.parity.rsdecode import solve
+
+    c = rs.Codec(4, 2, gf.NumpyBackend())
+    data = _blocks(4, 500, seed=9)
+    data[3] = data[3][:300]  # a shorter member: zero-padded in the rows
+    rows = {0: bytearray(500), 1: bytearray(500)}
+    for i in range(4):
+        c.update([0], [rows[0]], i, data[i])
+    for i in range(3):  # row 1 has not received member 3 yet
+        c.update([1], [rows[1]], i, data[i])
+    held = {0: (rows[0], {0, 1, 2, 3}), 1: (rows[1], {0, 1, 2})}
+    # one unknown: row 1 alone (it lacks member 3, which is known and subtracted only where held)
+    assert np.array_equal(solve(c, 1, {0: data[0], 2: data[2], 3: data[3]}, [1], {1: held[1]}, 500), data[1])
+    # two unknowns, both rows hold both
+    assert np.array_equal(solve(c, 1, {0: data[0], 3: data[3]}, [1, 2], held, 500), data[1])
+    # two unknowns, one of them missing from row 1: not determined
+    with pytest.raises(UnavailableError, match="only 1 parity rows"):
+        solve(c, 1, {0: data[0], 2: data[2]}, [1, 3], held, 500)
+    # a shorter target: its own length
+    assert np.array_equal(solve(c, 3, {0: data[0], 1: data[1], 2: data[2]}, [3], {0: held[0]}, 300), data[3])
