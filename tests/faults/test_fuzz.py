@@ -228,7 +228,7 @@ class Target:
         assert "Traceback" not in log, log[-5000:]
 
 
-@pytest.fixture(scope="module", params=["replicas:1", "parity:4+1"])
+@pytest.fixture(scope="module", params=["replicas:1", "parity:4+1", "parity:4+2"])
 def target(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Target]:
     from tierckptd.testing import Daemon, scratch_dir
 
