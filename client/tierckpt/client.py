@@ -12,9 +12,11 @@ identical results.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import json
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -220,6 +222,43 @@ class SaveFuture(cf.Future):
         self.blocking_seconds = 0.0
         self.shared_bytes = 0
         self.staged: cf.Future = cf.Future()
+        self._held: Callable[[str | None, BaseException | None], Any] | None = None  # save(hold=True)
+        self._held_lock = threading.Lock()
+
+    def commit(self, metadata: Mapping[str, Any] | None = None) -> SaveFuture:
+        """Commit a save begun with ``save(..., hold=True)`` (once its copies have landed).
+
+        Args:
+            metadata: replaces the metadata given to ``save()`` (None: keep it).
+
+        Returns:
+            This future, resolved once the rank is committed.
+
+        Raises:
+            InvalidArgumentError: bad metadata (the save stays held).
+            FailedPreconditionError: the save was not held, or was already committed or aborted.
+        """
+        meta = None if metadata is None else _encode_metadata(metadata)
+        self._release("commit")(meta, None)
+        return self
+
+    def abort(self, error: BaseException) -> None:
+        """Abort a held save: nothing is committed, the future (and ``staged``, if not reached)
+        fails with ``error``. No-op once the save was committed or aborted."""
+        with self._held_lock:
+            held, self._held = self._held, None
+        if held is not None:
+            held(None, error)
+
+    def _release(self, what: str) -> Callable[[str | None, BaseException | None], Any]:
+        with self._held_lock:
+            held, self._held = self._held, None
+        if held is None:
+            from .errors import FailedPreconditionError
+
+            raise FailedPreconditionError(f"{self.job} step {self.step} rank {self.rank}: cannot {what}: the save "
+                                          "was not begun with hold=True, or was already committed or aborted")
+        return held
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until ``staged`` (the caller may then change what it saved); raises its failure."""
@@ -329,6 +368,7 @@ class Client(CatalogMixin, DataManagementMixin):
         self._maps = StagingMaps()
         self._loans = Loans(self._release)
         self._stager = Stager(self._maps, self._io)
+        self._holding: set[SaveFuture] = set()  # saves begun with hold=True, not yet committed or aborted
         self._node_id: str | None = None
         self._fs_hidden = False
         self._closed = False
@@ -340,6 +380,11 @@ class Client(CatalogMixin, DataManagementMixin):
         if self._closed:
             return
         self._closed = True
+        from .errors import FailedPreconditionError
+
+        for held in list(self._holding):
+            held.abort(FailedPreconditionError(f"{held.job} step {held.step} rank {held.rank}: the client closed "
+                                               "before the held save was committed"))
         self._stager.shutdown()
         self._committer.shutdown(wait=True)
         self._loans.stop(timeout=5.0)
@@ -364,7 +409,7 @@ class Client(CatalogMixin, DataManagementMixin):
     def save(self, job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any], *,
              metadata: Mapping[str, Any] | None = None, persist: bool = False,
              policy: JobPolicy | None = None, unchanged: Iterable[str] = (),
-             copier: Copier | None = None) -> SaveFuture:
+             copier: Copier | None = None, hold: bool = False) -> SaveFuture:
         """Stage one rank's shards and commit them in the background.
 
         ``policy`` (a :class:`JobPolicy`) sets the job's ``keep_local`` / ``keep_persistent`` /
@@ -380,6 +425,12 @@ class Client(CatalogMixin, DataManagementMixin):
         Shards given as :class:`~tierckpt._staging.Deferred` are the exception: ``copier``
         (default: host arrays, ``np.copyto``) copies them into the staging files after this call
         returned; they must not change until the future's ``staged``.
+
+        ``hold=True`` stages the save but does not commit it: the caller commits it with
+        :meth:`SaveFuture.commit` (optionally with its final metadata) or aborts it with
+        :meth:`SaveFuture.abort` (``tierckpt.dcp.Stager`` stages in ``stage()`` what DCP's
+        ``write_data`` commits later). A held save that is never released is aborted by
+        :meth:`close`, else it expires on the daemon.
 
         Raises:
             InvalidArgumentError: a bad name, rank, buffer or metadata, or an ``unchanged`` name that
@@ -427,9 +478,21 @@ class Client(CatalogMixin, DataManagementMixin):
         packed: tuple | None = None
         if not stream:  # hashed from the staged copies (kept maps, else the files)
             paths_sizes, packed = _staged_copies(buffers, maps, staged, layout)
-        self._committer.submit(self._finish, fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol,
-                               packed, (stage, sizes))
+        args = (fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol, packed, (stage, sizes))
+        if not hold:
+            self._committer.submit(self._finish, *args)
+            return fut
+        with fut._held_lock:
+            fut._held = functools.partial(self._release_held, fut, args)
+        self._holding.add(fut)
         return fut
+
+    def _release_held(self, fut: SaveFuture, args: tuple, meta: str | None, fail: BaseException | None) -> None:
+        """Commit (``meta``: the final metadata, None: as given) or abort (``fail``) a held save."""
+        self._holding.discard(fut)
+        if meta is not None:
+            args = (*args[:4], meta, *args[5:])
+        self._committer.submit(self._finish, *args, fail=fail)
 
     def _begin(self, req: pb.BeginSaveRequest, stream: bool) -> tuple[pb.BeginSaveResponse, bool]:
         """BeginSave; a client that finds it cannot see the daemon's files streams from then on.
@@ -451,12 +514,15 @@ class Client(CatalogMixin, DataManagementMixin):
     def _finish(self, fut: SaveFuture, save_id: str, digests: dict[str, str] | None,
                 paths_sizes: list[tuple[str, Any, int]], meta: str, persist: bool, t0: float,
                 policy: pb.JobPolicy | None = None, packed: tuple[_pack.Layout, Any, str] | None = None,
-                deferred: tuple[cf.Future | None, list[tuple[str, int]]] = (None, [])) -> None:
+                deferred: tuple[cf.Future | None, list[tuple[str, int]]] = (None, []),
+                fail: BaseException | None = None) -> None:
         digests_streamed, dests = digests is not None, None
         try:
             if deferred[0] is not None:  # no commit before staged: a failed copy aborts the save
                 dests = deferred[0].result()
                 paths_sizes = [*paths_sizes, *((n, dests.maps[n] if size else "", size) for n, size in deferred[1])]
+            if fail is not None:  # a held save aborted by its owner (once its copies are done with the maps)
+                raise fail
             if not fut.set_running_or_notify_cancel():
                 self._abort(save_id)
                 return
