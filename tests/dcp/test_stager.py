@@ -168,10 +168,11 @@ def test_bound_stager_copy_failure_fails_the_save_and_commits_nothing(daemon, mo
     with tierckpt.Client(daemon.address) as c:
         w = tdcp.Writer("broken", 1, client=c, stager=stager)
         resp = dcp.async_save(_state(), storage_writer=w, async_stager=stager, no_dist=True)
-        with pytest.raises(Exception):
-            resp.staging_completion.result(60)
-        with pytest.raises(Exception):
+        with pytest.raises(Exception, match="injected copy failure"):
             resp.upload_completion.result(60)
+        # (DCP's staging_completion reports a stage future that failed before async_save returned as done)
+        with pytest.raises(tierckpt.errors.TierckptError, match="injected copy failure"):
+            stager._last.result(60)
         assert c.availability("broken", 0) == [] and c.availability("broken", 1) == []
         with pytest.raises(tierckpt.errors.NotFoundError, match="no tierckpt.dcp checkpoint"):
             tdcp.Reader("broken", client=c).read_metadata()
