@@ -104,11 +104,11 @@ def stage_into(writer: Any, state_dict: dict[str, Any], copier: TensorCopier, sm
     rank, world = _place(group)
     items, kinds, indexes = [], [], []
     taken: set[str] = set()
-    for index, is_bytes, t in local_items(state_dict):
-        n = t.numel() * t.element_size()
-        if writer.pack_below <= n < small_below:  # captured now (forward may update it before the copy)
-            t = t.clone(memory_format=torch.contiguous_format)
-        items.append((shard_name(index.fqn, taken, "i."), t))
+    for index, is_bytes, data in local_items(state_dict):
+        n = data.numel() * data.element_size()
+        early = writer.pack_below <= n < small_below  # captured now (forward may update it before the copy)
+        items.append((shard_name(index.fqn, taken, "i."),
+                      data.clone(memory_format=torch.contiguous_format) if early else data))
         kinds.append(is_bytes)
         indexes.append(index)
     shards, locs = pack_tensors(items, writer.pack_below, defer=True)

@@ -492,7 +492,7 @@ class Client(CatalogMixin, DataManagementMixin):
         self._holding.discard(fut)
         if meta is not None:
             args = (*args[:4], meta, *args[5:])
-        self._committer.submit(self._finish, *args, fail=fail)
+        self._committer.submit(functools.partial(self._finish, fail=fail), *args)
 
     def _begin(self, req: pb.BeginSaveRequest, stream: bool) -> tuple[pb.BeginSaveResponse, bool]:
         """BeginSave; a client that finds it cannot see the daemon's files streams from then on.

@@ -10,8 +10,17 @@
     dcp.load(sd, storage_reader=tierckpt.dcp.Reader("job", step))     # step=None: the latest
 
     stager = tierckpt.dcp.Stager()    # stage() does not stop the trainer (see tierckpt._dcpstage)
-    resp = dcp.async_save(sd, storage_writer=tierckpt.dcp.Writer("job", step), async_stager=stager)
+    resp = dcp.async_save(sd, storage_writer=tierckpt.dcp.Writer("job", step, stager=stager),
+                          async_stager=stager)
     # resp.staging_completion: the tensors may change; the next optimizer step waits for it
+
+A Stager given to a Writer (``stager=``) is bound to it: ``stage()`` begins that rank's save and
+copies each tensor straight into the local tier's staging files, and ``write_data`` only commits
+it (one host copy; see :mod:`tierckpt._dcpbound`). Pass both to the same ``dcp.async_save`` (THREAD
+executor), give the Writer its job and step (a ``checkpoint_id`` is applied after staging), and one
+Writer per save: binding the Stager to a second Writer while the first one's save is in flight
+raises ``FailedPreconditionError``. An unbound Stager stages host copies that ``write_data`` copies
+into the staging files (two host copies).
 
 Layout of a DCP checkpoint of ``W`` ranks as tierckpt step ``(job, step)`` of world size ``W + 1``:
 
@@ -19,6 +28,9 @@ Layout of a DCP checkpoint of ``W`` ranks as tierckpt step ``(job, step)`` of wo
   a serialized object) of at least ``pack_below`` bytes is its own shard, smaller ones are packed
   into one ``packed`` shard. Each rank writes through its own node's daemon (``address`` or
   ``$TIERCKPT_ADDRESS``) and its ``write_data`` completes only once the rank is committed there.
+  With a bound Stager the rank's save is begun (held, uncommitted) in ``stage()`` with this same
+  layout, computed from DCP's default local plan of the state; ``write_data`` commits it. Nothing
+  else changes: an uncommitted rank is invisible, a failed stage fails the save before any commit.
 * tierckpt rank ``W`` holds one shard, ``dcp-metadata``: the pickled DCP ``Metadata``, whose
   ``storage_data`` maps each item to (rank, shard, offset, length, dtype, shape). The
   coordinator writes it in ``finish()``, which DCP calls only after every rank's ``write_data``
@@ -192,6 +204,9 @@ class Writer(_Connected, StorageWriter):
         address: this node's daemon (default ``$TIERCKPT_ADDRESS``); ignored when ``client`` is given.
         persist: ask the daemon to drain the step to the persistent tier.
         pack_below: tensors smaller than this many bytes share one packed shard.
+        stager: bind this :class:`Stager` to the Writer: its ``stage()`` copies straight into this
+            save's staging files (see the module docstring); None: ``write_data`` copies the
+            state DCP hands it.
         overwrite: False: a save into a step whose DCP metadata is committed fails (on every rank,
             as ``FileSystemWriter(overwrite=False)`` does, with ``AlreadyExistsError``: "Checkpoint
             already exists"). True (the default, as DCP's): the save replaces it; a re-save from
