@@ -250,6 +250,11 @@ class SaveFuture(cf.Future):
         if held is not None:
             held(None, error)
 
+    def _hold(self, release: Callable[[str | None, BaseException | None], Any], holding: set) -> None:
+        with self._held_lock:
+            self._held = release
+        holding.add(self)
+
     def _release(self, what: str) -> Callable[[str | None, BaseException | None], Any]:
         with self._held_lock:
             held, self._held = self._held, None
@@ -366,7 +371,7 @@ class Client(CatalogMixin, DataManagementMixin):
         self._fs = FsView()
         self._planner = SavePlanner()
         self._maps = StagingMaps()
-        self._loans = Loans(self._release)
+        self._loans = Loans(functools.partial(_end_loan, self))
         self._stager = Stager(self._maps, self._io)
         self._holding: set[SaveFuture] = set()  # saves begun with hold=True, not yet committed or aborted
         self._node_id: str | None = None
@@ -380,11 +385,7 @@ class Client(CatalogMixin, DataManagementMixin):
         if self._closed:
             return
         self._closed = True
-        from .errors import FailedPreconditionError
-
-        for held in list(self._holding):
-            held.abort(FailedPreconditionError(f"{held.job} step {held.step} rank {held.rank}: the client closed "
-                                               "before the held save was committed"))
+        _abort_held(self._holding)
         self._stager.shutdown()
         self._committer.shutdown(wait=True)
         self._loans.stop(timeout=5.0)
@@ -426,11 +427,9 @@ class Client(CatalogMixin, DataManagementMixin):
         (default: host arrays, ``np.copyto``) copies them into the staging files after this call
         returned; they must not change until the future's ``staged``.
 
-        ``hold=True`` stages the save but does not commit it: the caller commits it with
-        :meth:`SaveFuture.commit` (optionally with its final metadata) or aborts it with
-        :meth:`SaveFuture.abort` (``tierckpt.dcp.Stager`` stages in ``stage()`` what DCP's
-        ``write_data`` commits later). A held save that is never released is aborted by
-        :meth:`close`, else it expires on the daemon.
+        ``hold=True``: nothing commits until :meth:`SaveFuture.commit` (with the final metadata)
+        or :meth:`SaveFuture.abort` (``tierckpt.dcp.Stager`` stages in ``stage()`` what DCP's
+        ``write_data`` commits); :meth:`close` aborts saves still held.
 
         Raises:
             InvalidArgumentError: a bad name, rank, buffer or metadata, or an ``unchanged`` name that
@@ -479,20 +478,11 @@ class Client(CatalogMixin, DataManagementMixin):
         if not stream:  # hashed from the staged copies (kept maps, else the files)
             paths_sizes, packed = _staged_copies(buffers, maps, staged, layout)
         args = (fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol, packed, (stage, sizes))
-        if not hold:
+        if hold:
+            fut._hold(functools.partial(_release_held, self, args), self._holding)
+        else:
             self._committer.submit(self._finish, *args)
-            return fut
-        with fut._held_lock:
-            fut._held = functools.partial(self._release_held, fut, args)
-        self._holding.add(fut)
         return fut
-
-    def _release_held(self, fut: SaveFuture, args: tuple, meta: str | None, fail: BaseException | None) -> None:
-        """Commit (``meta``: the final metadata, None: as given) or abort (``fail``) a held save."""
-        self._holding.discard(fut)
-        if meta is not None:
-            args = (*args[:4], meta, *args[5:])
-        self._committer.submit(functools.partial(self._finish, fail=fail), *args)
 
     def _begin(self, req: pb.BeginSaveRequest, stream: bool) -> tuple[pb.BeginSaveResponse, bool]:
         """BeginSave; a client that finds it cannot see the daemon's files streams from then on.
@@ -561,14 +551,6 @@ class Client(CatalogMixin, DataManagementMixin):
             self._stub.AbortSave(pb.AbortSaveRequest(save_id=save_id), timeout=self.timeout)
         except grpc.RpcError:
             pass  # best effort: the daemon reclaims expired staging anyway
-
-    def _release(self, job: str, step: int, rank: int, generation: str) -> None:
-        """End one loan of restored files (from the release thread; best effort)."""
-        try:
-            self._stub.Release(pb.ReleaseRequest(job=job, step=step, rank=rank, generation=generation),
-                               timeout=self.timeout)
-        except (grpc.RpcError, ValueError):  # daemon gone or channel closed: the files just stay out of the pool
-            pass
 
     def _wait_tier(self, job: str, step: int, rank: int, tier: str, timeout: float | None) -> list[str]:
         req = pb.WaitTierRequest(job=job, step=step, rank=rank, tier=_TIER_ENUM[tier], timeout_seconds=timeout or 0)
@@ -639,6 +621,33 @@ class Client(CatalogMixin, DataManagementMixin):
                           metadata=json.loads(resp.metadata_json or "{}"), shards=arrays,
                           dtypes=dtypes, shapes=shapes, _buffers=buffers, _finalizers=finalizers,
                           _loans=self._loans)
+
+
+def _end_loan(client: Client, job: str, step: int, rank: int, generation: str) -> None:
+    """End one loan of restored files (from the release thread; best effort)."""
+    try:
+        client._stub.Release(pb.ReleaseRequest(job=job, step=step, rank=rank, generation=generation),
+                             timeout=client.timeout)
+    except (grpc.RpcError, ValueError):  # daemon gone or channel closed: the files just stay out of the pool
+        pass
+
+
+def _release_held(client: Client, args: tuple, meta: str | None, fail: BaseException | None) -> None:
+    """Commit (``meta``: the final metadata, None: as given) or abort (``fail``) a held save;
+    ``args`` are its ``Client._finish`` arguments."""
+    client._holding.discard(args[0])
+    if meta is not None:
+        args = (*args[:4], meta, *args[5:])
+    client._committer.submit(functools.partial(client._finish, fail=fail), *args)
+
+
+def _abort_held(holding: set[SaveFuture]) -> None:
+    """Abort the held saves of a client that closes (nothing commits them any more)."""
+    from .errors import FailedPreconditionError
+
+    for held in list(holding):
+        held.abort(FailedPreconditionError(f"{held.job} step {held.step} rank {held.rank}: the client closed "
+                                           "before the held save was committed"))
 
 
 def _encode_metadata(metadata: Mapping[str, Any] | None) -> str:
