@@ -150,7 +150,9 @@ class Stager(AsyncStager):
 
         def landed(f: cf.Future) -> None:
             err = f.exception()
-            if err is not None:
+            if err is not None:  # the save is aborted: DCP fails before write_data, the Writer is free
+                if writer._staged is staged:
+                    writer._staged = None
                 fut.set_exception(err)
             else:
                 fut.set_result(state_dict)

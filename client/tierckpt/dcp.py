@@ -337,9 +337,8 @@ class Writer(_Connected, StorageWriter):
                                                             "" if is_bytes else loc.dtype,
                                                             () if is_bytes else loc.shape)))
         if why is not None:
-            err = FailedPreconditionError(f"{self.checkpoint_id}: {why}")
-            staged.save.abort(err)
-            raise err
+            staged.save.abort(FailedPreconditionError(f"{self.checkpoint_id}: {why}"))  # its own error object:
+            raise FailedPreconditionError(f"{self.checkpoint_id}: {why}")  # the commit thread raises that one
         self._writing = staged.save.commit(metadata=_data_metadata(info))
         return _results_when(staged.save, results)
 

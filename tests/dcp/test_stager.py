@@ -14,7 +14,9 @@ Bound to its Writer (``Writer(job, step, stager=stager)``, issue 31: one host co
   byte), and the staged state DCP gets is the live state (no host copy of it is kept);
 - a failed copy fails ``staging_completion`` and the upload, and commits nothing;
 - a stager bound to a Writer whose save is in flight refuses a second Writer, and takes one once
-  that save committed.
+  that save committed; a bound Writer does not pickle (no PROCESS executor);
+- a ``checkpoint_id`` naming another step than the bound Writer's fails the save (staging began
+  before DCP applied it) and commits nothing.
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ def test_bound_stager_copy_failure_fails_the_save_and_commits_nothing(daemon, mo
         with pytest.raises(tierckpt.errors.NotFoundError, match="no tierckpt.dcp checkpoint"):
             tdcp.Reader("broken", client=c).read_metadata()
         monkeypatch.undo()
-        stager.drop_staged()  # DCP never reached write_data: release the binding
+        assert w._staged is None  # the failed save released the binding
         w2 = tdcp.Writer("broken", 2, client=c, stager=stager)
         dcp.async_save(_state(), storage_writer=w2, async_stager=stager, no_dist=True).upload_completion.result(60)
         assert [a.step for a in c.availability("broken", 0)] == [2]
@@ -229,3 +231,19 @@ def test_an_unbound_stager_still_works_with_a_bound_writer_elsewhere(daemon):
     assert not plain.bound
     for k, v in want.items():
         assert torch.equal(got["model"][k], v), k
+
+
+def test_a_checkpoint_id_other_than_the_bound_writers_fails_the_save_and_commits_nothing(daemon):
+    stager = tdcp.Stager()
+    with tierckpt.Client(daemon.address) as c:
+        w = tdcp.Writer("idm", 1, client=c, stager=stager)
+        resp = dcp.async_save(_state(), checkpoint_id="tierckpt://idm/2", storage_writer=w, async_stager=stager,
+                              no_dist=True)
+        with pytest.raises(BaseException) as failed:  # DCP's CheckpointException is a BaseException
+            resp.upload_completion.result(60)
+        assert "give the bound Writer its job and step" in str(getattr(failed.value, "failures", {}).get(0))
+        assert c.availability("idm", 0) == []
+        w2 = tdcp.Writer("idm", 3, client=c, stager=stager)  # the failed save left the stager free
+        dcp.async_save(_state(), storage_writer=w2, async_stager=stager, no_dist=True).upload_completion.result(60)
+        assert [a.step for a in c.availability("idm", 0)] == [3]
+    stager.close()
