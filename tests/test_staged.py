@@ -8,7 +8,9 @@ A copier that can be held or made to fail stands in for the device copy (``tierc
 - ``staged`` resolves before the future (the state is handed back before the commit is reported);
 - the torch Checkpointer does not wait in save(), but the next optimizer step waits for ``staged``,
   so the saved bytes are those of save() time;
-- a streamed save (no shared filesystem) copies deferred shards at once.
+- a streamed save (no shared filesystem) copies deferred shards at once;
+- ``save(hold=True)`` stages but commits only on ``commit()`` (with the final metadata), once;
+  ``abort()`` and the client's ``close()`` abort a held save: nothing is committed.
 """
 
 from __future__ import annotations
@@ -317,3 +319,27 @@ def test_page_locked_staging_maps_are_registered_once_and_unregistered_before_un
     copier.close()
     assert fake.held == {}
     kept.close()
+
+
+def test_a_held_save_commits_only_when_told_and_close_aborts_the_ones_still_held(daemon):
+    data = np.arange(1 << 18, dtype=np.float32)
+    with tierckpt.Client(daemon.address) as c:
+        fut = c.save("held", 1, 0, 1, {"w": Deferred(data, data.nbytes, data.dtype.str, data.shape)},
+                     metadata={"v": 1}, hold=True)
+        fut.wait_staged(60)
+        time.sleep(0.3)
+        assert not fut.done() and c.availability("held", 0) == []  # staged, not committed
+        assert fut.commit(metadata={"v": 2}).result(60).nbytes == data.nbytes
+        with pytest.raises(tierckpt.errors.FailedPreconditionError):
+            fut.commit()
+        with c.restore("held", 0, 1) as ck:
+            assert ck.metadata == {"v": 2} and np.array_equal(ck.shards["w"], data)
+        gone = c.save("held", 2, 0, 1, {"w": data}, hold=True)
+        gone.abort(tierckpt.errors.FailedPreconditionError("not this one"))
+        with pytest.raises(tierckpt.errors.FailedPreconditionError, match="not this one"):
+            gone.result(60)
+        left = c.save("held", 3, 0, 1, {"w": data}, hold=True)
+    with pytest.raises(tierckpt.errors.FailedPreconditionError, match="closed"):
+        left.result(60)
+    with tierckpt.Client(daemon.address) as c:
+        assert [a.step for a in c.availability("held", 0)] == [1]

@@ -13,21 +13,30 @@ returns its ``staging_completion``. Like :class:`tierckpt.torch.Checkpointer`, t
 for staging before the next optimizer step (a global pre-step hook), never in ``stage()``; call
 :meth:`Stager.wait_staged` before other in-place writes to the saved tensors.
 
-DCP plans the layout after staging, so the host copies cannot be the local tier's staging files
-themselves: :class:`tierckpt.dcp.Writer` copies them there in the upload thread (a second host
-copy, off the trainer's path; :class:`tierckpt.torch.Checkpointer` makes one).
+Unbound (``Stager()`` given to ``dcp.async_save`` with any writer), the host copies are the
+stager's own: :class:`tierckpt.dcp.Writer` copies them into the local tier's staging files in the
+upload thread (a second host copy, off the trainer's path). Bound to its Writer
+(``Writer(job, step, stager=stager)``, passed to the same ``dcp.async_save``), ``stage()`` begins
+the rank's save itself and copies each tensor straight into the staging mappings; ``write_data``
+only commits it: one host copy, and nothing but the staging files held between saves (see
+:mod:`tierckpt._dcpbound`). A bound Stager serves one save at a time: binding it to a second
+Writer while the first one's save is in flight raises ``FailedPreconditionError``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import weakref
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from . import _dcpbound
 from ._hooks import StagedWaiter
+from ._tensorcopy import TensorCopier
+from .errors import FailedPreconditionError, TierckptError
 
 __all__ = ["Stager"]
 
@@ -70,22 +79,98 @@ def _rebuild(obj: Any, staged: dict[int, torch.Tensor]) -> Any:
 class Stager(AsyncStager):
     """Asynchronous staging for ``dcp.async_save(..., async_stager=Stager())`` (see the module docstring).
 
-    The stager never blocks ``stage()``: ``should_synchronize_after_execute`` is False, and the
-    next optimizer step waits for the staged copy. Call :meth:`close` after the last save.
+    The stager never blocks ``stage()`` on a copy: ``should_synchronize_after_execute`` is False,
+    and the next optimizer step waits for the staged copy. Call :meth:`close` after the last save.
+
+    Args:
+        small_below: tensors under this many bytes are copied in ``stage()`` (on their device).
+        group: bound use only: the process group given to ``dcp.async_save`` (default: the world),
+            whose rank and size the save is begun with in ``stage()``.
     """
 
     _synchronize_after_execute = False
 
-    def __init__(self, small_below: int = 1 << 20) -> None:
+    def __init__(self, small_below: int = 1 << 20, *, group: Any = None) -> None:
         self.small_below = small_below
+        self.group = group
         self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-dcp-stage")
         self._waiter = StagedWaiter()
         self._streams: dict[torch.device, Any] = {}
         self._last: cf.Future | None = None
         self._lock = threading.Lock()
+        self._writer: weakref.ref | None = None  # the bound tierckpt.dcp.Writer
+        self._copier: TensorCopier | None = None  # bound saves: into the staging mappings
+
+    def _bind(self, writer: Any) -> None:
+        """Stage for ``writer`` from now on (``Writer(..., stager=self)``).
+
+        Raises:
+            FailedPreconditionError: bound to another Writer whose save is in flight.
+        """
+        with self._lock:
+            cur = _dcpbound.bound_writer(self._writer)
+            if cur is not None and cur is not writer and _dcpbound.busy(cur):
+                raise FailedPreconditionError(
+                    f"tierckpt.dcp.Stager is bound to the Writer of {cur.job} step {cur.step}, whose save is in "
+                    "flight: a bound Stager serves one save at a time (wait for that save's future, or give each "
+                    "concurrent save its own Stager; drop_staged() releases a staged save DCP will not write)")
+            self._writer = weakref.ref(writer)
+
+    @property
+    def bound(self) -> bool:
+        """Whether ``stage()`` stages into a Writer's staging files (see the module docstring)."""
+        return _dcpbound.bound_writer(self._writer) is not None
 
     def stage(self, state_dict: dict[str, Any]) -> cf.Future:
-        """A future of a host copy of ``state_dict``, made after this call returned."""
+        """A future of ``state_dict`` staged as of this call (copies made after it returned).
+
+        Unbound: resolves to a host copy. Bound: resolves to ``state_dict`` itself once its bytes are
+        in the bound Writer's staging files; a storage failure fails the future (and the save).
+        """
+        writer = _dcpbound.bound_writer(self._writer)
+        fut = self._stage_bound(writer, state_dict) if writer is not None else self._stage_copy(state_dict)
+        with self._lock:
+            self._last = fut
+        self._waiter.add(fut)
+        return fut
+
+    def _stage_bound(self, writer: Any, state_dict: dict[str, Any]) -> cf.Future:
+        if writer._staged is not None:
+            raise FailedPreconditionError(f"the Writer of {writer.job} step {writer.step} already holds a staged save "
+                                          "DCP has not written (one Writer per save; drop_staged() releases it)")
+        if self._copier is None:
+            self._copier = TensorCopier()
+        fut: cf.Future = cf.Future()
+        try:
+            staged = _dcpbound.stage_into(writer, state_dict, self._copier, self.small_below, self.group)
+        except (TierckptError, OSError) as e:  # the save fails, the trainer goes on
+            fut.set_exception(e)
+            return fut
+        writer._staged = staged
+
+        def landed(f: cf.Future) -> None:
+            err = f.exception()
+            if err is not None:  # the save is aborted: DCP fails before write_data, the Writer is free
+                if writer._staged is staged:
+                    writer._staged = None
+                fut.set_exception(err)
+            else:
+                fut.set_result(state_dict)
+
+        staged.save.staged.add_done_callback(landed)
+        return fut
+
+    def drop_staged(self) -> None:
+        """Abort the bound Writer's staged save that DCP will not write (its ``dcp.async_save``
+        failed before ``write_data``), releasing the binding for the next Writer."""
+        writer = _dcpbound.bound_writer(self._writer)
+        staged = writer._staged if writer is not None else None
+        if staged is not None:
+            writer._staged = None
+            staged.save.abort(FailedPreconditionError(f"{staged.job} step {staged.step}: the staged save was "
+                                                      "dropped (Stager.drop_staged or close) before DCP wrote it"))
+
+    def _stage_copy(self, state_dict: dict[str, Any]) -> cf.Future:
         found: list[torch.Tensor] = []
         _collect(state_dict, found)
         sources: dict[int, torch.Tensor] = {}  # id of the live tensor -> what the thread copies
@@ -94,11 +179,7 @@ class Stager(AsyncStager):
             sources[id(t)] = t.detach().clone(memory_format=torch.contiguous_format) if small else t.detach()
         devices = {t.device for t in sources.values() if t.device.type == "cuda"}
         marks = {d: torch.cuda.current_stream(d).record_event() for d in devices}
-        fut = self._thread.submit(self._copy, state_dict, sources, marks)
-        with self._lock:
-            self._last = fut
-        self._waiter.add(fut)
-        return fut
+        return self._thread.submit(self._copy, state_dict, sources, marks)
 
     def _copy(self, state_dict: dict[str, Any], sources: dict[int, torch.Tensor], marks: dict) -> dict[str, Any]:
         staged: dict[int, torch.Tensor] = {}
@@ -133,6 +214,11 @@ class Stager(AsyncStager):
             cf.wait([last])
 
     def close(self) -> None:
-        """Finish staging in flight; remove the pre-step hook."""
+        """Finish staging in flight; abort a staged save DCP has not written; remove the pre-step
+        hook; unregister page-locked staging mappings."""
         self._thread.shutdown(wait=True)
+        self.synchronize_staging()  # no copy into a staging mapping in flight when it is unregistered
+        self.drop_staged()
         self._waiter.close()
+        if self._copier is not None:
+            self._copier.close()

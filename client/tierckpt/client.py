@@ -12,9 +12,11 @@ identical results.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import json
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -220,6 +222,48 @@ class SaveFuture(cf.Future):
         self.blocking_seconds = 0.0
         self.shared_bytes = 0
         self.staged: cf.Future = cf.Future()
+        self._held: Callable[[str | None, BaseException | None], Any] | None = None  # save(hold=True)
+        self._held_lock = threading.Lock()
+
+    def commit(self, metadata: Mapping[str, Any] | None = None) -> SaveFuture:
+        """Commit a save begun with ``save(..., hold=True)`` (once its copies have landed).
+
+        Args:
+            metadata: replaces the metadata given to ``save()`` (None: keep it).
+
+        Returns:
+            This future, resolved once the rank is committed.
+
+        Raises:
+            InvalidArgumentError: bad metadata (the save stays held).
+            FailedPreconditionError: the save was not held, or was already committed or aborted.
+        """
+        meta = None if metadata is None else _encode_metadata(metadata)
+        self._release("commit")(meta, None)
+        return self
+
+    def abort(self, error: BaseException) -> None:
+        """Abort a held save: nothing is committed, the future (and ``staged``, if not reached)
+        fails with ``error``. No-op once the save was committed or aborted."""
+        with self._held_lock:
+            held, self._held = self._held, None
+        if held is not None:
+            held(None, error)
+
+    def _hold(self, release: Callable[[str | None, BaseException | None], Any], holding: set) -> None:
+        with self._held_lock:
+            self._held = release
+        holding.add(self)
+
+    def _release(self, what: str) -> Callable[[str | None, BaseException | None], Any]:
+        with self._held_lock:
+            held, self._held = self._held, None
+        if held is None:
+            from .errors import FailedPreconditionError
+
+            raise FailedPreconditionError(f"{self.job} step {self.step} rank {self.rank}: cannot {what}: the save "
+                                          "was not begun with hold=True, or was already committed or aborted")
+        return held
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until ``staged`` (the caller may then change what it saved); raises its failure."""
@@ -327,8 +371,9 @@ class Client(CatalogMixin, DataManagementMixin):
         self._fs = FsView()
         self._planner = SavePlanner()
         self._maps = StagingMaps()
-        self._loans = Loans(self._release)
+        self._loans = Loans(functools.partial(_end_loan, self))
         self._stager = Stager(self._maps, self._io)
+        self._holding: set[SaveFuture] = set()  # saves begun with hold=True, not yet committed or aborted
         self._node_id: str | None = None
         self._fs_hidden = False
         self._closed = False
@@ -340,6 +385,7 @@ class Client(CatalogMixin, DataManagementMixin):
         if self._closed:
             return
         self._closed = True
+        _abort_held(self._holding)
         self._stager.shutdown()
         self._committer.shutdown(wait=True)
         self._loans.stop(timeout=5.0)
@@ -364,7 +410,7 @@ class Client(CatalogMixin, DataManagementMixin):
     def save(self, job: str, step: int, rank: int, world_size: int, shards: Mapping[str, Any], *,
              metadata: Mapping[str, Any] | None = None, persist: bool = False,
              policy: JobPolicy | None = None, unchanged: Iterable[str] = (),
-             copier: Copier | None = None) -> SaveFuture:
+             copier: Copier | None = None, hold: bool = False) -> SaveFuture:
         """Stage one rank's shards and commit them in the background.
 
         ``policy`` (a :class:`JobPolicy`) sets the job's ``keep_local`` / ``keep_persistent`` /
@@ -380,6 +426,10 @@ class Client(CatalogMixin, DataManagementMixin):
         Shards given as :class:`~tierckpt._staging.Deferred` are the exception: ``copier``
         (default: host arrays, ``np.copyto``) copies them into the staging files after this call
         returned; they must not change until the future's ``staged``.
+
+        ``hold=True``: nothing commits until :meth:`SaveFuture.commit` (with the final metadata)
+        or :meth:`SaveFuture.abort` (``tierckpt.dcp.Stager`` stages in ``stage()`` what DCP's
+        ``write_data`` commits); :meth:`close` aborts saves still held.
 
         Raises:
             InvalidArgumentError: a bad name, rank, buffer or metadata, or an ``unchanged`` name that
@@ -427,8 +477,11 @@ class Client(CatalogMixin, DataManagementMixin):
         packed: tuple | None = None
         if not stream:  # hashed from the staged copies (kept maps, else the files)
             paths_sizes, packed = _staged_copies(buffers, maps, staged, layout)
-        self._committer.submit(self._finish, fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol,
-                               packed, (stage, sizes))
+        args = (fut, begun.save_id, digests, paths_sizes, meta, persist, t0, pol, packed, (stage, sizes))
+        if hold:
+            fut._hold(functools.partial(_release_held, self, args), self._holding)
+        else:
+            self._committer.submit(self._finish, *args)
         return fut
 
     def _begin(self, req: pb.BeginSaveRequest, stream: bool) -> tuple[pb.BeginSaveResponse, bool]:
@@ -451,12 +504,15 @@ class Client(CatalogMixin, DataManagementMixin):
     def _finish(self, fut: SaveFuture, save_id: str, digests: dict[str, str] | None,
                 paths_sizes: list[tuple[str, Any, int]], meta: str, persist: bool, t0: float,
                 policy: pb.JobPolicy | None = None, packed: tuple[_pack.Layout, Any, str] | None = None,
-                deferred: tuple[cf.Future | None, list[tuple[str, int]]] = (None, [])) -> None:
+                deferred: tuple[cf.Future | None, list[tuple[str, int]]] = (None, []),
+                fail: BaseException | None = None) -> None:
         digests_streamed, dests = digests is not None, None
         try:
             if deferred[0] is not None:  # no commit before staged: a failed copy aborts the save
                 dests = deferred[0].result()
                 paths_sizes = [*paths_sizes, *((n, dests.maps[n] if size else "", size) for n, size in deferred[1])]
+            if fail is not None:  # a held save aborted by its owner (once its copies are done with the maps)
+                raise fail
             if not fut.set_running_or_notify_cancel():
                 self._abort(save_id)
                 return
@@ -495,14 +551,6 @@ class Client(CatalogMixin, DataManagementMixin):
             self._stub.AbortSave(pb.AbortSaveRequest(save_id=save_id), timeout=self.timeout)
         except grpc.RpcError:
             pass  # best effort: the daemon reclaims expired staging anyway
-
-    def _release(self, job: str, step: int, rank: int, generation: str) -> None:
-        """End one loan of restored files (from the release thread; best effort)."""
-        try:
-            self._stub.Release(pb.ReleaseRequest(job=job, step=step, rank=rank, generation=generation),
-                               timeout=self.timeout)
-        except (grpc.RpcError, ValueError):  # daemon gone or channel closed: the files just stay out of the pool
-            pass
 
     def _wait_tier(self, job: str, step: int, rank: int, tier: str, timeout: float | None) -> list[str]:
         req = pb.WaitTierRequest(job=job, step=step, rank=rank, tier=_TIER_ENUM[tier], timeout_seconds=timeout or 0)
@@ -573,6 +621,33 @@ class Client(CatalogMixin, DataManagementMixin):
                           metadata=json.loads(resp.metadata_json or "{}"), shards=arrays,
                           dtypes=dtypes, shapes=shapes, _buffers=buffers, _finalizers=finalizers,
                           _loans=self._loans)
+
+
+def _end_loan(client: Client, job: str, step: int, rank: int, generation: str) -> None:
+    """End one loan of restored files (from the release thread; best effort)."""
+    try:
+        client._stub.Release(pb.ReleaseRequest(job=job, step=step, rank=rank, generation=generation),
+                             timeout=client.timeout)
+    except (grpc.RpcError, ValueError):  # daemon gone or channel closed: the files just stay out of the pool
+        pass
+
+
+def _release_held(client: Client, args: tuple, meta: str | None, fail: BaseException | None) -> None:
+    """Commit (``meta``: the final metadata, None: as given) or abort (``fail``) a held save;
+    ``args`` are its ``Client._finish`` arguments."""
+    client._holding.discard(args[0])
+    if meta is not None:
+        args = (*args[:4], meta, *args[5:])
+    client._committer.submit(functools.partial(client._finish, fail=fail), *args)
+
+
+def _abort_held(holding: set[SaveFuture]) -> None:
+    """Abort the held saves of a client that closes (nothing commits them any more)."""
+    from .errors import FailedPreconditionError
+
+    for held in list(holding):
+        held.abort(FailedPreconditionError(f"{held.job} step {held.step} rank {held.rank}: the client closed "
+                                           "before the held save was committed"))
 
 
 def _encode_metadata(metadata: Mapping[str, Any] | None) -> str:

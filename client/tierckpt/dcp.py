@@ -10,8 +10,17 @@
     dcp.load(sd, storage_reader=tierckpt.dcp.Reader("job", step))     # step=None: the latest
 
     stager = tierckpt.dcp.Stager()    # stage() does not stop the trainer (see tierckpt._dcpstage)
-    resp = dcp.async_save(sd, storage_writer=tierckpt.dcp.Writer("job", step), async_stager=stager)
+    resp = dcp.async_save(sd, storage_writer=tierckpt.dcp.Writer("job", step, stager=stager),
+                          async_stager=stager)
     # resp.staging_completion: the tensors may change; the next optimizer step waits for it
+
+A Stager given to a Writer (``stager=``) is bound to it: ``stage()`` begins that rank's save and
+copies each tensor straight into the local tier's staging files, and ``write_data`` only commits
+it (one host copy; see :mod:`tierckpt._dcpbound`). Pass both to the same ``dcp.async_save`` (THREAD
+executor), give the Writer its job and step (a ``checkpoint_id`` is applied after staging), and one
+Writer per save: binding the Stager to a second Writer while the first one's save is in flight
+raises ``FailedPreconditionError``. An unbound Stager stages host copies that ``write_data`` copies
+into the staging files (two host copies).
 
 Layout of a DCP checkpoint of ``W`` ranks as tierckpt step ``(job, step)`` of world size ``W + 1``:
 
@@ -19,6 +28,9 @@ Layout of a DCP checkpoint of ``W`` ranks as tierckpt step ``(job, step)`` of wo
   a serialized object) of at least ``pack_below`` bytes is its own shard, smaller ones are packed
   into one ``packed`` shard. Each rank writes through its own node's daemon (``address`` or
   ``$TIERCKPT_ADDRESS``) and its ``write_data`` completes only once the rank is committed there.
+  With a bound Stager the rank's save is begun (held, uncommitted) in ``stage()`` with this same
+  layout, computed from DCP's default local plan of the state; ``write_data`` commits it. Nothing
+  else changes: an uncommitted rank is invisible, a failed stage fails the save before any commit.
 * tierckpt rank ``W`` holds one shard, ``dcp-metadata``: the pickled DCP ``Metadata``, whose
   ``storage_data`` maps each item to (rank, shard, offset, length, dtype, shape). The
   coordinator writes it in ``finish()``, which DCP calls only after every rank's ``write_data``
@@ -73,6 +85,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import errors as _errors
+from ._dcpbound import Staged, check_stager
 from ._dcpstage import Stager
 from .client import Checkpoint, Client
 from .common.names import check_job, check_step
@@ -191,6 +204,9 @@ class Writer(_Connected, StorageWriter):
         address: this node's daemon (default ``$TIERCKPT_ADDRESS``); ignored when ``client`` is given.
         persist: ask the daemon to drain the step to the persistent tier.
         pack_below: tensors smaller than this many bytes share one packed shard.
+        stager: bind this :class:`Stager` to the Writer: its ``stage()`` copies straight into this
+            save's staging files (see the module docstring); None: ``write_data`` copies the
+            state DCP hands it.
         overwrite: False: a save into a step whose DCP metadata is committed fails (on every rank,
             as ``FileSystemWriter(overwrite=False)`` does, with ``AlreadyExistsError``: "Checkpoint
             already exists"). True (the default, as DCP's): the save replaces it; a re-save from
@@ -199,8 +215,11 @@ class Writer(_Connected, StorageWriter):
     """
 
     def __init__(self, job: str = "", step: int = 0, *, address: str | None = None, client: Client | None = None,
-                 persist: bool = False, pack_below: int = 64 << 10, overwrite: bool = True) -> None:
+                 persist: bool = False, pack_below: int = 64 << 10, overwrite: bool = True,
+                 stager: Stager | None = None) -> None:
         super().__init__()
+        if stager is not None:
+            check_stager(stager)
         if job:
             check_job(job)
         check_step(step)
@@ -216,6 +235,17 @@ class Writer(_Connected, StorageWriter):
         self.rank = 0
         self.is_coordinator = False
         self.save_id = uuid.uuid4().hex
+        self._staged: Staged | None = None  # set by the bound stager's stage(), taken by write_data
+        self._writing: Any = None  # the tierckpt save write_data committed (a bound stager's busy check)
+        self._stager = stager
+        if stager is not None:
+            stager._bind(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._stager is not None:
+            raise FailedPreconditionError("a tierckpt.dcp.Writer bound to a Stager cannot be sent to another process "
+                                          "(AsyncCheckpointerType.PROCESS): use the THREAD type, or an unbound Stager")
+        return super().__getstate__()
 
     @property
     def checkpoint_id(self) -> str:
@@ -258,6 +288,12 @@ class Writer(_Connected, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info: _PlanData = plan.storage_data
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            return self._write_staged(staged, plan, info)
+        if self._stager is not None and self._stager._writer is not None and self._stager._writer() is not self:
+            raise FailedPreconditionError(f"{self.checkpoint_id}: this Writer's Stager is bound to a later Writer "
+                                          "(its staging is no longer this Writer's; one Writer per save)")
         items, tensors = plan.items, []
         taken: set[str] = set()
         for item in items:
@@ -282,20 +318,29 @@ class Writer(_Connected, StorageWriter):
             shards = {PACKED_SHARD: b""}  # a rank with nothing to write still commits (completeness)
         # A failure raised here or set on the future reaches every rank as a CheckpointException.
         save = self.client.save(self.job, self.step, info.rank, info.world_size + 1, shards,
-                                metadata={"tierckpt.dcp": "data", "dcp_world_size": info.world_size,
-                                          "dcp_save_id": info.save_id},
-                                persist=self.persist)
-        fut: Future[list[WriteResult]] = Future()
+                                metadata=_data_metadata(info), persist=self.persist)
+        return _results_when(save, results)
 
-        def done(f: Any) -> None:
-            err = f.exception()
-            if err is not None:
-                fut.set_exception(err)
-            else:
-                fut.set_result(results)
-
-        save.add_done_callback(done)
-        return fut
+    def _write_staged(self, staged: Staged, plan: SavePlan, info: _PlanData) -> Future[list[WriteResult]]:
+        """Commit the save the bound stager began: each item's place is looked up, no byte is read."""
+        why = staged.mismatch(self.job, self.step, info.rank, info.world_size + 1)
+        results = []
+        for item in plan.items if why is None else ():
+            got = staged.locs.get(item.index)
+            if got is None or got[1] != (item.type == WriteItemType.BYTE_IO):
+                why = (f"DCP's plan writes {item.index.fqn!r}, which the bound Stager did not stage as such (a "
+                       "custom planner that renames or re-chunks items needs an unbound Stager)")
+                break
+            loc, is_bytes = got
+            results.append(WriteResult(index=item.index, size_in_bytes=loc.nbytes,
+                                       storage_data=ItemLoc(info.rank, loc.shard, loc.offset, loc.nbytes,
+                                                            "" if is_bytes else loc.dtype,
+                                                            () if is_bytes else loc.shape)))
+        if why is not None:
+            staged.save.abort(FailedPreconditionError(f"{self.checkpoint_id}: {why}"))  # its own error object:
+            raise FailedPreconditionError(f"{self.checkpoint_id}: {why}")  # the commit thread raises that one
+        self._writing = staged.save.commit(metadata=_data_metadata(info))
+        return _results_when(staged.save, results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         world = len(results)
@@ -307,6 +352,25 @@ class Writer(_Connected, StorageWriter):
                          persist=self.persist).result()
         log.info("DCP checkpoint %s step %d committed: %d ranks, metadata %d bytes", self.job, self.step, world,
                  len(blob))
+
+
+def _data_metadata(info: _PlanData) -> dict[str, Any]:
+    return {"tierckpt.dcp": "data", "dcp_world_size": info.world_size, "dcp_save_id": info.save_id}
+
+
+def _results_when(save: Any, results: list[WriteResult]) -> Future[list[WriteResult]]:
+    """A DCP future of ``results`` once the rank's tierckpt save committed (its failure, else)."""
+    fut: Future[list[WriteResult]] = Future()
+
+    def done(f: Any) -> None:
+        err = f.exception()
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(results)
+
+    save.add_done_callback(done)
+    return fut
 
 
 def _committed_world(client: Client, job: str, step: int) -> int | None:

@@ -10,7 +10,7 @@ real daemon and check what comes back, on the device, byte for byte:
   staging mappings (no pinned pool), or through the reused pinned pool where registration is off;
 - the optimizer step after a save waits for ``staged`` (the saved bytes are those before the step);
 - ``tierckpt.dcp.Stager``: ``dcp.async_save`` returns while the GPU is busy and stages the bytes
-  of that point;
+  of that point; bound to its Writer, it copies into page-locked staging mappings (one host copy);
 - the CUDA RNG state round-trips (the same random numbers after a load);
 - ``map_location="cpu"`` loads a GPU checkpoint into host tensors.
 """
@@ -211,3 +211,30 @@ def test_dcp_stager_returns_before_the_gpu_copy_and_stages_the_bytes_of_stage_ti
         dcp.load(got, storage_reader=tdcp.Reader("dcpgpu", 1, client=c), no_dist=True)
     stager.close()
     assert torch.equal(got["w"], torch.full((32 << 20,), 5.0))
+
+
+def test_bound_dcp_stager_copies_the_gpu_tensor_once_into_page_locked_staging_mappings(daemon) -> None:
+    import tierckpt
+    import tierckpt.dcp as tdcp
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.zeros(32 << 20, device="cuda")  # 128 MiB: its own shard, copied by the TensorCopier
+    small = torch.full((8,), 3.0, device="cuda")  # packed on the device in stage()
+    busy = _slow_work_then(w, 5.0)
+    stager = tdcp.Stager()
+    with tierckpt.Client(daemon.address) as c:
+        t0 = time.perf_counter()
+        resp = dcp.async_save({"w": w, "small": small},
+                              storage_writer=tdcp.Writer("dcpgpu1", 1, client=c, stager=stager),
+                              async_stager=stager, no_dist=True)
+        assert time.perf_counter() - t0 < busy / 2  # stage() did not wait for the queued GPU work
+        resp.staging_completion.result(60)
+        w.fill_(6.0)  # staged: the tensors may change
+        small.fill_(4.0)
+        resp.upload_completion.result(60)
+        assert stager._copier is not None and not stager._copier.refused  # page-locked mappings, no pinned pool
+        got = {"w": torch.empty(32 << 20), "small": torch.empty(8)}
+        dcp.load(got, storage_reader=tdcp.Reader("dcpgpu1", 1, client=c), no_dist=True)
+    stager.close()
+    assert torch.equal(got["w"], torch.full((32 << 20,), 5.0))
+    assert torch.equal(got["small"], torch.full((8,), 3.0))
