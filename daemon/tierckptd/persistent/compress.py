@@ -164,11 +164,7 @@ def _planes(data: bytes | bytearray | memoryview, width: int) -> list[Any]:
 def _unplanes(planes: list[Any], width: int) -> bytes:
     import numpy as np
 
-    count = len(planes[0])
-    grouped = np.empty(count * width, np.uint8)
-    for i in range(width):
-        grouped[i * count:(i + 1) * count] = np.frombuffer(planes[i], np.uint8, count)
-    x = np.frombuffer(byteshuffle.merge(grouped, width), _UINT[width])
+    x = np.frombuffer(byteshuffle.merge(planes[:width], b"", width), _UINT[width])
     bits = 8 * width
     x = (x >> 1) | (x << (bits - 1))
     return x.tobytes() + planes[width]
@@ -221,13 +217,10 @@ def _pack_bp(data: bytes | bytearray | memoryview, width: int) -> list[Any]:
 
 
 def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
-    """The chunk of a ``bp*`` body: every plane decoded (or copied, when stored raw) into its place
-    in one buffer of planes, then merged into elements in one compiled pass (:mod:`.byteshuffle`)."""
-    import numpy as np
-
-    count, pos = size // width, 0
-    planes = np.empty(size, np.uint8)  # the planes one after another, then the tail: split()'s layout
-    for k in range(width):
+    """The chunk of a ``bp*`` body: its planes (decoded when coded, else where they lie in the
+    body) merged into elements in one compiled pass (:func:`.byteshuffle.merge`)."""
+    count, pos, planes = size // width, 0, []
+    for _ in range(width):
         if pos + 5 > len(body):
             raise DataLossError("byte planes cut short")
         mode, length = body[pos:pos + 1], int.from_bytes(body[pos + 1:pos + 5], "little")
@@ -239,11 +232,10 @@ def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
             raise DataLossError(f"byte plane of unknown mode {bytes(mode)!r}")
         if len(part) != count:
             raise DataLossError(f"byte plane of {len(part)} bytes, expected {count}")
-        planes[k * count:(k + 1) * count] = np.frombuffer(part, np.uint8)
+        planes.append(part)
     if len(body) - pos != size - count * width:
         raise DataLossError(f"{len(body) - pos} bytes after the byte planes, expected {size - count * width}")
-    planes[count * width:] = np.frombuffer(body, np.uint8, size - count * width, pos)
-    return byteshuffle.merge(planes, width)
+    return byteshuffle.merge(planes, body[pos:], width)
 
 
 class _Planes(ChunkCodec):
