@@ -24,8 +24,8 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import threading
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["split", "merge", "native", "use_native"]
@@ -103,19 +103,11 @@ def use_native(enabled: bool) -> None:
     _state["off"] = not enabled
 
 
-def _address(buf: Any) -> tuple[Any, int]:
-    """A numpy view of a buffer (kept alive by the caller) and the address of its first byte."""
-    import numpy as np
-
-    arr = np.frombuffer(buf, np.uint8)
-    return arr, arr.ctypes.data
-
-
-def split(data: bytes | bytearray | memoryview, width: int, out: Any = None) -> Any:
+def split(data: Any, width: int, out: Any = None) -> Any:
     """The byte planes of ``data``'s ``width``-byte elements, one after another, then its tail.
 
     Args:
-        data: the plain bytes (any length; a tail shorter than an element is kept as it is).
+        data: the plain bytes, any buffer of any length (a tail shorter than an element is kept as it is).
         width: bytes per element (2 or 4 here).
         out: a writable buffer of ``len(data)`` bytes to fill; a new numpy array when None.
 
@@ -125,24 +117,23 @@ def split(data: bytes | bytearray | memoryview, width: int, out: Any = None) -> 
     """
     import numpy as np
 
-    size = len(data)
-    if out is None:
-        out = np.empty(size, np.uint8)
+    src = np.frombuffer(data, np.uint8)
+    size = len(src)
+    flat = np.empty(size, np.uint8) if out is None else np.frombuffer(out, np.uint8)
+    if len(flat) != size or flat.flags.writeable is False:
+        raise ValueError(f"split of {size} bytes into a buffer of {len(flat)} (writeable: {flat.flags.writeable})")
     lib = native()
     if lib is not None and 0 < size <= _MAX:
-        src, src_at = _address(data)
-        dst, dst_at = _address(out)
-        if lib[0](width, size, src_at, dst_at) != size:
+        if lib[0](width, size, src.ctypes.data, flat.ctypes.data) != size:
             raise ValueError(f"blosc2_shuffle failed on {size} bytes of width {width}")
-        return out
+        return flat if out is None else out
     count = size // width
-    flat = np.frombuffer(out, np.uint8, size)
     planes = flat[:count * width].reshape(width, count)
-    grouped = np.frombuffer(data, np.uint8, count * width).reshape(count, width)
+    grouped = src[:count * width].reshape(count, width)
     for k in range(width):
         np.copyto(planes[k], grouped[:, k])
-    flat[count * width:] = np.frombuffer(data, np.uint8, size - count * width, count * width)
-    return out
+    flat[count * width:] = src[count * width:]
+    return flat if out is None else out
 
 
 def _uninitialized(size: int) -> bytearray:
