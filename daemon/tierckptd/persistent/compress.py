@@ -15,8 +15,10 @@ A shard is stored as chunks; every chunk of a shard goes through the codec its m
   as ZipNN's per 256 KiB. A plane is stored raw when it does not shrink (decided on a 64 KiB
   sample first for planes over 256 KiB: the mantissa planes are noise). Body: per plane a mode byte
   (0 raw, 1 zstd), its length (4 bytes, little endian) and its bytes; then the tail shorter than
-  an element as it is. Measured against ZipNN in bench/README.md ("Issue 28: a float codec
-  without torch"): at most 1.015x ZipNN's bytes on bench/incremental.py's tensors;
+  an element as it is. Planes are split and merged by libblosc2's byte shuffle in one compiled
+  pass (:mod:`.byteshuffle`; numpy makes the same bytes where the library is missing). Measured
+  against ZipNN in bench/README.md ("Issue 28: a float codec without torch"): at most 1.015x
+  ZipNN's bytes on bench/incremental.py's tensors;
 - ``zipnn-bf16`` / ``zipnn-f16`` / ``zipnn-f32``: ZipNN, what ``auto`` wrote before issue 28;
   still read (:mod:`.zipnn`: its decoder runs in a child process, and needs ZipNN's C module);
 - ``bg2-zstd`` / ``bg4-zstd`` (written before the ZipNN codecs, still read; also the
@@ -40,7 +42,7 @@ Bounds (stored bytes are hostile, issue 27): a decoder never makes more than the
 manifest gives the chunk (a zstd frame must announce exactly the size it is read as, before it is
 decoded: zstandard sizes its output by the frame's own header), and anything malformed is a
 :class:`DataLossError` (tests/persistent/test_codec_fuzz.py). Everything here is blocking; the tier
-calls it from worker threads, and zstd and numpy release the GIL: chunks are coded on as many
+calls it from worker threads, and zstd, libblosc2 and numpy release the GIL: chunks are coded on as many
 cores as there are threads coding (``KNOBS.codec_threads`` / ``read_threads``). zstd coders are
 per thread. Nothing here imports torch (tests/persistent/test_torchfree.py).
 """
