@@ -41,7 +41,7 @@ for codec, g in golden.items():  # every name ever written, ZipNN's included (de
     used.add(codec)
     assert bytes(compress.decode(codec, bytes.fromhex(g["stored"]), len(plain[g["plain"]]))) == plain[g["plain"]]
 print(json.dumps({"codecs": sorted(used), "modules": sorted(m for m in ("torch", "zipnn", "safetensors",
-                  "zipnn_core") if m in sys.modules)}))
+                  "zipnn_core", "blosc2") if m in sys.modules)}))
 """
 
 

@@ -15,8 +15,10 @@ A shard is stored as chunks; every chunk of a shard goes through the codec its m
   as ZipNN's per 256 KiB. A plane is stored raw when it does not shrink (decided on a 64 KiB
   sample first for planes over 256 KiB: the mantissa planes are noise). Body: per plane a mode byte
   (0 raw, 1 zstd), its length (4 bytes, little endian) and its bytes; then the tail shorter than
-  an element as it is. Measured against ZipNN in bench/README.md ("Issue 28: a float codec
-  without torch"): at most 1.015x ZipNN's bytes on bench/incremental.py's tensors;
+  an element as it is. Planes are split and merged by libblosc2's byte shuffle in one compiled
+  pass (:mod:`.byteshuffle`; numpy makes the same bytes where the library is missing). Measured
+  against ZipNN in bench/README.md ("Issue 28: a float codec without torch"): at most 1.015x
+  ZipNN's bytes on bench/incremental.py's tensors;
 - ``zipnn-bf16`` / ``zipnn-f16`` / ``zipnn-f32``: ZipNN, what ``auto`` wrote before issue 28;
   still read (:mod:`.zipnn`: its decoder runs in a child process, and needs ZipNN's C module);
 - ``bg2-zstd`` / ``bg4-zstd`` (written before the ZipNN codecs, still read; also the
@@ -40,7 +42,7 @@ Bounds (stored bytes are hostile, issue 27): a decoder never makes more than the
 manifest gives the chunk (a zstd frame must announce exactly the size it is read as, before it is
 decoded: zstandard sizes its output by the frame's own header), and anything malformed is a
 :class:`DataLossError` (tests/persistent/test_codec_fuzz.py). Everything here is blocking; the tier
-calls it from worker threads, and zstd and numpy release the GIL: chunks are coded on as many
+calls it from worker threads, and zstd, libblosc2 and numpy release the GIL: chunks are coded on as many
 cores as there are threads coding (``KNOBS.codec_threads`` / ``read_threads``). zstd coders are
 per thread. Nothing here imports torch (tests/persistent/test_torchfree.py).
 """
@@ -53,6 +55,7 @@ from typing import Any
 
 from tierckpt.errors import DataLossError, FailedPreconditionError
 
+from . import byteshuffle
 from .codec import ChunkCodec, chunk_codec, register_codec
 from .zipnn import ZIPNN, ZipNNCodec
 
@@ -147,7 +150,7 @@ def _unzstd(frame: bytes | memoryview, size: int, level: int | None = LEVEL) -> 
     return _zstd(level)[1].decompress(frame, max_output_size=size, allow_extra_data=False)
 
 
-def _planes(data: bytes | bytearray | memoryview, width: int) -> list[bytes]:
+def _planes(data: bytes | bytearray | memoryview, width: int) -> list[Any]:
     """Rotate each element left by one bit, then split into ``width`` byte planes (+ the tail)."""
     import numpy as np  # imported on first use: the layout reads codec names without numpy
 
@@ -155,18 +158,15 @@ def _planes(data: bytes | bytearray | memoryview, width: int) -> list[bytes]:
     x = np.frombuffer(data, _UINT[width], n // width)
     bits = 8 * width
     x = (x << 1) | (x >> (bits - 1))
-    grouped = x.view(np.uint8).reshape(-1, width).T
-    return [grouped[i].tobytes() for i in range(width)] + [bytes(data[n:])]
+    planes = memoryview(byteshuffle.split(x.view(np.uint8), width))
+    count = n // width
+    return [planes[k * count:(k + 1) * count] for k in range(width)] + [bytes(data[n:])]
 
 
 def _unplanes(planes: list[Any], width: int) -> bytes:
     import numpy as np
 
-    count = len(planes[0])
-    grouped = np.empty((count, width), np.uint8)
-    for i in range(width):
-        grouped[:, i] = np.frombuffer(planes[i], np.uint8, count)
-    x = grouped.reshape(-1).view(_UINT[width])
+    x = np.frombuffer(byteshuffle.merge(planes[:width], b"", width), _UINT[width])
     bits = 8 * width
     x = (x >> 1) | (x << (bits - 1))
     return x.tobytes() + planes[width]
@@ -210,22 +210,17 @@ def _pack_plane(plane: Any) -> list[Any]:
 
 
 def _pack_bp(data: bytes | bytearray | memoryview, width: int) -> list[Any]:
-    """The ``bp*`` body of a chunk (module docstring) as parts to join, or None (no whole element)."""
-    import numpy as np  # imported on first use: the layout reads codec names without numpy
-
+    """The ``bp*`` body of a chunk (module docstring) as parts to join: its byte planes in one
+    compiled pass (:mod:`.byteshuffle`), each coded by :func:`_pack_plane`, then the tail."""
     count = len(data) // width
-    x = np.frombuffer(data, _UINT[width], count)
-    planes = np.empty((width, count), np.uint8)  # plane k: byte k of every element (shift, then truncate)
-    np.copyto(planes[0], x, casting="unsafe")
-    for k in range(1, width):
-        np.right_shift(x, 8 * k, out=planes[k], casting="unsafe")
-    parts = [part for k in range(width) for part in _pack_plane(planes[k])]
-    return [*parts, bytes(data[count * width:])]
+    planes = memoryview(byteshuffle.split(data, width))  # plane k: byte k of every element; then the tail
+    parts = [part for k in range(width) for part in _pack_plane(planes[k * count:(k + 1) * count])]
+    return [*parts, bytes(planes[count * width:])]
 
 
 def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
-    import numpy as np
-
+    """The chunk of a ``bp*`` body: its planes (decoded when coded, else where they lie in the
+    body) merged into elements in one compiled pass (:func:`.byteshuffle.merge`)."""
     count, pos, planes = size // width, 0, []
     for _ in range(width):
         if pos + 5 > len(body):
@@ -239,21 +234,10 @@ def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
             raise DataLossError(f"byte plane of unknown mode {bytes(mode)!r}")
         if len(part) != count:
             raise DataLossError(f"byte plane of {len(part)} bytes, expected {count}")
-        planes.append(np.frombuffer(part, np.uint8))
+        planes.append(part)
     if len(body) - pos != size - count * width:
         raise DataLossError(f"{len(body) - pos} bytes after the byte planes, expected {size - count * width}")
-    out = bytearray(size)
-    if width == 2:  # x = (top << 8) | low: three passes over 16-bit elements, the fastest measured
-        x = np.frombuffer(out, np.uint16, count)
-        np.copyto(x, planes[1])
-        np.left_shift(x, 8, out=x)
-        np.bitwise_or(x, planes[0], out=x)
-    else:  # one strided copy per plane straight into the output (ten 32-bit passes took ~1.5x as long)
-        grouped = np.frombuffer(out, np.uint8, count * width).reshape(count, width)
-        for k, plane in enumerate(planes):
-            np.copyto(grouped[:, k], plane)
-    out[count * width:] = body[pos:]
-    return out
+    return byteshuffle.merge(planes, body[pos:], width)
 
 
 class _Planes(ChunkCodec):
