@@ -66,9 +66,13 @@ class Parity:
             self.rebuilder = RsRebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
 
     def group(self) -> list[str]:
+        return self.group_of(self.node_id)
+
+    def group_of(self, node: str) -> list[str]:
+        """The parity group of ``node`` (its protectors and the members it protects)."""
         if self.m > 1:
-            return rslayout.group(self.node_id, self.cluster.ids(), self.k, self.m)
-        return layout.group_of(self.node_id, self.cluster.ids(), self.size)
+            return rslayout.group(node, self.cluster.ids(), self.k, self.m)
+        return layout.group_of(node, self.cluster.ids(), self.size)
 
     async def start(self) -> None:
         await run_blocking(self.pstore.open)

@@ -20,6 +20,7 @@ from ..local.store import Eviction, LocalStore
 from ..peer.tier import PeerTier
 from ..tiers import RankCopy
 from .facade import Parity
+from .takeover import ParityTakeOver
 
 __all__ = ["ParityPeerTier", "merge_copies"]
 
@@ -33,11 +34,13 @@ class ParityPeerTier(PeerTier):
         super().__init__(config, store, cluster, metrics)
         self.parity = Parity(config, store, cluster, self.receiver, self._spawn, metrics)
         self._catching_up: asyncio.Task | None = None
+        self.takeover = ParityTakeOver(self.parity, self._persistent)
 
     async def start(self) -> None:
         await self.parity.start()
         await super().start()
         self._catching_up = asyncio.create_task(self._catch_up_loop())
+        self._spawn(self.takeover.watch())  # lost owners' selected ranks: reconstructed and drained
 
     async def stop(self, timeout: float) -> None:
         if self._catching_up:
@@ -48,6 +51,11 @@ class ParityPeerTier(PeerTier):
             for t in pending:
                 t.cancel()
         await super().stop(timeout / 2)
+
+    def _persistent(self) -> Any:
+        """The node's persistent tier, or None (no host bound, or no persistent tier)."""
+        tier = getattr(getattr(self, "host", None), "tier", None)
+        return tier("persistent") if tier is not None else None
 
     async def _catch_up_loop(self) -> None:
         """Owned ranks whose parity is missing, or on a protector that restarted (a replaced node

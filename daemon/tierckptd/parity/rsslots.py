@@ -128,6 +128,11 @@ class RsStore:
             r = self._steps.get((job, step), {}).get(Row(stripe, lane, row).name)
             return list(r.members) if r else []
 
+    def manifests(self) -> set[str]:
+        """The owners' manifests (JSON) of every member protected here (parity take-over)."""
+        with self._lock:
+            return {m.manifest for rows in self._steps.values() for r in rows.values() for m in r.members}
+
     def nbytes(self) -> int:
         with self._lock:
             return sum(r.size for rows in self._steps.values() for r in rows.values())

@@ -132,6 +132,11 @@ class ParityStore:
             return [m for (j, s), slots in self._steps.items() if j == job and step in (None, s)
                     for slot in slots.values() for m in slot.members if rank in (None, m.rank)]
 
+    def manifests(self) -> set[str]:
+        """The owners' manifests (JSON) of every member protected here (parity take-over)."""
+        with self._lock:
+            return {m.manifest for slots in self._steps.values() for slot in slots.values() for m in slot.members}
+
     def nbytes(self) -> int:
         with self._lock:
             return sum(slot.size for slots in self._steps.values() for slot in slots.values())
