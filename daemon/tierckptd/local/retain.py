@@ -55,6 +55,17 @@ class StoreRetention:
     def _retain_locked(self, job: str) -> list[Eviction]:
         return self._evictor.retain(job, self.policies.keep_local(job))
 
+    def make_room(self, need: int, job: str = "") -> None:
+        """Evict until ``need`` more bytes fit, as for a save of ``job`` (its own older steps, other
+        jobs' steps safe elsewhere): the room for bytes charged through ``external_charge``
+        (a parity chunk) before they are written.
+
+        Raises:
+            CapacityError: they do not fit even after every possible eviction.
+        """
+        with self._lock:
+            self._make_room_locked(need, None, job)
+
     def _make_room_locked(self, need: int, evictable: Callable[[str], bool] | None = None, job: str = "") -> None:
         """Make room for a reservation of ``job`` (:meth:`.eviction.Evictor.make_room_for`)."""
         evictions = self._evictor.make_room_for(job, need, self.capacity, self._used_locked(), evictable,

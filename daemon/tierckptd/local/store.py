@@ -160,6 +160,10 @@ class LocalStore(StoreRetention):
         self.safe_elsewhere: Callable[[Manifest], bool] = lambda man: False
         """Whether a committed rank is safe in another tier (a live peer, the persistent store):
         set by the node from its tiers; called under the lock, so it must be cheap."""
+        self.external_charge: Callable[[], int] = lambda: 0
+        """Bytes held in the local dir outside the store and charged against its capacity (the
+        parity held for peers: :mod:`tierckptd.parity`); called under the lock, so it must be cheap
+        and take no lock of the store's."""
         self._saves = OpenSaves(self._lock, self._fs, self._layout, self._recycle, self._make_room_locked,
                                 max_open_saves=max_open_saves, max_shard_bytes=max_shard_bytes,
                                 counters=self.counters, catalog=self._catalog, max_shards=max_shards_per_save)
@@ -400,4 +404,4 @@ class LocalStore(StoreRetention):
 
     def _used_locked(self) -> int:
         return (self._catalog.committed_bytes + self._catalog.links.charged + self._saves.charged_locked()
-                + self._recycle.bytes + self.reserve.bytes)
+                + self._recycle.bytes + self.reserve.bytes + self.external_charge())

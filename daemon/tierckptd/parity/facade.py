@@ -64,6 +64,7 @@ class Parity:
             self.encoder = RsEncoder(self.node_id, store, cluster, self.size, metrics, k=k, m=m)
             self.protector = RsProtector(self.node_id, store, self.pstore, cluster, k, m, metrics)
             self.rebuilder = RsRebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
+        store.external_charge = self.pstore.nbytes  # parity counts against local_capacity (retention evicts for it)
 
     def group(self) -> list[str]:
         return self.group_of(self.node_id)

@@ -72,11 +72,13 @@ class Protector:
 
     async def _pull_and_add(self, man: Manifest, chunk: int, chunks: int) -> Any:
         off, length = layout.chunk_span(man.nbytes, chunks, chunk)
-        use = self.store.usage()
-        free = use.capacity - use.charged - self.pstore.nbytes()
-        if length > free:  # a bound on what a peer can make this node hold (parity is not charged to the store)
+        try:  # parity is charged against local_capacity (the facade's external_charge): make room first
+            need = self.pstore.growth(man.job, man.step, man.node, length)
+            if need:
+                await run_blocking(self.store.make_room, need, man.job)
+        except CapacityError as e:
             raise CapacityError(f"local_capacity: no room here for a {length}-byte parity chunk of {man.key} "
-                                f"({max(free, 0)} bytes free besides {self.pstore.nbytes()} of parity)")
+                                f"({self.pstore.nbytes()} bytes of parity held): {e}") from None
         name, fd = await run_blocking(self.pstore.incoming, man.job, man.step)
         try:
             async def sink(pos: int, data: bytes) -> None:

@@ -95,11 +95,13 @@ class RsProtector:
 
     async def _pull_and_add(self, man: Manifest, chunk: int, codec: Codec, stripe: int, row: int, lane: str) -> Any:
         off, length = layout.chunk_span(man.nbytes, codec.k, chunk)
-        use = self.store.usage()
-        free = use.capacity - use.charged - self.rstore.nbytes()
-        if length > free:
+        try:  # parity is charged against local_capacity (the facade's external_charge): make room first
+            need = self.rstore.growth(man.job, man.step, stripe, row, lane, chunk, length)
+            if need:
+                await run_blocking(self.store.make_room, need, man.job)
+        except CapacityError as e:
             raise CapacityError(f"local_capacity: no room here for a {length}-byte parity chunk of {man.key} "
-                                f"({max(free, 0)} bytes free besides {self.rstore.nbytes()} of parity)")
+                                f"({self.rstore.nbytes()} bytes of parity held): {e}") from None
         name, fd = await run_blocking(self.rstore.incoming, man.job, man.step)
         try:
             async def sink(pos: int, data: bytes) -> None:

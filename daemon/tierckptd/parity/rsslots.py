@@ -128,6 +128,17 @@ class RsStore:
             r = self._steps.get((job, step), {}).get(Row(stripe, lane, row).name)
             return list(r.members) if r else []
 
+    def growth(self, job: str, step: int, stripe: int, row: int, lane: str, chunk: int, length: int) -> int:
+        """Bytes a ``length``-byte chunk adds to row ``row`` (of ``lane``; row 0 without a lane:
+        the first lane of the stripe with position ``chunk`` free, as :meth:`add` picks it)."""
+        with self._lock:
+            rows = self._steps.get((job, step), {})
+            if not lane:
+                lane = next((r.lane for r in sorted(rows.values(), key=lambda r: r.name)
+                             if r.stripe == stripe and r.row == 0 and all(m.chunk != chunk for m in r.members)), "")
+            slot = rows.get(Row(stripe, lane, row).name) if lane else None
+            return max(0, length - (slot.size if slot else 0))
+
     def manifests(self) -> set[str]:
         """The owners' manifests (JSON) of every member protected here (parity take-over)."""
         with self._lock:

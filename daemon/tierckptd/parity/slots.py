@@ -132,6 +132,14 @@ class ParityStore:
             return [m for (j, s), slots in self._steps.items() if j == job and step in (None, s)
                     for slot in slots.values() for m in slot.members if rank in (None, m.rank)]
 
+    def growth(self, job: str, step: int, node: str, length: int) -> int:
+        """Bytes a ``length``-byte chunk of ``node``'s adds to this node's parity (it joins the
+        first slot without a chunk of ``node``, as :meth:`add` does): charged before the pull."""
+        with self._lock:
+            slot = next((s for s in self._steps.get((job, step), {}).values()
+                         if all(m.node != node for m in s.members)), None)
+            return max(0, length - (slot.size if slot else 0))
+
     def manifests(self) -> set[str]:
         """The owners' manifests (JSON) of every member protected here (parity take-over)."""
         with self._lock:

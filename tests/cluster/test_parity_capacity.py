@@ -1,0 +1,75 @@
+"""Parity counts against ``local_capacity`` (issue 32 item 4, retention), real daemons on
+loopback with ``parity:2+1``: a protector whose local tier is nearly full makes room for a parity
+chunk by evicting an old step that is safe elsewhere (as a save would), instead of refusing the
+chunk, and the parity it holds is part of its charged bytes (``status().used_bytes``)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from tierckpt.common import checksum
+from tierckptd.local.store import LocalStore
+
+from ..harness import free_port, wait_until
+
+S_OLD = 150_000
+S_BIG = 300_000
+CAPACITY = 400_000
+
+
+def _arr(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, n, dtype=np.uint8)
+
+
+def _parity_bytes(d) -> int:
+    return sum(p.stat().st_size for p in (d.local_dir / "parity").rglob("slot-*.bin"))
+
+
+def test_a_full_protector_evicts_an_old_safe_step_to_make_room_for_parity(daemon_factory):
+    ids = ["n0", "n1", "n2"]
+    ports = {n: free_port() for n in ids}
+    common = ("--peers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "--replicas", "0",
+              "--redundancy", "parity:2+1", "--keep-local", "5", "--knobs", "refresh_interval=0.2")
+    d = {n: daemon_factory(n, port=ports[n], args=(*common, *(("--local-capacity", str(CAPACITY)) if n == "n1"
+                                                               else ()))) for n in ids}
+    with d["n1"].client() as c:
+        wait_until(lambda: {p.node_id for p in c.status().peers if p.up} == {"n0", "n2"}, 30, "n1 sees its group")
+        for step in (1, 2):  # two steps of another job, protected by n0 and n2: step 1 is safe elsewhere
+            c.save("old", step, 0, 1, {"w": _arr(step, S_OLD)}).wait("peer", timeout=60)
+        before = c.status().used_bytes
+        assert before + S_BIG // 2 > CAPACITY  # a parity chunk of "big" does not fit without an eviction
+    for n, rank in (("n0", 0), ("n2", 2)):  # n1 protects a chunk of each (one slot, S_BIG / 2 bytes)
+        with d[n].client() as c:
+            assert "n1" in c.save("big", 1, rank, 3, {"w": _arr(10 + rank, S_BIG)}).wait("peer", timeout=60)
+    with d["n1"].client() as c:
+        steps = {i.step for i in c.list("old") if any("n1" in r.nodes for r in i.ranks)}
+        assert 1 not in steps and 2 in steps  # the oldest safe step made room; the newest stays
+        parity = _parity_bytes(d["n1"])
+        assert parity >= S_BIG // 2
+        st = c.status()
+        assert parity <= st.used_bytes <= CAPACITY  # charged, within the capacity
+    assert "no room here" not in d["n0"].log_tail(400) + d["n2"].log_tail(400)
+
+
+def test_external_charge_counts_and_make_room_evicts(tmp_path):
+    store = LocalStore(tmp_path / "l", "n0", capacity=64 << 10, keep_local=5)
+    store.open()
+    try:
+        held = [0]
+        store.external_charge = lambda: held[0]
+        for step in (1, 2):
+            st = store.begin("j", step, 0, 1, [("w", 20_000, "|u1", (20_000,))])
+            fd = store.open_staged(st.save_id, "w")
+            os.pwrite(fd, b"x" * 20_000, 0)
+            os.close(fd)
+            store.commit(st.save_id, {"w": checksum.digest(np.frombuffer(b"x" * 20_000, np.uint8))})
+        base = store.usage().charged
+        held[0] = 5_000
+        assert store.usage().charged == base + 5_000
+        store.make_room(30_000, "j")  # does not fit beside two steps: the older one goes
+        assert set(store.steps("j")) == {2}
+        held[0] += 30_000
+        assert store.usage().charged <= store.capacity
+    finally:
+        store.close()
