@@ -45,6 +45,16 @@ def knobs(*extra: str) -> str:
     return "--knobs=" + ",".join((FAST, *extra))
 
 
+REDUNDANCY = {"replicas": (1, ()), "parity": (0, ("--redundancy", "parity:2+1"))}
+"""The peer redundancies the node-loss rows run under: ``replicas = 1``, and ``parity:2+1`` (three
+nodes form one group: a lost node's ranks are reconstructed from the other two)."""
+
+
+def cluster(factory, n: int, redundancy: str, *extra: str) -> Cluster:
+    replicas, args = REDUNDANCY[redundancy]
+    return Cluster(factory, n, replicas=replicas, extra=(*args, *extra))
+
+
 def staged_files(d) -> list[Path]:
     return [p for p in (d.local_dir / "staging").rglob("*") if p.is_file()]
 
@@ -209,9 +219,10 @@ def test_trainer_killed_mid_save(daemon_factory, matrix) -> None:
     assert d.alive()
 
 
-def test_node_wiped_and_replaced_while_others_keep_saving(daemon_factory, matrix) -> None:
+@pytest.mark.parametrize("redundancy", ["replicas", "parity"])
+def test_node_wiped_and_replaced_while_others_keep_saving(daemon_factory, matrix, redundancy: str) -> None:
     chk = Checker(matrix)
-    cl = Cluster(daemon_factory, 3, replicas=1, extra=(knobs(),))
+    cl = cluster(daemon_factory, 3, redundancy, knobs())
     world, committed = 3, []
     replaced = threading.Event()  # set once the new n1 is up
     after: dict[int, list[int]] = {0: [], 2: []}  # steps a trainer saved (and replicated) after that
@@ -349,10 +360,10 @@ def test_object_store_down_and_hung(daemon_factory, moto_server, matrix) -> None
 
 # ----------------------------------------------------------------------------- peers
 
-@pytest.mark.parametrize("how", ["killed", "hung"])
-def test_a_peer_killed_or_hung(daemon_factory, matrix, how: str) -> None:
+@pytest.mark.parametrize("how,redundancy", [("killed", "replicas"), ("hung", "replicas"), ("killed", "parity")])
+def test_a_peer_killed_or_hung(daemon_factory, matrix, how: str, redundancy: str) -> None:
     chk = Checker(matrix)
-    cl = Cluster(daemon_factory, 3, replicas=1, extra=(knobs(),))
+    cl = cluster(daemon_factory, 3, redundancy, knobs())
     n0, n1 = cl.d["n0"], cl.d["n1"]
     with n0.client() as c:
         save(c, JOB, 1, 0, SIZES).wait("peer", timeout=30)
@@ -363,7 +374,10 @@ def test_a_peer_killed_or_hung(daemon_factory, matrix, how: str) -> None:
     try:
         with n0.client() as c:
             fut = save(c, JOB, 2, 0, SIZES)  # the local commit does not wait for peers
-            fut.wait("peer", timeout=60)  # placement moves on to a live peer
+            if redundancy == "replicas":
+                fut.wait("peer", timeout=60)  # placement moves on to a live peer
+            else:  # n1 protects a chunk of n0's ranks: no other node can (a typed error, the step is local)
+                chk.expect_error(lambda: fut.wait("peer", timeout=60), TierckptError)
             ch, stub, _ = stubs(n0.tcp_address)
             with ch:
                 t0 = time.monotonic()
