@@ -102,6 +102,12 @@ class Knobs:
     drain_nice: int = 19
     """Niceness of the persistent tier's drain threads (the drain reads, hashes, encodes and uploads
     chunks on them): saves and trainer threads come first on a busy node; 0: the daemon's."""
+    drain_idle: int = 1
+    """1: the drain threads run under ``SCHED_IDLE`` (Linux, per thread): they get a CPU only when
+    nothing else of any process wants it, so a save's copy, its RPCs on the event loop and the
+    trainer always win (a waking normal thread preempts them at once; nice 19 alone still takes
+    a share and a slice). The drain then goes as fast as the cores left idle allow, and stalls on a
+    node whose every core stays busy (measured in bench/README.md); 0: ``drain_nice`` only."""
     codec_threads: int = max(2, os.cpu_count() or 2)
     """Chunks the drain reads, checks and encodes at once (default: one per core, at least 2), each
     on a drain thread (``drain_nice``): zstd, numpy and xxhash release the GIL, so the codec runs on

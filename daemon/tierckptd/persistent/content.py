@@ -57,6 +57,7 @@ from ..knobs import KNOBS
 from ..local.localfs import open_checked
 from ..local.manifest import Manifest, ShardEntry
 from ..local.store import LocalStore
+from .buffers import ChunkBuffers
 from .calls import BackendCalls
 from .layout import (
     content_key,
@@ -111,6 +112,8 @@ class ContentStore:
         self.markers_seen: Bounded = Bounded(4096)  # collection marker -> when this process first saw it
         self.previous: Bounded = Bounded(256)  # (job, rank) -> chunk keys of its last drain by this process
         self.sent = 0  # stored bytes uploaded by this process (benchmarks)
+        self.buffers = ChunkBuffers()  # read buffers of the drain's workers, reused from chunk to chunk
+        self._putting = 0  # put_rank calls in flight (the buffers are unmapped when none is)
 
     # ----------------------------------------------------------------------------- upload
 
@@ -122,10 +125,18 @@ class ContentStore:
             DataLossError: a local shard does not match its checksum (nothing is published).
             Stopped, BackendError, OSError: as :meth:`RankUploader.upload`.
         """
+        self._putting += 1
+        try:
+            return await self._put_rank(held, man, cancelled)
+        finally:
+            self._putting -= 1
+            if not self._putting:
+                self.buffers.trim()
+
+    async def _put_rank(self, held: Manifest, man: Manifest, cancelled: Any) -> tuple[Manifest, str, float]:
         job = man.job
         codecs = {s.name: _codec_for(self.setting, s.dtype) for s in man.shards}
-        hashed = await asyncio.gather(*(self.calls.write(functools.partial(self._hash_shard, held, s.name),
-                                                         cancelled) for s in man.shards))
+        hashed = await asyncio.gather(*(self._hashed(held, s.name) for s in man.shards))
         plan = dict(zip((s.name for s in man.shards), hashed))
         keys = sorted({content_key(job, d, n, codecs[name]) for name, chunks in plan.items() for d, n in chunks})
         lease = stamped_key(lease_prefix(job), time.time(), secrets.token_hex(6), ".json")
@@ -178,19 +189,28 @@ class ContentStore:
             log.debug("%s rank %d: no stored manifest to compare with (%s); asking about every chunk", job, rank, err)
             return None
 
+    async def _hashed(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
+        """:meth:`_hash_shard` on a codec slot (reading and hashing is codec work: no more threads
+        at it than ``KNOBS.codec_threads``, each with one buffer)."""
+        async with self.calls.coding:
+            return await self.calls.code(functools.partial(self._hash_shard, held, shard))
+
     def _hash_shard(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
-        """(xxh3-128 hex, size) of every chunk of a local shard, verifying the shard's checksum."""
+        """(xxh3-128 hex, size) of every chunk of a local shard, verifying the shard's checksum
+        (read into one reused buffer: no allocation, no page fault, no copy under the GIL)."""
         entry, size = held.shard(shard), KNOBS.chunk_bytes
         fd = self._open(held, shard)
         try:
             src = VerifyingReader(fd, entry.size, entry.checksum, _what(held, shard))
             out = []
-            while True:
-                self._yield_to_saves()
-                data = src.read(size)
-                if not data:
-                    break
-                out.append((xxhash.xxh3_128_hexdigest(data), len(data)))
+            with self.buffers.take(size) as buf:
+                while True:
+                    self._yield_to_saves()
+                    n = src.readinto(buf)
+                    if not n:
+                        break
+                    with buf[:n] as data:
+                        out.append((xxhash.xxh3_128_hexdigest(data), n))
             src.check()
             return out
         finally:
@@ -224,15 +244,16 @@ class ContentStore:
 
         self._yield_to_saves()
         fd = self._open(held, shard)
-        data = bytearray(size)  # ours: the codec may compress it in place (no copy)
-        try:
-            got = os.preadv(fd, [data], offset)
-        finally:
-            os.close(fd)
-        if got != size or xxhash.xxh3_128_hexdigest(data) != digest:
-            raise DataLossError(f"{_what(held, shard)}: the local copy changed while uploading "
-                                f"(chunk at {offset}); not published")
-        return encode(codec, data, consume=True)
+        with self.buffers.take(size) as data:  # reused: no allocation, no page fault, no zero-fill under the GIL
+            try:
+                got = os.preadv(fd, [data], offset)
+            finally:
+                os.close(fd)
+            if got != size or xxhash.xxh3_128_hexdigest(data) != digest:
+                raise DataLossError(f"{_what(held, shard)}: the local copy changed while uploading "
+                                    f"(chunk at {offset}); not published")
+            self._yield_to_saves()  # a save that began during the read goes first again
+            return encode(codec, data)  # a new object: nothing refers to the buffer afterwards
 
     def _store_chunk(self, held: Manifest, shard: str, key: str, stored: bytes) -> None:
         be = self.calls.be
