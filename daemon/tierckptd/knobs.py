@@ -108,6 +108,11 @@ class Knobs:
     trainer always win (a waking normal thread preempts them at once; nice 19 alone still takes
     a share and a slice). The drain then goes as fast as the cores left idle allow, and stalls on a
     node whose every core stays busy (measured in bench/README.md); 0: ``drain_nice`` only."""
+    drain_processes: int = 1
+    """1: the drain's reads, hashes and encodes run in child processes at ``SCHED_IDLE`` (one per
+    codec slot, kept for the daemon's life; see :mod:`tierckptd.persistent.chunkproc`), not on the
+    daemon's threads, so they never hold the daemon's GIL while a save's RPCs wait for it; 0: on
+    the drain threads (``drain_idle``)."""
     codec_threads: int = max(2, os.cpu_count() or 2)
     """Chunks the drain reads, checks and encodes at once (default: one per core, at least 2), each
     on a drain thread (``drain_nice``): zstd, numpy and xxhash release the GIL, so the codec runs on

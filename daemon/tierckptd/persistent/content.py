@@ -59,6 +59,7 @@ from ..local.manifest import Manifest, ShardEntry
 from ..local.store import LocalStore
 from .buffers import ChunkBuffers
 from .calls import BackendCalls
+from .chunkproc import ChunkWorker, ChunkWorkers
 from .layout import (
     content_key,
     damaged_chunk,
@@ -114,6 +115,7 @@ class ContentStore:
         self.sent = 0  # stored bytes uploaded by this process (benchmarks)
         self.buffers = ChunkBuffers()  # read buffers of the drain's workers, reused from chunk to chunk
         self._putting = 0  # put_rank calls in flight (the buffers are unmapped when none is)
+        self.workers = ChunkWorkers()  # child processes doing the reads, hashes and encodes (drain_processes)
 
     # ----------------------------------------------------------------------------- upload
 
@@ -198,6 +200,9 @@ class ContentStore:
     def _hash_shard(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
         """(xxh3-128 hex, size) of every chunk of a local shard, verifying the shard's checksum
         (read into one reused buffer: no allocation, no page fault, no copy under the GIL)."""
+        if KNOBS.drain_processes:
+            with self.workers.take(KNOBS.chunk_bytes) as worker:
+                return self._hash_in(worker, held, shard)
         entry, size = held.shard(shard), KNOBS.chunk_bytes
         fd = self._open(held, shard)
         try:
@@ -215,6 +220,31 @@ class ContentStore:
             return out
         finally:
             os.close(fd)
+
+    def _hash_in(self, worker: ChunkWorker, held: Manifest, shard: str) -> list[tuple[str, int]]:
+        """:meth:`_hash_shard` by a child process (:mod:`.chunkproc`), a request per chunk."""
+        entry, size, what = held.shard(shard), KNOBS.chunk_bytes, _what(held, shard)
+        if entry.size == 0:
+            return self._hash_empty(entry.checksum, what)
+        fd = self._open(held, shard)
+        try:
+            out = []
+            for off in range(0, entry.size, size):
+                self._yield_to_saves()
+                n = min(size, entry.size - off)
+                last = off + n >= entry.size
+                out.append((worker.hash(fd, off, n, off == 0, entry.checksum if last else None, what), n))
+            return out
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _hash_empty(expected: str, what: str) -> list[tuple[str, int]]:
+        from tierckpt.common import checksum as _checksum
+
+        if _checksum.digest(b"") != expected:
+            raise DataLossError(f"{what}: the local copy does not match its checksum while uploading")
+        return []
 
     def _open(self, held: Manifest, shard: str) -> int:
         from tierckpt.errors import NotFoundError
@@ -234,9 +264,27 @@ class ContentStore:
         if ask and key not in self.damaged and await self.calls.write(functools.partial(be.exists, key), cancelled):
             return (digest, size, self.stored.get(key, 0))
         async with self.calls.coding:
-            stored = await self.calls.code(functools.partial(self._encoded, held, shard, offset, digest, size, codec))
-            await self.calls.write(functools.partial(self._store_chunk, held, shard, key, stored), cancelled)
-        return (digest, size, len(stored))
+            if not KNOBS.drain_processes:
+                stored = await self.calls.code(functools.partial(self._encoded, held, shard, offset, digest, size,
+                                                                 codec))
+                await self.calls.write(functools.partial(self._store_chunk, held, shard, key, stored), cancelled)
+                return (digest, size, len(stored))
+            with self.workers.take(size) as worker:  # held until uploaded: the stored bytes are in its buffer
+                view = await self.calls.code(functools.partial(self._encoded_in, worker, held, shard, offset, digest,
+                                                               size, codec))
+                with view:
+                    await self.calls.write(functools.partial(self._store_chunk, held, shard, key, view), cancelled)
+                    return (digest, size, len(view))
+
+    def _encoded_in(self, worker: ChunkWorker, held: Manifest, shard: str, offset: int, digest: str, size: int,
+                    codec: str) -> memoryview:
+        """:meth:`_encoded` by a child process (:mod:`.chunkproc`): a view of its output buffer."""
+        self._yield_to_saves()
+        fd = self._open(held, shard)
+        try:
+            return worker.encode(fd, offset, size, digest, codec, _what(held, shard))
+        finally:
+            os.close(fd)
 
     def _encoded(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str) -> bytes:
         """The stored form of one local chunk, read again and checked against its hash (a worker thread)."""
@@ -255,7 +303,7 @@ class ContentStore:
             self._yield_to_saves()  # a save that began during the read goes first again
             return encode(codec, data)  # a new object: nothing refers to the buffer afterwards
 
-    def _store_chunk(self, held: Manifest, shard: str, key: str, stored: bytes) -> None:
+    def _store_chunk(self, held: Manifest, shard: str, key: str, stored: bytes | memoryview) -> None:
         be = self.calls.be
         be.put_bytes(key, stored)  # a damaged chunk is replaced: its name fixes its plain bytes
         self.stored[key] = len(stored)
