@@ -18,7 +18,7 @@ at a time per child; a drain thread holds a child from the request until it is d
 answer (an encoded chunk: until it is uploaded). A child that dies is replaced; its request
 fails with an ``OSError`` (the drain retries the rank like any local read error).
 
-Children are started on first use (``python -m tierckptd.persistent.chunkproc``: no
+Children are started on first use (``python -m tierckptd.persistent._chunkmain``: no
 multiprocessing, whose spawn would import the daemon's ``__main__``), at most one per codec slot
 (``KNOBS.codec_threads``), and kept for the daemon's life (each holds numpy and zstandard, ~50
 MiB, and one chunk buffer); they exit when the daemon's end of their socket closes.
@@ -40,7 +40,7 @@ from typing import Any
 
 from tierckpt.errors import DataLossError
 
-__all__ = ["ChunkWorker", "ChunkWorkers"]
+__all__ = ["ChunkWorker", "ChunkWorkers", "serve"]
 
 _MAX_MSG = 1 << 16
 
@@ -55,8 +55,8 @@ class ChunkWorker:
         roots = [str(Path(__file__).resolve().parents[2]), str(Path(tierckpt.__file__).resolve().parents[1])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])}
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tierckptd.persistent.chunkproc", str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+            argv = [sys.executable, "-m", "tierckptd.persistent._chunkmain", str(theirs.fileno())]
+            self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                          close_fds=True)
         finally:
             theirs.close()
@@ -145,6 +145,13 @@ class ChunkWorkers:
     def take(self, size: int) -> Iterator[ChunkWorker]:
         with self._lock:
             worker = self._idle.pop() if self._idle else None
+            if worker is not None and worker.proc.poll() is not None:  # died while idle: replaced, not used
+                self._all.remove(worker)
+                dead, worker = worker, None
+            else:
+                dead = None
+        if dead is not None:
+            dead.close()
         if worker is None:
             worker = ChunkWorker(size)
             with self._lock:
@@ -238,7 +245,7 @@ class _Child:
         return {"stored": len(stored)}
 
 
-def _serve(sock: socket.socket) -> None:
+def serve(sock: socket.socket) -> None:
     """Answer requests until the daemon's end closes (every error is answered, never raised:
     the daemon turns it into the drain's error)."""
     _lower_priority()
@@ -266,10 +273,3 @@ def _serve(sock: socket.socket) -> None:
             sock.send(json.dumps(answer).encode())
         except OSError:
             return
-
-
-if __name__ == "__main__":
-    from .compress import warm
-
-    warm()
-    _serve(socket.socket(fileno=int(sys.argv[1])))
