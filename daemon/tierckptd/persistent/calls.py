@@ -9,10 +9,12 @@ Every call runs through :func:`~tierckptd.offload.run_blocking` on :class:`Daemo
 tier's pools: a fresh daemon thread per call (at most ``KNOBS.upload_threads`` uploads,
 ``KNOBS.codec_threads`` chunks being read and encoded and ``KNOBS.read_threads`` reads at once),
 so a slow object store cannot starve the default pool and a hung SDK call never blocks the
-daemon's exit. The drain's threads (reading, hashing and encoding chunks, on as many cores as
-``codec_threads``: the codecs release the GIL; and uploads) run at nice ``KNOBS.drain_nice``, so
-that a drain takes the CPU that saves and the trainers' own threads leave idle
-(bench/save_during_drain.py); reads (restores) run at the daemon's priority.
+daemon's exit. The drain's threads (uploads, and the calls that hand chunks to the chunk
+worker processes of :mod:`.chunkproc`, or with ``KNOBS.drain_processes=0`` read, hash and encode
+them themselves) run under ``SCHED_IDLE`` (``KNOBS.drain_idle``) at nice ``KNOBS.drain_nice``
+and wait up to ``DRAIN_THREAD_KEEP`` seconds for their next call, so that a drain takes only the
+CPU that saves and the trainers' own threads leave idle (bench/save_during_drain.py); reads
+(restores) run at the daemon's priority.
 """
 
 from __future__ import annotations
