@@ -123,8 +123,9 @@ class Knobs:
     """Seconds at most a drain worker waits, before reading or encoding a chunk, while a save is
     open or committing on this node (a trainer's, an inbound replica's or a restore's): saves come
     first, and only chunks begun before a save run alongside it (bench/save_during_drain.py); 0
-    (the default): the drain never waits. Off by default: its benefit did not show on the loaded
-    2-core machines it was measured on, and a node whose ranks keep saves open most of the time
+    (the default): the drain never waits. Off by default: with the drain's work in child processes
+    (``drain_processes``) its benefit is within the run-to-run noise of the loaded 2-core machines
+    it was measured on (bench/README.md), and a node whose ranks keep saves open most of the time
     would drain one chunk per ``drain_yield``."""
     switch_interval: float = 0.0
     """Seconds a Python thread holding the GIL keeps it while another waits for it
