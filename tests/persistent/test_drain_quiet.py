@@ -80,20 +80,20 @@ def test_chunk_workers_are_sched_idle_processes_kept_between_drains(tmp_path: Pa
             await rig.tier.start()
             _save(rig, 1, _shards(1))
             await _drain(rig, 1)
-            pids = rig.tier.content.workers.pids()
+            pids = rig.tier.content.reader.workers.pids()
             assert 1 <= len(pids) <= 2 and all(os.sched_getscheduler(p) == os.SCHED_IDLE for p in pids)
             _save(rig, 2, _shards(2))
             await _drain(rig, 2)
-            assert rig.tier.content.workers.pids() == pids  # the same children: none started again
+            assert rig.tier.content.reader.workers.pids() == pids  # the same children: none started again
             os.kill(pids[0], 9)  # a child that dies between drains is replaced
             await asyncio.to_thread(lambda: os.waitpid(pids[0], 0))
             _save(rig, 3, _shards(3))
             await _drain(rig, 3)
-            assert pids[0] not in rig.tier.content.workers.pids()
+            assert pids[0] not in rig.tier.content.reader.workers.pids()
             for step in (1, 2, 3):
                 await _restored(rig, tmp_path, step, _shards(step))
             await rig.tier.stop(1.0)
-            assert rig.tier.content.workers.pids() == []  # ended with the tier
+            assert rig.tier.content.reader.workers.pids() == []  # ended with the tier
 
     asyncio.run(body())
 
@@ -109,9 +109,9 @@ def test_a_changed_local_copy_is_found_by_the_chunk_workers(tmp_path: Path) -> N
             path.write_bytes(bytes(data))
             content = rig.tier.content
             with pytest.raises(DataLossError, match="checksum"):
-                await asyncio.to_thread(content._hash_shard, man, "s1")
-            assert len(await asyncio.to_thread(content._hash_shard, man, "s0")) == 3
-            content.workers.close()
+                await asyncio.to_thread(content.reader.hash_shard, man, "s1")
+            assert len(await asyncio.to_thread(content.reader.hash_shard, man, "s0")) == 3
+            content.reader.workers.close()
 
     asyncio.run(body())
 
@@ -143,9 +143,31 @@ def test_chunk_buffers_are_reused_and_bounded_by_the_codec_slots(tmp_path: Path)
             for step in (1, 2):
                 _save(rig, step, _shards(step, n=4, chunks=3))  # 12 chunks, hashed and encoded
                 await _drain(rig, step)
-                assert 1 <= rig.tier.content.buffers.created <= 2 * step  # one per slot and drain at most
-                assert rig.tier.content.buffers.idle() == 0  # unmapped once no drain is in flight
+                assert 1 <= rig.tier.content.reader.buffers.created <= 2 * step  # one per slot and drain at most
+                assert rig.tier.content.reader.buffers.idle() == 0  # unmapped once no drain is in flight
             await _restored(rig, tmp_path, 2, _shards(2, n=4, chunks=3))
+            await rig.tier.stop(1.0)
+
+    asyncio.run(body())
+
+
+def test_a_node_that_cannot_start_chunk_workers_drains_on_its_threads(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierckptd.persistent import chunkproc
+
+    def refused(self: object, size: int) -> None:
+        raise PermissionError("memfd_create: refused by the sandbox")
+
+    monkeypatch.setattr(chunkproc.ChunkWorker, "__init__", refused)
+
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK, drain_processes=1):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            _save(rig, 1, _shards(1))
+            await _drain(rig, 1)  # at once: no failed attempt to retry later
+            assert rig.tier.content.reader.workers.failed and rig.tier.content.reader.workers.pids() == []
+            await _restored(rig, tmp_path, 1, _shards(1))
             await rig.tier.stop(1.0)
 
     asyncio.run(body())

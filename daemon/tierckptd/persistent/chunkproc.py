@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import mmap
 import os
 import socket
@@ -43,6 +44,8 @@ from tierckpt.errors import DataLossError
 __all__ = ["ChunkWorker", "ChunkWorkers", "serve"]
 
 _MAX_MSG = 1 << 16
+
+log = logging.getLogger(__name__)
 
 
 class ChunkWorker:
@@ -140,6 +143,8 @@ class ChunkWorkers:
         self._idle: list[ChunkWorker] = []
         self._all: list[ChunkWorker] = []
         self._lock = threading.Lock()
+        self.failed = False
+        """A child could not be started: the caller does the work itself from then on."""
 
     @contextlib.contextmanager
     def take(self, size: int) -> Iterator[ChunkWorker]:
@@ -153,7 +158,14 @@ class ChunkWorkers:
         if dead is not None:
             dead.close()
         if worker is None:
-            worker = ChunkWorker(size)
+            try:
+                worker = ChunkWorker(size)
+            except OSError as err:  # a sandbox that forbids memfd or a child: the drain threads do the work
+                if not self.failed:
+                    log.warning("drain chunk worker processes cannot start (%s): chunks are read and encoded on "
+                                "the drain's threads", err)
+                self.failed = True
+                raise
             with self._lock:
                 self._all.append(worker)
         try:

@@ -57,9 +57,8 @@ from ..knobs import KNOBS
 from ..local.localfs import open_checked
 from ..local.manifest import Manifest, ShardEntry
 from ..local.store import LocalStore
-from .buffers import ChunkBuffers
 from .calls import BackendCalls
-from .chunkproc import ChunkWorker, ChunkWorkers
+from .chunkread import ChunkReader
 from .layout import (
     content_key,
     damaged_chunk,
@@ -73,7 +72,6 @@ from .layout import (
     stamped_key,
 )
 from .ledger import Bounded
-from .verify import VerifyingReader
 
 __all__ = ["ContentStore"]
 
@@ -113,9 +111,8 @@ class ContentStore:
         self.markers_seen: Bounded = Bounded(4096)  # collection marker -> when this process first saw it
         self.previous: Bounded = Bounded(256)  # (job, rank) -> chunk keys of its last drain by this process
         self.sent = 0  # stored bytes uploaded by this process (benchmarks)
-        self.buffers = ChunkBuffers()  # read buffers of the drain's workers, reused from chunk to chunk
         self._putting = 0  # put_rank calls in flight (the buffers are unmapped when none is)
-        self.workers = ChunkWorkers()  # child processes doing the reads, hashes and encodes (drain_processes)
+        self.reader = ChunkReader(store, calls.halt)  # reads, checks and encodes chunks (threads or children)
 
     # ----------------------------------------------------------------------------- upload
 
@@ -133,7 +130,7 @@ class ContentStore:
         finally:
             self._putting -= 1
             if not self._putting:
-                self.buffers.trim()
+                self.reader.buffers.trim()
 
     async def _put_rank(self, held: Manifest, man: Manifest, cancelled: Any) -> tuple[Manifest, str, float]:
         job = man.job
@@ -192,67 +189,10 @@ class ContentStore:
             return None
 
     async def _hashed(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
-        """:meth:`_hash_shard` on a codec slot (reading and hashing is codec work: no more threads
+        """:meth:`.ChunkReader.hash_shard` on a codec slot (reading and hashing is codec work: no more threads
         at it than ``KNOBS.codec_threads``, each with one buffer)."""
         async with self.calls.coding:
-            return await self.calls.code(functools.partial(self._hash_shard, held, shard))
-
-    def _hash_shard(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
-        """(xxh3-128 hex, size) of every chunk of a local shard, verifying the shard's checksum
-        (read into one reused buffer: no allocation, no page fault, no copy under the GIL)."""
-        if KNOBS.drain_processes:
-            with self.workers.take(KNOBS.chunk_bytes) as worker:
-                return self._hash_in(worker, held, shard)
-        entry, size = held.shard(shard), KNOBS.chunk_bytes
-        fd = self._open(held, shard)
-        try:
-            src = VerifyingReader(fd, entry.size, entry.checksum, _what(held, shard))
-            out = []
-            with self.buffers.take(size) as buf:
-                while True:
-                    self._yield_to_saves()
-                    n = src.readinto(buf)
-                    if not n:
-                        break
-                    with buf[:n] as data:
-                        out.append((xxhash.xxh3_128_hexdigest(data), n))
-            src.check()
-            return out
-        finally:
-            os.close(fd)
-
-    def _hash_in(self, worker: ChunkWorker, held: Manifest, shard: str) -> list[tuple[str, int]]:
-        """:meth:`_hash_shard` by a child process (:mod:`.chunkproc`), a request per chunk."""
-        entry, size, what = held.shard(shard), KNOBS.chunk_bytes, _what(held, shard)
-        if entry.size == 0:
-            return self._hash_empty(entry.checksum, what)
-        fd = self._open(held, shard)
-        try:
-            out = []
-            for off in range(0, entry.size, size):
-                self._yield_to_saves()
-                n = min(size, entry.size - off)
-                last = off + n >= entry.size
-                out.append((worker.hash(fd, off, n, off == 0, entry.checksum if last else None, what), n))
-            return out
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _hash_empty(expected: str, what: str) -> list[tuple[str, int]]:
-        from tierckpt.common import checksum as _checksum
-
-        if _checksum.digest(b"") != expected:
-            raise DataLossError(f"{what}: the local copy does not match its checksum while uploading")
-        return []
-
-    def _open(self, held: Manifest, shard: str) -> int:
-        from tierckpt.errors import NotFoundError
-
-        try:
-            return self.store.open_shard(held, shard)  # no link followed; a regular file of its size
-        except NotFoundError as err:  # evicted or re-saved meanwhile: the rank left the local tier
-            raise FileNotFoundError(str(err)) from err
+            return await self.calls.code(functools.partial(self.reader.hash_shard, held, shard))
 
     async def _put_chunk(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str,
                          ask: bool, cancelled: Any) -> Chunk:
@@ -264,44 +204,16 @@ class ContentStore:
         if ask and key not in self.damaged and await self.calls.write(functools.partial(be.exists, key), cancelled):
             return (digest, size, self.stored.get(key, 0))
         async with self.calls.coding:
-            if not KNOBS.drain_processes:
-                stored = await self.calls.code(functools.partial(self._encoded, held, shard, offset, digest, size,
-                                                                 codec))
-                await self.calls.write(functools.partial(self._store_chunk, held, shard, key, stored), cancelled)
-                return (digest, size, len(stored))
-            with self.workers.take(size) as worker:  # held until uploaded: the stored bytes are in its buffer
-                view = await self.calls.code(functools.partial(self._encoded_in, worker, held, shard, offset, digest,
-                                                               size, codec))
-                with view:
+            with self.reader.child(size) as worker:  # held until uploaded: the stored bytes are in its buffer
+                if worker is None:
+                    stored: bytes | memoryview = await self.calls.code(functools.partial(
+                        self.reader.encoded, held, shard, offset, digest, size, codec))
+                else:
+                    stored = await self.calls.code(functools.partial(
+                        self.reader.encoded_in, worker, held, shard, offset, digest, size, codec))
+                with memoryview(stored) as view:
                     await self.calls.write(functools.partial(self._store_chunk, held, shard, key, view), cancelled)
                     return (digest, size, len(view))
-
-    def _encoded_in(self, worker: ChunkWorker, held: Manifest, shard: str, offset: int, digest: str, size: int,
-                    codec: str) -> memoryview:
-        """:meth:`_encoded` by a child process (:mod:`.chunkproc`): a view of its output buffer."""
-        self._yield_to_saves()
-        fd = self._open(held, shard)
-        try:
-            return worker.encode(fd, offset, size, digest, codec, _what(held, shard))
-        finally:
-            os.close(fd)
-
-    def _encoded(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str) -> bytes:
-        """The stored form of one local chunk, read again and checked against its hash (a worker thread)."""
-        from .compress import encode
-
-        self._yield_to_saves()
-        fd = self._open(held, shard)
-        with self.buffers.take(size) as data:  # reused: no allocation, no page fault, no zero-fill under the GIL
-            try:
-                got = os.preadv(fd, [data], offset)
-            finally:
-                os.close(fd)
-            if got != size or xxhash.xxh3_128_hexdigest(data) != digest:
-                raise DataLossError(f"{_what(held, shard)}: the local copy changed while uploading "
-                                    f"(chunk at {offset}); not published")
-            self._yield_to_saves()  # a save that began during the read goes first again
-            return encode(codec, data)  # a new object: nothing refers to the buffer afterwards
 
     def _store_chunk(self, held: Manifest, shard: str, key: str, stored: bytes | memoryview) -> None:
         be = self.calls.be
@@ -313,14 +225,6 @@ class ContentStore:
         self.sent += len(stored)
         if self.metrics:
             self.metrics.drained_bytes.inc(len(stored))
-
-    def _yield_to_saves(self) -> None:
-        """Wait (a worker thread) while a save is open or committing on this node, at most
-        ``KNOBS.drain_yield`` seconds: saves get the cores, the memory bandwidth and the GIL that
-        the drain's reading, hashing and encoding would take (bench/save_during_drain.py)."""
-        until = time.monotonic() + KNOBS.drain_yield
-        while self.store.saving() and time.monotonic() < until and not self.calls.halt.wait(0.002):
-            pass
 
     async def _note_damaged(self, job: str, cancelled: Any) -> None:
         """Remember the chunks a restore of any node found damaged: they are stored again."""
