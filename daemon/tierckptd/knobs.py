@@ -123,10 +123,10 @@ class Knobs:
     """Seconds at most a drain worker waits, before reading or encoding a chunk, while a save is
     open or committing on this node (a trainer's, an inbound replica's or a restore's): saves come
     first, and only chunks begun before a save run alongside it (bench/save_during_drain.py); 0
-    (the default): the drain never waits. Off by default: with the drain's work in child processes
-    (``drain_processes``) its benefit is within the run-to-run noise of the loaded 2-core machines
-    it was measured on (bench/README.md), and a node whose ranks keep saves open most of the time
-    would drain one chunk per ``drain_yield``."""
+    (the default): the drain never waits. With the drain's work in child processes
+    (``drain_processes``), 2.0 gave saves a median 1.16x instead of 1.31x of their no-drain blocking
+    on a loaded 2-core machine (bench/README.md; better in 4 of 6 paired runs). Off by default: a
+    node whose ranks keep saves open most of the time would drain one chunk per ``drain_yield``."""
     switch_interval: float = 0.0
     """Seconds a Python thread holding the GIL keeps it while another waits for it
     (``sys.setswitchinterval``; Python's default is 0.005): the RPCs and commits of saves wait
