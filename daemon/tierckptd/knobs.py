@@ -102,6 +102,17 @@ class Knobs:
     drain_nice: int = 19
     """Niceness of the persistent tier's drain threads (the drain reads, hashes, encodes and uploads
     chunks on them): saves and trainer threads come first on a busy node; 0: the daemon's."""
+    drain_idle: int = 1
+    """1: the drain threads run under ``SCHED_IDLE`` (Linux, per thread): they get a CPU only when
+    nothing else of any process wants it, so a save's copy, its RPCs on the event loop and the
+    trainer always win (a waking normal thread preempts them at once; nice 19 alone still takes
+    a share and a slice). The drain then goes as fast as the cores left idle allow, and stalls on a
+    node whose every core stays busy (measured in bench/README.md); 0: ``drain_nice`` only."""
+    drain_processes: int = 1
+    """1: the drain's reads, hashes and encodes run in child processes at ``SCHED_IDLE`` (one per
+    codec slot, kept for the daemon's life; see :mod:`tierckptd.persistent.chunkproc`), not on the
+    daemon's threads, so they never hold the daemon's GIL while a save's RPCs wait for it; 0: on
+    the drain threads (``drain_idle``)."""
     codec_threads: int = max(2, os.cpu_count() or 2)
     """Chunks the drain reads, checks and encodes at once (default: one per core, at least 2), each
     on a drain thread (``drain_nice``): zstd, numpy and xxhash release the GIL, so the codec runs on
@@ -112,9 +123,10 @@ class Knobs:
     """Seconds at most a drain worker waits, before reading or encoding a chunk, while a save is
     open or committing on this node (a trainer's, an inbound replica's or a restore's): saves come
     first, and only chunks begun before a save run alongside it (bench/save_during_drain.py); 0
-    (the default): the drain never waits. Off by default: its benefit did not show on the loaded
-    2-core machines it was measured on, and a node whose ranks keep saves open most of the time
-    would drain one chunk per ``drain_yield``."""
+    (the default): the drain never waits. With the drain's work in child processes
+    (``drain_processes``), 2.0 gave saves a median 1.16x instead of 1.31x of their no-drain blocking
+    on a loaded 2-core machine (bench/README.md; better in 4 of 6 paired runs). Off by default: a
+    node whose ranks keep saves open most of the time would drain one chunk per ``drain_yield``."""
     switch_interval: float = 0.0
     """Seconds a Python thread holding the GIL keeps it while another waits for it
     (``sys.setswitchinterval``; Python's default is 0.005): the RPCs and commits of saves wait

@@ -9,10 +9,12 @@ Every call runs through :func:`~tierckptd.offload.run_blocking` on :class:`Daemo
 tier's pools: a fresh daemon thread per call (at most ``KNOBS.upload_threads`` uploads,
 ``KNOBS.codec_threads`` chunks being read and encoded and ``KNOBS.read_threads`` reads at once),
 so a slow object store cannot starve the default pool and a hung SDK call never blocks the
-daemon's exit. The drain's threads (reading, hashing and encoding chunks, on as many cores as
-``codec_threads``: the codecs release the GIL; and uploads) run at nice ``KNOBS.drain_nice``, so
-that a drain takes the CPU that saves and the trainers' own threads leave idle
-(bench/save_during_drain.py); reads (restores) run at the daemon's priority.
+daemon's exit. The drain's threads (uploads, and the calls that hand chunks to the chunk
+worker processes of :mod:`.chunkproc`, or with ``KNOBS.drain_processes=0`` read, hash and encode
+them themselves) run under ``SCHED_IDLE`` (``KNOBS.drain_idle``) at nice ``KNOBS.drain_nice``
+and wait up to ``DRAIN_THREAD_KEEP`` seconds for their next call, so that a drain takes only the
+CPU that saves and the trainers' own threads leave idle (bench/save_during_drain.py); reads
+(restores) run at the daemon's priority.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import concurrent.futures as cf
 import functools
 import os
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -36,51 +39,95 @@ __all__ = ["BackendCalls", "DaemonThreads", "Stopped"]
 
 T = TypeVar("T")
 
+DRAIN_THREAD_KEEP = 30.0
+"""Seconds a drain thread waits for its next call before it ends (:class:`DaemonThreads`)."""
+
 
 class Stopped(Exception):
     """Raised inside a worker thread's retry sleep when the tier stops or the entry is cancelled."""
 
 
 class DaemonThreads(cf.Executor):
-    """An executor that runs each call in a new daemon thread; ``active`` counts running calls.
+    """An executor that runs each call on a daemon thread; ``active`` counts running calls.
 
-    Concurrency is bounded by the caller (:class:`BackendCalls`' semaphores), not here.
+    Concurrency is bounded by the caller (:class:`BackendCalls`' semaphores), not here. A thread
+    that finished a call waits up to ``keep`` seconds for the next one (a drain's chunks follow
+    each other: no thread start, no new stack, its zstd coders kept); one is started whenever none
+    waits. ``policy()`` says how each call runs: a niceness, and whether under ``SCHED_IDLE``
+    (Linux applies both per thread); a waiting thread only takes calls of its own policy (an
+    unprivileged thread cannot raise its priority again).
     """
 
-    def __init__(self, name: str, nice: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, name: str, policy: Callable[[], tuple[int, bool]] = lambda: (0, False),
+                 keep: float = 0.0) -> None:
         self.name = name
-        self.nice = nice
+        self.policy = policy
+        self.keep = keep
         self.active = 0
         self._lock = threading.Lock()
+        self._parked: list[tuple[tuple[int, bool], queue.SimpleQueue]] = []
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future:
         fut: cf.Future = cf.Future()
-
-        def run() -> None:
-            outcome: tuple[bool, Any]
-            if niceness := self.nice():
-                try:  # this thread only (Linux: a thread id is a process id for setpriority); it ends with the call
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-                except (OSError, AttributeError):  # pragma: no cover - not Linux
-                    pass
-            try:
-                outcome = (True, fn(*args, **kwargs))
-            except BaseException as err:  # thread boundary: the awaiting coroutine re-raises it
-                outcome = (False, err)
-            finally:
-                with self._lock:
-                    self.active -= 1
-            if not fut.set_running_or_notify_cancel():
-                return
-            if outcome[0]:
-                fut.set_result(outcome[1])
-            else:
-                fut.set_exception(cast(BaseException, outcome[1]))
-
+        item = (fut, functools.partial(fn, *args, **kwargs))
+        policy = self.policy()
         with self._lock:
             self.active += 1
-        threading.Thread(target=run, name=self.name, daemon=True).start()
+            for i in range(len(self._parked) - 1, -1, -1):
+                if self._parked[i][0] == policy:
+                    self._parked.pop(i)[1].put(item)
+                    return fut
+        threading.Thread(target=self._work, args=(policy, item), name=self.name, daemon=True).start()
         return fut
+
+    def _work(self, policy: tuple[int, bool], item: tuple[cf.Future, Callable[[], Any]]) -> None:
+        _apply(policy)
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        while True:
+            self._run(*item)
+            if self.keep <= 0:
+                return
+            with self._lock:
+                self._parked.append((policy, inbox))
+            try:
+                item = inbox.get(timeout=self.keep)
+            except queue.Empty:
+                with self._lock:
+                    if (policy, inbox) in self._parked:
+                        self._parked.remove((policy, inbox))
+                        return
+                item = inbox.get()  # a submit took this thread as the wait ended: its call is in the inbox
+
+    def _run(self, fut: cf.Future, call: Callable[[], Any]) -> None:
+        outcome: tuple[bool, Any]
+        try:
+            outcome = (True, call())
+        except BaseException as err:  # thread boundary: the awaiting coroutine re-raises it
+            outcome = (False, err)
+        finally:
+            with self._lock:
+                self.active -= 1
+        if not fut.set_running_or_notify_cancel():
+            return
+        if outcome[0]:
+            fut.set_result(outcome[1])
+        else:
+            fut.set_exception(cast(BaseException, outcome[1]))
+
+
+def _apply(policy: tuple[int, bool]) -> None:
+    """Set this thread's niceness and, where asked, ``SCHED_IDLE`` (Linux: a thread id is a process
+    id for these calls). ``SCHED_IDLE`` threads run only on a CPU that nothing else wants: a
+    save's RPC, its client's copy and the trainer preempt them at once on wake-up."""
+    niceness, idle = policy
+    tid = threading.get_native_id()
+    try:
+        if niceness:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        if idle:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):  # pragma: no cover - not Linux, or a sandbox forbids it
+        pass
 
 
 class BackendCalls:
@@ -96,7 +143,8 @@ class BackendCalls:
         self.metrics = metrics
         self.backend = backend
         self.threads = DaemonThreads("tierckpt-persistent")
-        self.drain_threads = DaemonThreads("tierckpt-drain", lambda: KNOBS.drain_nice)
+        self.drain_threads = DaemonThreads("tierckpt-drain", lambda: (KNOBS.drain_nice, bool(KNOBS.drain_idle)),
+                                           keep=DRAIN_THREAD_KEEP)
         self.halt = threading.Event()
         self._uploads = asyncio.Semaphore(KNOBS.upload_threads)
         self.coding = asyncio.Semaphore(KNOBS.codec_threads)

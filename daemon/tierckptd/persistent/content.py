@@ -58,6 +58,7 @@ from ..local.localfs import open_checked
 from ..local.manifest import Manifest, ShardEntry
 from ..local.store import LocalStore
 from .calls import BackendCalls
+from .chunkread import ChunkReader
 from .layout import (
     content_key,
     damaged_chunk,
@@ -71,7 +72,6 @@ from .layout import (
     stamped_key,
 )
 from .ledger import Bounded
-from .verify import VerifyingReader
 
 __all__ = ["ContentStore"]
 
@@ -111,6 +111,8 @@ class ContentStore:
         self.markers_seen: Bounded = Bounded(4096)  # collection marker -> when this process first saw it
         self.previous: Bounded = Bounded(256)  # (job, rank) -> chunk keys of its last drain by this process
         self.sent = 0  # stored bytes uploaded by this process (benchmarks)
+        self._putting = 0  # put_rank calls in flight (the buffers are unmapped when none is)
+        self.reader = ChunkReader(store, calls.halt)  # reads, checks and encodes chunks (threads or children)
 
     # ----------------------------------------------------------------------------- upload
 
@@ -122,10 +124,18 @@ class ContentStore:
             DataLossError: a local shard does not match its checksum (nothing is published).
             Stopped, BackendError, OSError: as :meth:`RankUploader.upload`.
         """
+        self._putting += 1
+        try:
+            return await self._put_rank(held, man, cancelled)
+        finally:
+            self._putting -= 1
+            if not self._putting:
+                self.reader.buffers.trim()
+
+    async def _put_rank(self, held: Manifest, man: Manifest, cancelled: Any) -> tuple[Manifest, str, float]:
         job = man.job
         codecs = {s.name: _codec_for(self.setting, s.dtype) for s in man.shards}
-        hashed = await asyncio.gather(*(self.calls.write(functools.partial(self._hash_shard, held, s.name),
-                                                         cancelled) for s in man.shards))
+        hashed = await asyncio.gather(*(self._hashed(held, s.name) for s in man.shards))
         plan = dict(zip((s.name for s in man.shards), hashed))
         keys = sorted({content_key(job, d, n, codecs[name]) for name, chunks in plan.items() for d, n in chunks})
         lease = stamped_key(lease_prefix(job), time.time(), secrets.token_hex(6), ".json")
@@ -178,31 +188,11 @@ class ContentStore:
             log.debug("%s rank %d: no stored manifest to compare with (%s); asking about every chunk", job, rank, err)
             return None
 
-    def _hash_shard(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
-        """(xxh3-128 hex, size) of every chunk of a local shard, verifying the shard's checksum."""
-        entry, size = held.shard(shard), KNOBS.chunk_bytes
-        fd = self._open(held, shard)
-        try:
-            src = VerifyingReader(fd, entry.size, entry.checksum, _what(held, shard))
-            out = []
-            while True:
-                self._yield_to_saves()
-                data = src.read(size)
-                if not data:
-                    break
-                out.append((xxhash.xxh3_128_hexdigest(data), len(data)))
-            src.check()
-            return out
-        finally:
-            os.close(fd)
-
-    def _open(self, held: Manifest, shard: str) -> int:
-        from tierckpt.errors import NotFoundError
-
-        try:
-            return self.store.open_shard(held, shard)  # no link followed; a regular file of its size
-        except NotFoundError as err:  # evicted or re-saved meanwhile: the rank left the local tier
-            raise FileNotFoundError(str(err)) from err
+    async def _hashed(self, held: Manifest, shard: str) -> list[tuple[str, int]]:
+        """:meth:`.ChunkReader.hash_shard` on a codec slot (reading and hashing is codec work: no more threads
+        at it than ``KNOBS.codec_threads``, each with one buffer)."""
+        async with self.calls.coding:
+            return await self.calls.code(functools.partial(self.reader.hash_shard, held, shard))
 
     async def _put_chunk(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str,
                          ask: bool, cancelled: Any) -> Chunk:
@@ -214,27 +204,18 @@ class ContentStore:
         if ask and key not in self.damaged and await self.calls.write(functools.partial(be.exists, key), cancelled):
             return (digest, size, self.stored.get(key, 0))
         async with self.calls.coding:
-            stored = await self.calls.code(functools.partial(self._encoded, held, shard, offset, digest, size, codec))
-            await self.calls.write(functools.partial(self._store_chunk, held, shard, key, stored), cancelled)
-        return (digest, size, len(stored))
+            with self.reader.child(size) as worker:  # held until uploaded: the stored bytes are in its buffer
+                if worker is None:
+                    stored: bytes | memoryview = await self.calls.code(functools.partial(
+                        self.reader.encoded, held, shard, offset, digest, size, codec))
+                else:
+                    stored = await self.calls.code(functools.partial(
+                        self.reader.encoded_in, worker, held, shard, offset, digest, size, codec))
+                with memoryview(stored) as view:
+                    await self.calls.write(functools.partial(self._store_chunk, held, shard, key, view), cancelled)
+                    return (digest, size, len(view))
 
-    def _encoded(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str) -> bytes:
-        """The stored form of one local chunk, read again and checked against its hash (a worker thread)."""
-        from .compress import encode
-
-        self._yield_to_saves()
-        fd = self._open(held, shard)
-        data = bytearray(size)  # ours: the codec may compress it in place (no copy)
-        try:
-            got = os.preadv(fd, [data], offset)
-        finally:
-            os.close(fd)
-        if got != size or xxhash.xxh3_128_hexdigest(data) != digest:
-            raise DataLossError(f"{_what(held, shard)}: the local copy changed while uploading "
-                                f"(chunk at {offset}); not published")
-        return encode(codec, data, consume=True)
-
-    def _store_chunk(self, held: Manifest, shard: str, key: str, stored: bytes) -> None:
+    def _store_chunk(self, held: Manifest, shard: str, key: str, stored: bytes | memoryview) -> None:
         be = self.calls.be
         be.put_bytes(key, stored)  # a damaged chunk is replaced: its name fixes its plain bytes
         self.stored[key] = len(stored)
@@ -244,14 +225,6 @@ class ContentStore:
         self.sent += len(stored)
         if self.metrics:
             self.metrics.drained_bytes.inc(len(stored))
-
-    def _yield_to_saves(self) -> None:
-        """Wait (a worker thread) while a save is open or committing on this node, at most
-        ``KNOBS.drain_yield`` seconds: saves get the cores, the memory bandwidth and the GIL that
-        the drain's reading, hashing and encoding would take (bench/save_during_drain.py)."""
-        until = time.monotonic() + KNOBS.drain_yield
-        while self.store.saving() and time.monotonic() < until and not self.calls.halt.wait(0.002):
-            pass
 
     async def _note_damaged(self, job: str, cancelled: Any) -> None:
         """Remember the chunks a restore of any node found damaged: they are stored again."""

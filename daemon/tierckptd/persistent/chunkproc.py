@@ -1,0 +1,287 @@
+"""The drain's chunk work in child processes: :class:`ChunkWorkers` (``KNOBS.drain_processes``).
+
+Why a process: the drain's threads, however low their priority, take the daemon's GIL between
+their C calls (a read, a hash, each byte plane's zstd call: dozens of times per 8 MiB chunk).
+On a busy node a ``SCHED_IDLE`` or nice-19 thread is preempted while it holds the GIL and does
+not get a CPU back for milliseconds, and the event loop serving a save's BeginSave and
+CommitSave waits for it: measured in-process (bench/README.md, issue 28), the loop's wake-up
+latency rose from 0.2 ms to 3-4 ms (p90) and 12-20 ms (p99) while a drain ran, with the
+encoding itself stubbed out as much as with it. A child process has its own GIL: its reads,
+hashes and encodes, at ``SCHED_IDLE``, never hold up the daemon's threads; a drain thread
+only sends a request and waits for the answer (the GIL released).
+
+What crosses: descriptors, never paths (the daemon opens every shard through the local store's
+no-follow checks and passes the descriptor with ``SCM_RIGHTS``); the encoded chunk comes back
+in a shared ``memfd`` buffer owned by the daemon (no copy through a pipe, none under the GIL);
+requests and answers are small JSON messages on a ``SOCK_SEQPACKET`` socket pair. One request
+at a time per child; a drain thread holds a child from the request until it is done with the
+answer (an encoded chunk: until it is uploaded). A child that dies is replaced; its request
+fails with an ``OSError`` (the drain retries the rank like any local read error).
+
+Children are started on first use (``python -m tierckptd.persistent._chunkmain``: no
+multiprocessing, whose spawn would import the daemon's ``__main__``), at most one per codec slot
+(``KNOBS.codec_threads``), and kept for the daemon's life (each holds numpy and zstandard, ~50
+MiB, and one chunk buffer); they exit when the daemon's end of their socket closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tierckpt.errors import DataLossError
+
+__all__ = ["ChunkWorker", "ChunkWorkers", "serve"]
+
+_MAX_MSG = 1 << 16
+
+log = logging.getLogger(__name__)
+
+
+class ChunkWorker:
+    """One child process and the shared buffer its encoded chunks come back in."""
+
+    def __init__(self, size: int) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        import tierckpt
+
+        roots = [str(Path(__file__).resolve().parents[2]), str(Path(tierckpt.__file__).resolve().parents[1])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])}
+        try:
+            argv = [sys.executable, "-m", "tierckptd.persistent._chunkmain", str(theirs.fileno())]
+            self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                                         close_fds=True)
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.out_fd = os.memfd_create("tierckpt-chunk", os.MFD_CLOEXEC)
+        self.out_size = 0
+        self.out: mmap.mmap | None = None
+        self._fit(size)
+        self.broken = False
+
+    def _fit(self, size: int) -> None:
+        """The output buffer holds any stored chunk of ``size`` plain bytes (at most size + 1)."""
+        if self.out_size >= size + 1:
+            return
+        if self.out is not None:
+            self.out.close()
+        os.ftruncate(self.out_fd, size + 1)
+        self.out_size = size + 1
+        self.out = mmap.mmap(self.out_fd, self.out_size)
+
+    def call(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        """One request and its answer (this thread blocks; the GIL is released while it waits).
+
+        Raises:
+            DataLossError: the child found the bytes damaged or changed.
+            OSError: the child died or answered nonsense (it is not used again).
+        """
+        try:
+            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+            raw = self.sock.recv(_MAX_MSG)
+            if not raw:
+                raise OSError(f"drain chunk worker {self.proc.pid} exited ({self.proc.poll()})")
+            answer = json.loads(raw)
+        except (OSError, ValueError) as err:
+            self.broken = True
+            raise OSError(f"drain chunk worker: {err}") from err
+        if "dataloss" in answer:
+            raise DataLossError(answer["dataloss"])
+        if "error" in answer:
+            self.broken = True
+            raise OSError(f"drain chunk worker: {answer['error']}")
+        return answer
+
+    def hash(self, fd: int, offset: int, size: int, first: bool, checksum: str | None, what: str) -> str:
+        """xxh3-128 of ``size`` bytes at ``offset``; the bytes also extend the shard checksum
+        (begun anew where ``first``), checked against ``checksum`` when it is given (the last chunk)."""
+        answer = self.call({"op": "hash", "offset": offset, "size": size, "first": first, "checksum": checksum,
+                            "what": what}, [fd])
+        return str(answer["digest"])
+
+    def encode(self, fd: int, offset: int, size: int, digest: str, codec: str, what: str) -> memoryview:
+        """The stored form of one chunk, read and checked against ``digest`` by the child; a view
+        of this worker's buffer, valid until its next request."""
+        self._fit(size)
+        answer = self.call({"op": "encode", "offset": offset, "size": size, "digest": digest, "codec": codec,
+                            "what": what}, [fd, self.out_fd])
+        n = int(answer["stored"])
+        if not 0 < n <= size + 1:
+            self.broken = True
+            raise OSError(f"drain chunk worker: {n} stored bytes for a chunk of {size}")
+        assert self.out is not None
+        return memoryview(self.out)[:n]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(OSError, BufferError):
+            if self.out is not None:
+                self.out.close()
+            os.close(self.out_fd)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(1.0)
+
+
+class ChunkWorkers:
+    """Children kept between chunks and drains; :meth:`take` lends one to a drain thread."""
+
+    def __init__(self) -> None:
+        self._idle: list[ChunkWorker] = []
+        self._all: list[ChunkWorker] = []
+        self._lock = threading.Lock()
+        self.failed = False
+        """A child could not be started: the caller does the work itself from then on."""
+
+    @contextlib.contextmanager
+    def take(self, size: int) -> Iterator[ChunkWorker]:
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+            if worker is not None and worker.proc.poll() is not None:  # died while idle: replaced, not used
+                self._all.remove(worker)
+                dead, worker = worker, None
+            else:
+                dead = None
+        if dead is not None:
+            dead.close()
+        if worker is None:
+            try:
+                worker = ChunkWorker(size)
+            except OSError as err:  # a sandbox that forbids memfd or a child: the drain threads do the work
+                if not self.failed:
+                    log.warning("drain chunk worker processes cannot start (%s): chunks are read and encoded on "
+                                "the drain's threads", err)
+                self.failed = True
+                raise
+            with self._lock:
+                self._all.append(worker)
+        try:
+            yield worker
+        finally:
+            with self._lock:
+                if worker.broken:
+                    self._all.remove(worker)
+                else:
+                    self._idle.append(worker)
+            if worker.broken:
+                worker.close()
+
+    def pids(self) -> list[int]:
+        """The children's process ids (tests)."""
+        with self._lock:
+            return [w.proc.pid for w in self._all]
+
+    def close(self) -> None:
+        """End every idle child (the tier stops; one still lent ends with the daemon)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            for w in idle:
+                self._all.remove(w)
+        for w in idle:
+            w.close()
+
+
+# ------------------------------------------------------------------------------------- the child
+
+def _lower_priority() -> None:
+    """The whole child at ``SCHED_IDLE`` (and nice 19 where that is refused): it runs only on CPUs
+    nothing else wants."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+class _Child:
+    """The child's state: its read buffer and the shard checksum of the hash pass in progress."""
+
+    def __init__(self) -> None:
+        self.buf: mmap.mmap | None = None
+        self.hasher: Any = None
+
+    def view(self, size: int) -> memoryview:
+        if self.buf is None or len(self.buf) < size:
+            if self.buf is not None:
+                self.buf.close()
+            self.buf = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return memoryview(self.buf)[:size]
+
+    def read(self, fd: int, offset: int, size: int, what: str) -> memoryview:
+        data = self.view(size)
+        got = os.preadv(fd, [data], offset)
+        if got != size:
+            raise DataLossError(f"{what}: the local file ends at {offset + got} (a chunk of {size} at {offset})")
+        return data
+
+    def hash(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        import xxhash
+        from tierckpt.common import checksum as _checksum
+
+        data = self.read(fds[0], int(req["offset"]), int(req["size"]), str(req["what"]))
+        if req["first"] or self.hasher is None:
+            self.hasher = _checksum.new()
+        self.hasher.update(data)
+        if req["checksum"] is not None and self.hasher.hexdigest() != req["checksum"]:
+            raise DataLossError(f"{req['what']}: the local copy does not match its checksum while uploading "
+                                f"(expected {req['checksum']}, read {self.hasher.hexdigest()}); not published")
+        return {"digest": xxhash.xxh3_128_hexdigest(data)}
+
+    def encode(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        import xxhash
+
+        from .compress import encode
+
+        size = int(req["size"])
+        data = self.read(fds[0], int(req["offset"]), size, str(req["what"]))
+        if xxhash.xxh3_128_hexdigest(data) != req["digest"]:
+            raise DataLossError(f"{req['what']}: the local copy changed while uploading (chunk at {req['offset']}); "
+                                "not published")
+        stored = encode(str(req["codec"]), data)
+        with mmap.mmap(fds[1], 0) as out:
+            if len(stored) > len(out):
+                raise ValueError(f"{len(stored)} stored bytes do not fit the {len(out)}-byte buffer")
+            out[:len(stored)] = stored
+        return {"stored": len(stored)}
+
+
+def serve(sock: socket.socket) -> None:
+    """Answer requests until the daemon's end closes (every error is answered, never raised:
+    the daemon turns it into the drain's error)."""
+    _lower_priority()
+    child = _Child()
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 2)
+        except OSError:
+            return
+        if not msg:
+            return
+        answer: dict[str, Any]
+        try:
+            req = json.loads(msg)
+            op = {"hash": child.hash, "encode": child.encode}[req["op"]]
+            answer = op(req, fds)
+        except DataLossError as err:
+            answer = {"dataloss": str(err)}
+        except Exception as err:  # process boundary: the daemon gets it as an OSError
+            answer = {"error": repr(err)}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            sock.send(json.dumps(answer).encode())
+        except OSError:
+            return

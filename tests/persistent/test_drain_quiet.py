@@ -1,0 +1,173 @@
+"""Issue 28 item 3: the drain stays out of a save's way. Its threads run under SCHED_IDLE and are
+kept between calls, its chunk work runs in SCHED_IDLE child processes that are kept between drains
+(or, without them, in reused chunk buffers), and a drain that yields to an open save resumes and
+completes once the save ends. Behaviour only: no timing is asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tierckpt.errors import DataLossError
+from tierckptd.knobs import KNOBS
+from tierckptd.persistent.calls import DaemonThreads
+
+from .rig import Rig
+
+CHUNK = 4096
+
+
+def _shards(seed: int, n: int = 3, chunks: int = 3) -> dict[str, bytes]:
+    rng = np.random.default_rng(seed)
+    return {f"s{i}": (rng.standard_normal(chunks * CHUNK // 4) * 0.02).astype(np.float32).tobytes() for i in range(n)}
+
+
+async def _drain(rig: Rig, step: int) -> None:
+    await asyncio.wait_for(rig.tier.wait("job", step, 0, None), 30)
+
+
+def _save(rig: Rig, step: int, shards: dict[str, bytes]) -> None:
+    rig.save("job", step, 0, shards, dtypes={k: "<f4" for k in shards})
+
+
+async def _restored(rig: Rig, root: Path, step: int, want: dict[str, bytes]) -> None:
+    reader = Rig(root, node_id=f"reader{step}-{len(list(root.iterdir()))}", memory=rig.memory)
+    await reader.tier.start()
+    local = await reader.tier.fetch("job", step, 0)
+    assert {s: reader.store.shard_path(local, s).read_bytes() for s in want} == want
+    await reader.tier.stop(1.0)
+
+
+def test_drain_threads_run_under_sched_idle_and_are_kept(tmp_path: Path) -> None:
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK, drain_processes=0, drain_idle=1):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            rig.faulty.hang("put_bytes")  # the drain's first upload (its lease) waits on a drain thread
+            _save(rig, 1, _shards(1))
+            assert await asyncio.to_thread(rig.faulty.wait_held, "put_bytes", 10)
+            drains = [t for t in threading.enumerate() if t.name == "tierckpt-drain"]
+            assert drains and all(os.sched_getscheduler(t.native_id) == os.SCHED_IDLE for t in drains)
+            rig.faulty.release("put_bytes")
+            await _drain(rig, 1)
+            await _restored(rig, tmp_path, 1, _shards(1))
+            await rig.tier.stop(1.0)
+
+    asyncio.run(body())
+
+
+def test_a_waiting_thread_takes_the_next_call_of_its_own_policy_only() -> None:
+    pool = DaemonThreads("t", lambda: policy[0], keep=30.0)
+    policy = [(0, False)]
+    first = pool.submit(threading.get_native_id).result(5)
+    assert pool.submit(threading.get_native_id).result(5) == first  # kept, not a new thread
+    policy[0] = (0, True)
+    idle = pool.submit(lambda: (threading.get_native_id(), os.sched_getscheduler(0))).result(5)
+    assert idle[0] != first and idle[1] == os.SCHED_IDLE  # another policy: another thread
+    policy[0] = (0, False)
+    assert pool.submit(threading.get_native_id).result(5) == first
+    assert pool.active == 0
+
+
+def test_chunk_workers_are_sched_idle_processes_kept_between_drains(tmp_path: Path) -> None:
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK, drain_processes=1, codec_threads=2):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            _save(rig, 1, _shards(1))
+            await _drain(rig, 1)
+            pids = rig.tier.content.reader.workers.pids()
+            assert 1 <= len(pids) <= 2 and all(os.sched_getscheduler(p) == os.SCHED_IDLE for p in pids)
+            _save(rig, 2, _shards(2))
+            await _drain(rig, 2)
+            assert rig.tier.content.reader.workers.pids() == pids  # the same children: none started again
+            os.kill(pids[0], 9)  # a child that dies between drains is replaced
+            await asyncio.to_thread(lambda: os.waitpid(pids[0], 0))
+            _save(rig, 3, _shards(3))
+            await _drain(rig, 3)
+            assert pids[0] not in rig.tier.content.reader.workers.pids()
+            for step in (1, 2, 3):
+                await _restored(rig, tmp_path, step, _shards(step))
+            await rig.tier.stop(1.0)
+            assert rig.tier.content.reader.workers.pids() == []  # ended with the tier
+
+    asyncio.run(body())
+
+
+def test_a_changed_local_copy_is_found_by_the_chunk_workers(tmp_path: Path) -> None:
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK, drain_processes=1):
+            rig = Rig(tmp_path)
+            man = rig.save("job", 1, 0, _shards(1), persist=False, dtypes={k: "<f4" for k in _shards(1)})
+            path = rig.store.shard_path(man, "s1")
+            data = bytearray(path.read_bytes())
+            data[5000] ^= 1
+            path.write_bytes(bytes(data))
+            content = rig.tier.content
+            with pytest.raises(DataLossError, match="checksum"):
+                await asyncio.to_thread(content.reader.hash_shard, man, "s1")
+            assert len(await asyncio.to_thread(content.reader.hash_shard, man, "s0")) == 3
+            content.reader.workers.close()
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_drain_yielding_to_an_open_save_resumes_and_completes(tmp_path: Path, processes: int) -> None:
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK, drain_yield=60.0, drain_processes=processes):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            trainer = rig.store.begin("other", 1, 0, 1, [("x", 16, "", ())])  # a save open on the node
+            _save(rig, 1, _shards(1))
+            await asyncio.sleep(0.5)
+            assert rig.tier.content.sent == 0  # nothing hashed nor encoded while it is open
+            rig.store.abort(trainer.save_id)
+            await _drain(rig, 1)
+            assert rig.tier.content.sent > 0
+            await _restored(rig, tmp_path, 1, _shards(1))
+            await rig.tier.stop(1.0)
+
+    asyncio.run(body())
+
+
+def test_chunk_buffers_are_reused_and_bounded_by_the_codec_slots(tmp_path: Path) -> None:
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK, drain_processes=0, codec_threads=2):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            for step in (1, 2):
+                _save(rig, step, _shards(step, n=4, chunks=3))  # 12 chunks, hashed and encoded
+                await _drain(rig, step)
+                assert 1 <= rig.tier.content.reader.buffers.created <= 2 * step  # one per slot and drain at most
+                assert rig.tier.content.reader.buffers.idle() == 0  # unmapped once no drain is in flight
+            await _restored(rig, tmp_path, 2, _shards(2, n=4, chunks=3))
+            await rig.tier.stop(1.0)
+
+    asyncio.run(body())
+
+
+def test_a_node_that_cannot_start_chunk_workers_drains_on_its_threads(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierckptd.persistent import chunkproc
+
+    def refused(self: object, size: int) -> None:
+        raise PermissionError("memfd_create: refused by the sandbox")
+
+    monkeypatch.setattr(chunkproc.ChunkWorker, "__init__", refused)
+
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK, drain_processes=1):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            _save(rig, 1, _shards(1))
+            await _drain(rig, 1)  # at once: no failed attempt to retry later
+            assert rig.tier.content.reader.workers.failed and rig.tier.content.reader.workers.pids() == []
+            await _restored(rig, tmp_path, 1, _shards(1))
+            await rig.tier.stop(1.0)
+
+    asyncio.run(body())
