@@ -72,24 +72,8 @@ class Protector:
 
     async def _pull_and_add(self, man: Manifest, chunk: int, chunks: int) -> Any:
         off, length = layout.chunk_span(man.nbytes, chunks, chunk)
-        try:  # parity is charged against local_capacity (the facade's external_charge): make room first
-            need = self.pstore.growth(man.job, man.step, man.node, length)
-            if need:
-                await run_blocking(self.store.make_room, need, man.job)
-        except CapacityError as e:
-            raise CapacityError(f"local_capacity: no room here for a {length}-byte parity chunk of {man.key} "
-                                f"({self.pstore.nbytes()} bytes of parity held): {e}") from None
-        name, fd = await run_blocking(self.pstore.incoming, man.job, man.step)
-        try:
-            async def sink(pos: int, data: bytes) -> None:
-                await run_blocking(os.pwrite, fd, data, pos)
-
-            await pull_range(self.cluster, man.node, self.node_id, man, off, length, sink)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                await run_blocking(self.pstore.discard, man.job, man.step, name)
-            raise
+        name, fd = await pull_incoming(self.pstore, self.store, self.cluster, self.node_id, man, off, length,
+                                        self.pstore.growth(man.job, man.step, man.node, length))
         return await run_blocking(self.pstore.add, man, chunk, chunks, name, fd, length)
 
     # ------------------------------------------------------------------------------ streams
@@ -128,3 +112,28 @@ class Protector:
                                                                  chunks=m.chunks)
                                                for m in self.pstore.lookup(job, step, rank)])
 
+
+async def pull_incoming(pstore: Any, store: LocalStore, cluster: Membership, node_id: str, man: Manifest, off: int,
+                        length: int, need: int) -> tuple[str, int]:
+    """Pull ``length`` bytes at ``off`` of the owner's rank into a new temporary file of
+    ``pstore`` (XOR slots or Reed-Solomon rows): its name and open descriptor. Parity is charged
+    against local_capacity (the facade's external_charge), so ``need`` bytes of room are made
+    first; a failed pull leaves no file behind."""
+    try:
+        if need:
+            await run_blocking(store.make_room, need, man.job)
+    except CapacityError as e:
+        raise CapacityError(f"local_capacity: no room here for a {length}-byte parity chunk of {man.key} "
+                            f"({pstore.nbytes()} bytes of parity held): {e}") from None
+    name, fd = await run_blocking(pstore.incoming, man.job, man.step)
+    try:
+        async def sink(pos: int, data: bytes) -> None:
+            await run_blocking(os.pwrite, fd, data, pos)
+
+        await pull_range(cluster, man.node, node_id, man, off, length, sink)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            await run_blocking(pstore.discard, man.job, man.step, name)
+        raise
+    return name, fd

@@ -13,13 +13,11 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from tierckpt.common import checksum
 from tierckpt.errors import (
-    CapacityError,
     DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -32,8 +30,7 @@ from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from ..offload import run_blocking
 from . import layout, rslayout
-from .decode import pull_range
-from .protector import Protector
+from .protector import Protector, pull_incoming
 from .ranges import PIECE
 from .rs import Codec
 from .rsslots import RsStore
@@ -95,24 +92,8 @@ class RsProtector:
 
     async def _pull_and_add(self, man: Manifest, chunk: int, codec: Codec, stripe: int, row: int, lane: str) -> Any:
         off, length = layout.chunk_span(man.nbytes, codec.k, chunk)
-        try:  # parity is charged against local_capacity (the facade's external_charge): make room first
-            need = self.rstore.growth(man.job, man.step, stripe, row, lane, chunk, length)
-            if need:
-                await run_blocking(self.store.make_room, need, man.job)
-        except CapacityError as e:
-            raise CapacityError(f"local_capacity: no room here for a {length}-byte parity chunk of {man.key} "
-                                f"({self.rstore.nbytes()} bytes of parity held): {e}") from None
-        name, fd = await run_blocking(self.rstore.incoming, man.job, man.step)
-        try:
-            async def sink(pos: int, data: bytes) -> None:
-                await run_blocking(os.pwrite, fd, data, pos)
-
-            await pull_range(self.cluster, man.node, self.node_id, man, off, length, sink)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                await run_blocking(self.rstore.discard, man.job, man.step, name)
-            raise
+        name, fd = await pull_incoming(self.rstore, self.store, self.cluster, self.node_id, man, off, length,
+                                        self.rstore.growth(man.job, man.step, stripe, row, lane, chunk, length))
         try:
             return await run_blocking(self.rstore.add, man, chunk, codec, stripe, row, lane, name, fd, length)
         except BaseException:

@@ -29,7 +29,7 @@ from tierckpt.errors import FailedPreconditionError, NotFoundError
 from ..local.localfs import FILE_MODE, LocalDir, check_regular, digest_fd
 from ..local.manifest import Manifest
 from .rs import Codec
-from .slots import Member
+from .slots import Member, step_dirs
 
 __all__ = ["RsStore", "Row", "RS_DIR"]
 
@@ -84,13 +84,8 @@ class RsStore:
 
     def open(self) -> None:
         self.fs.open()
-        with self.fs.dir((RS_DIR,), create=True) as pfd:
-            for job, kind in self.fs.entries(pfd):
-                if kind == "dir":
-                    with self.fs.child(pfd, job) as jfd:
-                        for step, skind in self.fs.entries(jfd):
-                            if skind == "dir" and step.isdigit():
-                                self._load_step(job, int(step))
+        for job, step in step_dirs(self.fs, RS_DIR):
+            self._load_step(job, step)
 
     def _load_step(self, job: str, step: int) -> None:
         with self.fs.dir(_step_dir(job, step)) as sfd:

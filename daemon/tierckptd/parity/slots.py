@@ -33,6 +33,18 @@ __all__ = ["ParityStore", "Member", "Slot", "PARITY_DIR"]
 log = logging.getLogger(__name__)
 
 PARITY_DIR = "parity"
+
+
+def step_dirs(fs: LocalDir, root: str) -> list[tuple[str, int]]:
+    """The ``(job, step)`` directories under ``<local_dir>/<root>/`` (created if absent), for the
+    parity stores' start-up scan (XOR slots and Reed-Solomon rows); nothing followed as a symlink."""
+    found = []
+    with fs.dir((root,), create=True) as pfd:
+        for job, kind in fs.entries(pfd):
+            if kind == "dir":
+                with fs.child(pfd, job) as jfd:
+                    found += [(job, int(step)) for step, skind in fs.entries(jfd) if skind == "dir" and step.isdigit()]
+    return found
 _MAX_META = 64 << 20
 
 
@@ -89,14 +101,8 @@ class ParityStore:
     def open(self) -> None:
         """Open the parity dir and load its slots (pending ones and stray temporaries removed)."""
         self.fs.open()
-        with self.fs.dir((PARITY_DIR,), create=True) as pfd:
-            for job, kind in self.fs.entries(pfd):
-                if kind != "dir":
-                    continue
-                with self.fs.child(pfd, job) as jfd:
-                    for step, skind in self.fs.entries(jfd):
-                        if skind == "dir" and step.isdigit():
-                            self._load_step(job, int(step))
+        for job, step in step_dirs(self.fs, PARITY_DIR):
+            self._load_step(job, step)
 
     def _load_step(self, job: str, step: int) -> None:
         with self.fs.dir(_step_dir(job, step)) as sfd:

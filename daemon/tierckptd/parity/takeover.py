@@ -26,7 +26,6 @@ back. What failed is tried again on the next pass (``takeover_check_interval``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +36,7 @@ from ..cluster.ring import first_after
 from ..knobs import KNOBS
 from ..local.manifest import Manifest
 from ..persistent.selection import selected
+from ..persistent.takeover import watch_owners
 
 __all__ = ["ParityTakeOver"]
 
@@ -78,14 +78,7 @@ class ParityTakeOver:
 
     async def watch(self) -> None:
         """Every ``KNOBS.takeover_check_interval`` seconds (a task)."""
-        while True:
-            await asyncio.sleep(KNOBS.takeover_check_interval)
-            try:
-                await self.check()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # task boundary: keep watching
-                log.exception("parity take-over: checking the owners of protected ranks failed")
+        await watch_owners(self.check, "parity take-over: checking the owners of protected ranks failed")
 
     def due(self, every: Callable[[str], int]) -> list[Manifest]:
         """The protected ranks this node should reconstruct now (before asking the persistent tier)."""

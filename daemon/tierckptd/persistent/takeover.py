@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
 
@@ -91,14 +91,7 @@ class TakeOver:
         """Look at the owners every ``KNOBS.takeover_check_interval`` seconds (a task)."""
         if self.cluster is None:
             return
-        while True:
-            await asyncio.sleep(KNOBS.takeover_check_interval)
-            try:
-                await self.check()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # task boundary: keep watching
-                log.exception("persistent tier: checking the owners of held copies failed")
+        await watch_owners(self.check, "persistent tier: checking the owners of held copies failed")
 
     def _first_holder(self, cluster: ClusterView, man: Manifest) -> bool:
         """Whether this node is the first holder of the copy after its owner on the ring."""
@@ -143,3 +136,17 @@ class TakeOver:
                     "and it is not in the persistent tier", man.job, man.step, man.rank, self.catalog.url, man.node,
                     cluster.down_for(man.node))
         self.drainer.enqueue(local, time.time(), durable=True)
+
+
+async def watch_owners(check: Callable[[], Awaitable[None]], failed: str) -> None:
+    """Run ``check`` every ``KNOBS.takeover_check_interval`` seconds for ever (a task's body, for
+    the replica and the parity take-over): a failed check is logged with ``failed`` and the next
+    one still runs."""
+    while True:
+        await asyncio.sleep(KNOBS.takeover_check_interval)
+        try:
+            await check()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # task boundary: keep watching
+            log.exception(failed)
