@@ -113,6 +113,13 @@ class Knobs:
     codec slot, kept for the daemon's life; see :mod:`tierckptd.persistent.chunkproc`), not on the
     daemon's threads, so they never hold the daemon's GIL while a save's RPCs wait for it; 0: on
     the drain threads (``drain_idle``)."""
+    drain_idle_grace: float = 10.0
+    """Seconds a drain chunk worker (``drain_processes``) may take over one chunk at ``SCHED_IDLE``
+    before the daemon lifts it to the normal policy at nice 19 for the rest of that
+    chunk: on a node whose every core stays busy a ``SCHED_IDLE`` process gets almost no CPU, and
+    a drain must still make progress (a chunk takes well under a second otherwise). An unprivileged
+    daemon needs ``RLIMIT_NICE`` >= 1 for that (the systemd unit's ``LimitNICE=1``); refused, it
+    warns and the chunk waits for idle CPU; 0: never."""
     codec_threads: int = max(2, os.cpu_count() or 2)
     """Chunks the drain reads, checks and encodes at once (default: one per core, at least 2), each
     on a drain thread (``drain_nice``): zstd, numpy and xxhash release the GIL, so the codec runs on

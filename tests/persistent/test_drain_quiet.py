@@ -171,3 +171,26 @@ def test_a_node_that_cannot_start_chunk_workers_drains_on_its_threads(tmp_path: 
             await rig.tier.stop(1.0)
 
     asyncio.run(body())
+
+
+def test_a_starved_chunk_worker_is_lifted_for_its_chunk_and_put_back_at_sched_idle(tmp_path: Path) -> None:
+    """On a node whose cores stay busy a SCHED_IDLE child gets almost no CPU: past
+    ``drain_idle_grace`` it finishes its chunk at the normal policy, then drops back."""
+    from tierckptd.persistent.chunkproc import ChunkWorker
+
+    data = np.random.default_rng(3).standard_normal(1 << 21).astype("<f4").tobytes()  # 8 MiB
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    worker = ChunkWorker(len(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with KNOBS.overridden(drain_idle_grace=1e-4):  # no 8 MiB chunk is hashed in 0.1 ms: always lifted
+            digest = worker.hash(fd, 0, len(data), True, None, "shard")
+        assert worker.lifts == 1 and not worker.lifted
+        assert os.sched_getscheduler(worker.proc.pid) == os.SCHED_IDLE  # back for the next chunk
+        with KNOBS.overridden(drain_idle_grace=0):  # 0: never lifted
+            assert worker.hash(fd, 0, len(data), True, None, "shard") == digest
+        assert worker.lifts == 1
+    finally:
+        os.close(fd)
+        worker.close()

@@ -41,6 +41,8 @@ from typing import Any
 
 from tierckpt.errors import DataLossError
 
+from ..knobs import KNOBS
+
 __all__ = ["ChunkWorker", "ChunkWorkers", "serve"]
 
 _MAX_MSG = 1 << 16
@@ -69,6 +71,8 @@ class ChunkWorker:
         self.out: mmap.mmap | None = None
         self._fit(size)
         self.broken = False
+        self.lifted = False  # at the normal policy for the chunk in progress (see _answer)
+        self.lifts = 0
 
     def _fit(self, size: int) -> None:
         """The output buffer holds any stored chunk of ``size`` plain bytes (at most size + 1)."""
@@ -89,7 +93,7 @@ class ChunkWorker:
         """
         try:
             socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
-            raw = self.sock.recv(_MAX_MSG)
+            raw = self._answer()
             if not raw:
                 raise OSError(f"drain chunk worker {self.proc.pid} exited ({self.proc.poll()})")
             answer = json.loads(raw)
@@ -102,6 +106,41 @@ class ChunkWorker:
             self.broken = True
             raise OSError(f"drain chunk worker: {answer['error']}")
         return answer
+
+    def _answer(self) -> bytes:
+        """The child's answer. A child still at ``SCHED_IDLE`` after ``KNOBS.drain_idle_grace``
+        seconds is starved by a busy node: it is lifted to the normal policy (still at nice
+        19) until this chunk is done, so the drain always makes progress."""
+        grace = KNOBS.drain_idle_grace
+        if grace <= 0:
+            return self.sock.recv(_MAX_MSG)
+        self.sock.settimeout(grace)
+        try:
+            return self.sock.recv(_MAX_MSG)
+        except TimeoutError:
+            self.lift(True)
+            self.sock.settimeout(None)
+            return self.sock.recv(_MAX_MSG)
+        finally:
+            self.sock.settimeout(None)
+            self.lift(False)
+
+    def lift(self, up: bool) -> None:
+        """Put the child at the normal policy (``up``) or back at ``SCHED_IDLE`` (a no-op where it
+        already is, or where the kernel refuses)."""
+        if up == self.lifted:
+            return
+        policy = os.SCHED_OTHER if up else os.SCHED_IDLE
+        try:
+            os.sched_setscheduler(self.proc.pid, policy, os.sched_param(0))
+        except (OSError, AttributeError) as err:
+            log.warning("drain chunk worker %d: cannot change its scheduling policy: %s", self.proc.pid, err)
+            return
+        self.lifted = up
+        if up:
+            self.lifts += 1
+            log.warning("drain chunk worker %d got no CPU for %.1f s at SCHED_IDLE (a busy node): it runs at "
+                        "nice 19 until this chunk is done", self.proc.pid, KNOBS.drain_idle_grace)
 
     def hash(self, fd: int, offset: int, size: int, first: bool, checksum: str | None, what: str) -> str:
         """xxh3-128 of ``size`` bytes at ``offset``; the bytes also extend the shard checksum
