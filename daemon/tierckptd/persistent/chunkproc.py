@@ -73,6 +73,7 @@ class ChunkWorker:
         self.broken = False
         self.lifted = False  # at the normal policy for the chunk in progress (see _answer)
         self.lifts = 0
+        self.can_lift = True  # false once the kernel refused a change of policy
 
     def _fit(self, size: int) -> None:
         """The output buffer holds any stored chunk of ``size`` plain bytes (at most size + 1)."""
@@ -112,7 +113,7 @@ class ChunkWorker:
         seconds is starved by a busy node: it is lifted to the normal policy (still at nice
         19) until this chunk is done, so the drain always makes progress."""
         grace = KNOBS.drain_idle_grace
-        if grace <= 0:
+        if grace <= 0 or not self.can_lift:
             return self.sock.recv(_MAX_MSG)
         self.sock.settimeout(grace)
         try:
@@ -133,8 +134,10 @@ class ChunkWorker:
         policy = os.SCHED_OTHER if up else os.SCHED_IDLE
         try:
             os.sched_setscheduler(self.proc.pid, policy, os.sched_param(0))
-        except (OSError, AttributeError) as err:
-            log.warning("drain chunk worker %d: cannot change its scheduling policy: %s", self.proc.pid, err)
+        except (OSError, AttributeError) as err:  # said once: this child then waits for idle CPU
+            log.warning("drain chunk worker %d: cannot change its scheduling policy (%s): on a busy node it "
+                        "waits for idle CPU (RLIMIT_NICE >= 1 or CAP_SYS_NICE lets it be lifted)", self.proc.pid, err)
+            self.can_lift = False
             return
         self.lifted = up
         if up:
