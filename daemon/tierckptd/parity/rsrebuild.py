@@ -163,24 +163,40 @@ class RsRebuilder(Rebuilder):
                 known[i] = res
         unknown = [chunk, *sorted(i for i in positions if i != chunk and i not in known)]
         expect = max(layout.chunk_span(mm.nbytes, chunks, i)[1] for i, mm in positions.items())
-        row_reads = {j: self._row(man, plan, j, expect) for j in plan.rows}
-        rows_got = await asyncio.gather(*row_reads.values(), return_exceptions=True)
-        rows, lost = {}, []
-        for j, got_row in zip(row_reads, rows_got):
-            if isinstance(got_row, asyncio.CancelledError):
-                raise got_row
-            if isinstance(got_row, BaseException):
-                lost.append(got_row)
-                continue
-            rows[j] = (got_row, set(plan.members[j]))
+        # as many rows as there are unknowns first (each row holder sends a chunk's worth), the
+        # others only where those do not solve (a row lost, corrupt, or not holding every unknown)
+        first = sorted(plan.rows)[:len(unknown)]
+        rows: dict[int, Any] = {}
+        lost: list[BaseException] = []
+        await self._rows(man, plan, first, expect, rows, lost)
         try:
-            data = await run_blocking(solve, codec, chunk, known, unknown, rows, length)
+            try:
+                data = await run_blocking(solve, codec, chunk, known, unknown, rows, length)
+            except UnavailableError:
+                rest = [j for j in plan.rows if j not in first]
+                if not rest:
+                    raise
+                await self._rows(man, plan, rest, expect, rows, lost)
+                data = await run_blocking(solve, codec, chunk, known, unknown, rows, length)
         except UnavailableError as e:
             bad = next((x for x in lost if isinstance(x, DataLossError)), None)
             msg = f"chunk {chunk} of {man.job} step {man.step} rank {man.rank}: {e}"
             log.error("%s%s", msg, f" ({bad})" if bad else "")
             raise (DataLossError(f"{msg}; {bad}") if bad else UnavailableError(msg)) from None
         await run_blocking(write_range, opener, man, off, data)
+
+    async def _rows(self, man: Manifest, plan: _Plan, which: list[int], expect: int, rows: dict[int, Any],
+                    lost: list[BaseException]) -> None:
+        """Read rows ``which`` of ``plan`` at once into ``rows`` (row -> (bytes, its members)); a
+        row that cannot be read goes to ``lost``."""
+        got = await asyncio.gather(*(self._row(man, plan, j, expect) for j in which), return_exceptions=True)
+        for j, got_row in zip(which, got):
+            if isinstance(got_row, asyncio.CancelledError):
+                raise got_row
+            if isinstance(got_row, BaseException):
+                lost.append(got_row)
+            else:
+                rows[j] = (got_row, set(plan.members[j]))
 
     async def _member(self, m: Manifest, position: int, chunks: int) -> bytes:
         """Data block ``position`` of member ``m`` (a chunk of its rank), from here or its owner."""

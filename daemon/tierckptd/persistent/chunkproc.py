@@ -43,7 +43,7 @@ from tierckpt.errors import DataLossError
 
 from ..knobs import KNOBS
 
-__all__ = ["ChunkWorker", "ChunkWorkers", "serve"]
+__all__ = ["ChunkWorker", "ChunkWorkers", "encode_checked", "serve"]
 
 _MAX_MSG = 1 << 16
 
@@ -238,6 +238,22 @@ class ChunkWorkers:
 
 # ------------------------------------------------------------------------------------- the child
 
+def encode_checked(data: memoryview, digest: str, codec: str, what: str, offset: int) -> bytes:
+    """The stored form of a chunk read again from the local tier, once its bytes are checked
+    against the ``digest`` the hash pass took (in a child process or on a drain thread).
+
+    Raises:
+        DataLossError: the local copy changed since it was hashed.
+    """
+    import xxhash
+
+    from .compress import encode
+
+    if xxhash.xxh3_128_hexdigest(data) != digest:
+        raise DataLossError(f"{what}: the local copy changed while uploading (chunk at {offset}); not published")
+    return encode(codec, data)
+
+
 def _lower_priority() -> None:
     """The whole child at ``SCHED_IDLE`` (and nice 19 where that is refused): it runs only on CPUs
     nothing else wants."""
@@ -282,16 +298,9 @@ class _Child:
         return {"digest": xxhash.xxh3_128_hexdigest(data)}
 
     def encode(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        import xxhash
-
-        from .compress import encode
-
         size = int(req["size"])
         data = self.read(fds[0], int(req["offset"]), size, str(req["what"]))
-        if xxhash.xxh3_128_hexdigest(data) != req["digest"]:
-            raise DataLossError(f"{req['what']}: the local copy changed while uploading (chunk at {req['offset']}); "
-                                "not published")
-        stored = encode(str(req["codec"]), data)
+        stored = encode_checked(data, str(req["digest"]), str(req["codec"]), str(req["what"]), int(req["offset"]))
         with mmap.mmap(fds[1], 0) as out:
             if len(stored) > len(out):
                 raise ValueError(f"{len(stored)} stored bytes do not fit the {len(out)}-byte buffer")

@@ -24,7 +24,7 @@ from ..knobs import KNOBS
 from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from .buffers import ChunkBuffers
-from .chunkproc import ChunkWorker, ChunkWorkers
+from .chunkproc import ChunkWorker, ChunkWorkers, encode_checked
 from .verify import VerifyingReader
 
 __all__ = ["ChunkReader"]
@@ -129,8 +129,6 @@ class ChunkReader:
 
     def encoded(self, held: Manifest, shard: str, offset: int, digest: str, size: int, codec: str) -> bytes:
         """The stored form of one local chunk, read again and checked against its hash (a worker thread)."""
-        from .compress import encode
-
         self.yield_to_saves()
         fd = self.open(held, shard)
         with self.buffers.take(size) as data:  # reused: no allocation, no page fault, no zero-fill under the GIL
@@ -138,11 +136,12 @@ class ChunkReader:
                 got = os.preadv(fd, [data], offset)
             finally:
                 os.close(fd)
-            if got != size or xxhash.xxh3_128_hexdigest(data) != digest:
+            if got != size:
                 raise DataLossError(f"{_what(held, shard)}: the local copy changed while uploading "
                                     f"(chunk at {offset}); not published")
             self.yield_to_saves()  # a save that began during the read goes first again
-            return encode(codec, data)  # a new object: nothing refers to the buffer afterwards
+            # a new object: nothing refers to the buffer afterwards
+            return encode_checked(data, digest, codec, _what(held, shard), offset)
 
     def yield_to_saves(self) -> None:
         """Wait (a worker thread) while a save is open or committing on this node, at most
