@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml requirements-test.txt
 	touch $@
 
 test: venv
-	$(PY) -m pytest -q -m "not long" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" --durations=25 $(PYTEST_ARGS)
 
 # The longer variants (real network namespaces, repeated kill -9) and a 5,000-example fuzz run.
 test-long: venv
