@@ -197,7 +197,9 @@ async def _open_node(config: DaemonConfig, metrics):
                        max_open_saves=config.max_open_saves, max_shards_per_save=config.max_shards_per_save,
                        max_metadata_bytes=config.max_metadata_bytes,
                        is_complete=cluster.is_complete if cluster else None, on_evict=evicted,
-                       policies=JobPolicies(JobPolicy(config.keep_local, config.keep_persistent, config.persist_every)))
+                       policies=JobPolicies(JobPolicy(
+                           config.keep_local, config.keep_persistent, config.persist_every,
+                           config.redundancy if config.parity else f"replicas:{config.replicas}")))
     try:
         await run_blocking(store.open)
     except OSError as e:
