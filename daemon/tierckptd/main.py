@@ -32,19 +32,23 @@ def build_tiers(config: DaemonConfig, store, metrics, cluster=None, backend=None
     """The remote tiers configured, in restore order (peer, then persistent)."""
     tiers: list = []
     if cluster is not None:
-        from .peer import PeerTier
+        # replicas and parity: the daemon's redundancy is the default, a job's policy may choose
+        from .parity.peertier import ParityPeerTier
 
-        if config.parity:  # parity instead of full replicas (redundancy = "parity:K+1")
-            from .parity.peertier import ParityPeerTier
-
-            tiers.append(ParityPeerTier(config, store, cluster, metrics))
-        else:
-            tiers.append(PeerTier(config, store, cluster, metrics))
+        tiers.append(ParityPeerTier(config, store, cluster, metrics))
     if config.persistent:
         from .persistent import PersistentTier
 
         tiers.append(PersistentTier(config, store, metrics, cluster=cluster, backend=backend))
     return tiers
+
+
+def _no_peers(r: int, shape: tuple[int, int] | None) -> None:
+    """A daemon without peers has no peer tier: a job's ``redundancy`` can only be replicas:0."""
+    if r or shape:
+        from tierckpt.errors import InvalidArgumentError
+
+        raise InvalidArgumentError("policy.redundancy: this daemon has no peers (--peers): only replicas:0 applies")
 
 
 def build_membership(config: DaemonConfig, metrics):
@@ -207,6 +211,8 @@ async def _open_node(config: DaemonConfig, metrics):
                           + (f" ({e.filename})" if e.filename else "")) from None
     backend = await _open_backend(config) if config.persistent else None
     tiers = build_tiers(config, store, metrics, cluster, backend)
+    if cluster is None:
+        store.policies.check_redundancy = _no_peers
     node = Node(store, tiers, node_id=config.node_id, staging_timeout=config.staging_timeout, metrics=metrics)
     await node.start()
     return node

@@ -321,20 +321,26 @@ class RebuildChunkRequest(_message.Message):
     def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., owner: _Optional[str] = ..., generation: _Optional[str] = ..., chunk: _Optional[int] = ...) -> None: ...
 
 class ParityLookupRequest(_message.Message):
-    __slots__ = ("requester", "job", "has_step", "step", "has_rank", "rank")
+    __slots__ = ("requester", "job", "has_step", "step", "has_rank", "rank", "parity_k", "parity_m", "all_shapes")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     HAS_STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     HAS_RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    PARITY_K_FIELD_NUMBER: _ClassVar[int]
+    PARITY_M_FIELD_NUMBER: _ClassVar[int]
+    ALL_SHAPES_FIELD_NUMBER: _ClassVar[int]
     requester: str
     job: str
     has_step: bool
     step: int
     has_rank: bool
     rank: int
-    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ..., has_rank: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
+    parity_k: int
+    parity_m: int
+    all_shapes: bool
+    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ..., has_rank: _Optional[bool] = ..., rank: _Optional[int] = ..., parity_k: _Optional[int] = ..., parity_m: _Optional[int] = ..., all_shapes: _Optional[bool] = ...) -> None: ...
 
 class ProtectedRank(_message.Message):
     __slots__ = ("manifest_json", "chunk", "chunks", "parity_rows", "stripe", "lane", "row", "parity_k", "parity_m")
