@@ -43,6 +43,11 @@ def build_tiers(config: DaemonConfig, store, metrics, cluster=None, backend=None
     return tiers
 
 
+def _default_redundancy(config: DaemonConfig) -> str:
+    """The daemon's ``redundancy`` in a job policy's terms (the effective policy of every job)."""
+    return config.redundancy if config.parity else f"replicas:{config.replicas}"
+
+
 def _no_peers(r: int, shape: tuple[int, int] | None) -> None:
     """A daemon without peers has no peer tier: a job's ``redundancy`` can only be replicas:0."""
     if r or shape:
@@ -203,7 +208,7 @@ async def _open_node(config: DaemonConfig, metrics):
                        is_complete=cluster.is_complete if cluster else None, on_evict=evicted,
                        policies=JobPolicies(JobPolicy(
                            config.keep_local, config.keep_persistent, config.persist_every,
-                           config.redundancy if config.parity else f"replicas:{config.replicas}")))
+                           _default_redundancy(config) if cluster else None)))
     try:
         await run_blocking(store.open)
     except OSError as e:
