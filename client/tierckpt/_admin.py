@@ -38,7 +38,7 @@ class JobPolicy:
     redundancy: str | None = None
 
     def to_pb(self) -> pb.JobPolicy:
-        out = {}
+        out: dict[str, Any] = {}
         for k in _FIELDS:
             v = getattr(self, k)
             if v is None:
@@ -56,7 +56,7 @@ class JobPolicy:
 
     @classmethod
     def from_pb(cls, p: pb.JobPolicy) -> JobPolicy:
-        return cls(**{k: getattr(p, k) for k in _FIELDS if p.HasField(k)})
+        return cls(**{k: getattr(p, k) for k in _FIELDS if p.HasField(k)})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -314,18 +314,18 @@ class ParityShapes:
 
     async def rebuild_chunk(self, req: ppb.RebuildChunkRequest) -> AsyncIterator[ppb.DataPiece]:
         """XOR: the chunk decoded from whichever code's slot holds it (the request does not say)."""
-        codes = [p for p in self.codes() if p.m == 1]
-        async for piece in _first_holding([lambda p=p: p.protector.rebuild_chunk(
-                req.job, req.step, req.owner, req.rank, req.generation, req.chunk) for p in codes],
-                lambda: self._requested(0, 0).protector.rebuild_chunk(
-                    req.job, req.step, req.owner, req.rank, req.generation, req.chunk)):
+        def open_(p: Parity) -> AsyncIterator[ppb.DataPiece]:
+            return p.protector.rebuild_chunk(req.job, req.step, req.owner, req.rank, req.generation, req.chunk)
+
+        async for piece in _first_holding([p for p in self.codes() if p.m == 1] or [self._requested(0, 0)], open_):
             yield piece
 
     async def read_row(self, req: ppb.ReadParityRowRequest) -> AsyncIterator[ppb.DataPiece]:
         """Reed-Solomon: the row from whichever code holds it."""
-        codes = [p for p in self.codes() if p.m > 1]
-        async for piece in _first_holding([lambda p=p: p.read_row(req) for p in codes],
-                                          lambda: self._requested(0, 0).read_row(req)):
+        def open_(p: Parity) -> AsyncIterator[ppb.DataPiece]:
+            return p.read_row(req)
+
+        async for piece in _first_holding([p for p in self.codes() if p.m > 1] or [self._requested(0, 0)], open_):
             yield piece
 
     async def drop_local(self, job: str, step: int) -> int:
@@ -343,15 +343,13 @@ class ParityShapes:
         return out
 
 
-async def _first_holding(streams: list[Callable[[], AsyncIterator[ppb.DataPiece]]],
-                         otherwise: Callable[[], AsyncIterator[ppb.DataPiece]]) -> AsyncIterator[ppb.DataPiece]:
-    """The pieces of the first stream that does not fail NOT_FOUND / INVALID_ARGUMENT /
-    FAILED_PRECONDITION before its first piece; with no stream, ``otherwise()``'s (its error)."""
-    if not streams:
-        streams = [otherwise]
+async def _first_holding(codes: list[Parity], open_: Callable[[Parity], AsyncIterator[ppb.DataPiece]]
+                         ) -> AsyncIterator[ppb.DataPiece]:
+    """The pieces of the first code's stream that does not fail NOT_FOUND / INVALID_ARGUMENT /
+    FAILED_PRECONDITION before its first piece (else the first code's error)."""
     err: TierckptError | None = None
-    for make in streams:
-        it = make()
+    for p in codes:
+        it = open_(p)
         try:
             first = await it.__anext__()
         except StopAsyncIteration:
