@@ -128,3 +128,25 @@ def test_parity_job_and_replicas_job_on_one_cluster_survive_a_lost_node(daemon_f
     assert "reconstructed a step 3 rank 2 from parity" in cl.d[victim].log_tail(400)
     # the wiped node's lost parity of "a" is rebuilt by the owners' catch-up (its instance changed)
     wait_until(lambda: _parity_bytes(cl.d[victim]) > 0, timeout=120, what="parity:4+1 re-protected on n2")
+
+
+def test_replicas_job_on_a_parity_cluster(daemon_factory):
+    """The other way round: parity:4+1 daemons, one job choosing replicas:1 (full copies, no parity)."""
+    cl = Cluster(daemon_factory, 5, replicas=0, extra=("--redundancy", "parity:4+1"))
+    sizes = [200_000 + 4_001 * r for r in range(5)]
+    for n in cl.ids:
+        with cl.d[n].client() as c:
+            assert c.get_job_policy("r")[1].redundancy == "parity:4+1"
+            with pytest.raises(tierckpt.InvalidArgumentError, match=r"policy\.redundancy"):
+                c.set_job_policy("r", redundancy="replicas:2")  # a peer accepts replicas of at most R=1 here
+            c.set_job_policy("r", redundancy="replicas:1")
+    sums, holders = _save(cl, "r", 5, sizes)
+    for i, n in enumerate(cl.ids):
+        assert len(holders[i]) == 1 and n not in holders[i]
+        assert len(_rank_files(cl.d[n], "r")) == 2, n  # its own rank and one replica
+        assert not any((cl.d[n].local_dir / "parity").rglob("slot-*.bin")), n  # nothing of "r" in parity
+    cl.replace("n3")
+    cl.wait_peers("n3")
+    with cl.d["n3"].client() as c:
+        ck = c.restore("r", 3)
+        assert ck.tier == "peer" and _checksum.digest(np.asarray(ck.shards["a"])) == sums[3]
