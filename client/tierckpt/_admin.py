@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,8 @@ __all__ = ["JobPolicy", "CopyCheck", "DeleteResult", "VerifyResult", "DataManage
 _TIERS = {"local": pb.TIER_LOCAL, "peer": pb.TIER_PEER, "persistent": pb.TIER_PERSISTENT}
 _TIER_NAMES = {v: k for k, v in _TIERS.items()}
 _STATES = {pb.COPY_STATE_OK: "ok", pb.COPY_STATE_MISMATCH: "mismatch", pb.COPY_STATE_MISSING: "missing"}
-_FIELDS = ("keep_local", "keep_persistent", "persist_every")
+_FIELDS = ("keep_local", "keep_persistent", "persist_every", "redundancy")
+_REDUNDANCY_RE = re.compile(r"^(replicas:\d{1,2}|parity:\d{1,3}\+\d{1,2})$")
 
 
 @dataclass(frozen=True)
@@ -26,17 +28,25 @@ class JobPolicy:
         keep_local: newest complete steps kept in the local tier (>= 1).
         keep_persistent: newest complete steps kept in the persistent tier (0 = all).
         persist_every: every Nth step goes to the persistent tier (0 = none beyond ``persist=True``).
+        redundancy: peer redundancy of the job's ranks on this node, ``"replicas:R"`` or
+            ``"parity:K+M"`` (the daemon checks the bounds: R peers, K + M nodes in the cluster).
     """
 
     keep_local: int | None = None
     keep_persistent: int | None = None
     persist_every: int | None = None
+    redundancy: str | None = None
 
     def to_pb(self) -> pb.JobPolicy:
-        out = {}
+        out: dict[str, Any] = {}
         for k in _FIELDS:
             v = getattr(self, k)
             if v is None:
+                continue
+            if k == "redundancy":
+                if not isinstance(v, str) or not _REDUNDANCY_RE.fullmatch(v):
+                    raise InvalidArgumentError(f"policy.redundancy: {v!r} must be replicas:R or parity:K+M")
+                out[k] = v
                 continue
             low = 1 if k == "keep_local" else 0
             if not isinstance(v, int) or isinstance(v, bool) or not low <= v < 1 << 31:
@@ -46,7 +56,7 @@ class JobPolicy:
 
     @classmethod
     def from_pb(cls, p: pb.JobPolicy) -> JobPolicy:
-        return cls(**{k: getattr(p, k) for k in _FIELDS if p.HasField(k)})
+        return cls(**{k: getattr(p, k) for k in _FIELDS if p.HasField(k)})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,7 @@ class DataManagementMixin:
         raise NotImplementedError
 
     def set_job_policy(self, job: str, policy: JobPolicy | None = None, *, reset: bool = False,
-                       **fields: int) -> tuple[JobPolicy, JobPolicy]:
+                       **fields: Any) -> tuple[JobPolicy, JobPolicy]:
         """Set ``job``'s policy on this node (``policy`` or keyword fields); persisted by the
         daemon. Returns (the job's overrides, the effective policy). Idempotent.
 

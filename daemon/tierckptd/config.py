@@ -236,6 +236,28 @@ def parse_redundancy(text: str) -> tuple[int, int] | None:
 
 
 _MAX_GROUP = 32
+_REPLICAS_RE = re.compile(r"^replicas:(\d{1,2})$")
+
+
+def parse_job_redundancy(text: str) -> tuple[int, tuple[int, int] | None]:
+    """A job policy's ``redundancy``: ``"replicas:R"`` -> (R, None); ``"parity:K+M"`` -> (0, (K, M))
+    with the checks of :func:`parse_redundancy`. Bounds that depend on the cluster (R peers, K + M
+    nodes) are checked by the peer tier.
+
+    Raises:
+        ConfigError: anything else, or R > 31.
+    """
+    m = _REPLICAS_RE.match(text)
+    if m:
+        r = int(m.group(1))
+        if r >= _MAX_GROUP:
+            raise ConfigError(f"redundancy: {text!r}: R must be < {_MAX_GROUP}")
+        return r, None
+    if text == "replicas":
+        raise ConfigError("redundancy: 'replicas' needs a count in a job policy: replicas:R (e.g. replicas:1)")
+    shape = parse_redundancy(text)
+    assert shape is not None
+    return 0, shape
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)

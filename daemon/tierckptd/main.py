@@ -32,19 +32,28 @@ def build_tiers(config: DaemonConfig, store, metrics, cluster=None, backend=None
     """The remote tiers configured, in restore order (peer, then persistent)."""
     tiers: list = []
     if cluster is not None:
-        from .peer import PeerTier
+        # replicas and parity: the daemon's redundancy is the default, a job's policy may choose
+        from .parity.peertier import ParityPeerTier
 
-        if config.parity:  # parity instead of full replicas (redundancy = "parity:K+1")
-            from .parity.peertier import ParityPeerTier
-
-            tiers.append(ParityPeerTier(config, store, cluster, metrics))
-        else:
-            tiers.append(PeerTier(config, store, cluster, metrics))
+        tiers.append(ParityPeerTier(config, store, cluster, metrics))
     if config.persistent:
         from .persistent import PersistentTier
 
         tiers.append(PersistentTier(config, store, metrics, cluster=cluster, backend=backend))
     return tiers
+
+
+def _default_redundancy(config: DaemonConfig) -> str:
+    """The daemon's ``redundancy`` in a job policy's terms (the effective policy of every job)."""
+    return config.redundancy if config.parity else f"replicas:{config.replicas}"
+
+
+def _no_peers(r: int, shape: tuple[int, int] | None) -> None:
+    """A daemon without peers has no peer tier: a job's ``redundancy`` can only be replicas:0."""
+    if r or shape:
+        from tierckpt.errors import InvalidArgumentError
+
+        raise InvalidArgumentError("policy.redundancy: this daemon has no peers (--peers): only replicas:0 applies")
 
 
 def build_membership(config: DaemonConfig, metrics):
@@ -197,7 +206,9 @@ async def _open_node(config: DaemonConfig, metrics):
                        max_open_saves=config.max_open_saves, max_shards_per_save=config.max_shards_per_save,
                        max_metadata_bytes=config.max_metadata_bytes,
                        is_complete=cluster.is_complete if cluster else None, on_evict=evicted,
-                       policies=JobPolicies(JobPolicy(config.keep_local, config.keep_persistent, config.persist_every)))
+                       policies=JobPolicies(JobPolicy(
+                           config.keep_local, config.keep_persistent, config.persist_every,
+                           _default_redundancy(config) if cluster else None)))
     try:
         await run_blocking(store.open)
     except OSError as e:
@@ -205,6 +216,8 @@ async def _open_node(config: DaemonConfig, metrics):
                           + (f" ({e.filename})" if e.filename else "")) from None
     backend = await _open_backend(config) if config.persistent else None
     tiers = build_tiers(config, store, metrics, cluster, backend)
+    if cluster is None:
+        store.policies.check_redundancy = _no_peers
     node = Node(store, tiers, node_id=config.node_id, staging_timeout=config.staging_timeout, metrics=metrics)
     await node.start()
     return node

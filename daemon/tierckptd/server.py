@@ -355,13 +355,14 @@ class TierckptServicer(pb_grpc.TierckptServicer, Authorizing):
 
 def policy_from_pb(p: pb.JobPolicy) -> JobPolicy:
     """The fields present in ``p`` (checked: InvalidArgumentError names a bad one)."""
-    return JobPolicy(**{k: getattr(p, k) for k in ("keep_local", "keep_persistent", "persist_every")
-                        if p.HasField(k)}).checked()
+    return JobPolicy(**{k: getattr(p, k) for k in ("keep_local", "keep_persistent", "persist_every", "redundancy")
+                        if p.HasField(k)}).checked()  # type: ignore[arg-type]
 
 
 def policy_to_pb(p: JobPolicy) -> pb.JobPolicy:
-    return pb.JobPolicy(**{k: v for k, v in (("keep_local", p.keep_local), ("keep_persistent", p.keep_persistent),
-                                             ("persist_every", p.persist_every)) if v is not None})
+    fields: dict[str, object] = {"keep_local": p.keep_local, "keep_persistent": p.keep_persistent,
+                                 "persist_every": p.persist_every, "redundancy": p.redundancy}
+    return pb.JobPolicy(**{k: v for k, v in fields.items() if v is not None})
 
 
 def _tier_names(tiers) -> set[str]:

@@ -17,6 +17,7 @@ __all__ = ["register", "EXAMPLES"]
 EXAMPLES = {
     "policy": "examples:\n  tierckpt policy llama-70b\n"
               "  tierckpt policy llama-70b --keep-local 3 --persist-every 1000\n"
+              "  tierckpt policy llama-70b --redundancy parity:4+1\n"
               "  tierckpt policy llama-70b --reset --json",
     "rm": "examples:\n  tierckpt rm llama-70b --step 1200\n  tierckpt rm llama-70b --step 1200 --tier persistent",
     "verify": "examples:\n  tierckpt verify llama-70b\n  tierckpt verify llama-70b --step 1200 --json",
@@ -25,7 +26,8 @@ EXAMPLES = {
 
 
 def _doc(p: JobPolicy) -> dict[str, Any]:
-    return {"keep_local": p.keep_local, "keep_persistent": p.keep_persistent, "persist_every": p.persist_every}
+    return {"keep_local": p.keep_local, "keep_persistent": p.keep_persistent, "persist_every": p.persist_every,
+            "redundancy": p.redundancy}
 
 
 def _nonneg(text: str) -> int:
@@ -40,7 +42,7 @@ def _nonneg(text: str) -> int:
 
 def cmd_policy(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
     _check_job(args.job)
-    fields = {k: getattr(args, k) for k in ("keep_local", "keep_persistent", "persist_every")
+    fields = {k: getattr(args, k) for k in ("keep_local", "keep_persistent", "persist_every", "redundancy")
               if getattr(args, k) is not None}
     if fields.get("keep_local") == 0:
         raise InvalidArgumentError("--keep-local: must be >= 1")
@@ -113,13 +115,15 @@ def cmd_persist(args: argparse.Namespace, daemon: Session, out: TextIO) -> int:
 def register(command: Callable[[str, str], argparse.ArgumentParser],
              add_connection: Callable[..., None]) -> None:
     """Add the verbs to the parser (``command`` makes a sub-parser)."""
-    s = command("policy", "show or set a job's retention and persistence policy on this node")
+    s = command("policy", "show or set a job's retention, persistence and redundancy policy on this node")
     s.add_argument("job", metavar="JOB", help="job name")
     s.add_argument("--keep-local", metavar="N", type=_nonneg, help="newest complete steps kept locally (>= 1)")
     s.add_argument("--keep-persistent", metavar="N", type=_nonneg,
                    help="newest complete steps kept in the persistent tier (0 = all)")
     s.add_argument("--persist-every", metavar="N", type=_nonneg,
                    help="every Nth step to the persistent tier (0 = none)")
+    s.add_argument("--redundancy", metavar="SPEC",
+                   help="peer redundancy of the job's ranks: replicas:R or parity:K+M (default: the daemon's)")
     s.add_argument("--reset", action="store_true", help="drop the job's overrides (the daemon's flags apply)")
     s.add_argument("--json", action="store_true", help="print one JSON document")
     add_connection(s, sub=True)

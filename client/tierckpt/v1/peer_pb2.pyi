@@ -249,20 +249,24 @@ class VerifyCopiesResponse(_message.Message):
     def __init__(self, copies: _Optional[_Iterable[_Union[VerifiedCopy, _Mapping]]] = ...) -> None: ...
 
 class ProtectRankRequest(_message.Message):
-    __slots__ = ("sender", "manifest_json", "chunk", "chunks", "row", "lane")
+    __slots__ = ("sender", "manifest_json", "chunk", "chunks", "row", "lane", "parity_k", "parity_m")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    PARITY_K_FIELD_NUMBER: _ClassVar[int]
+    PARITY_M_FIELD_NUMBER: _ClassVar[int]
     sender: str
     manifest_json: str
     chunk: int
     chunks: int
     row: int
     lane: str
-    def __init__(self, sender: _Optional[str] = ..., manifest_json: _Optional[str] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ..., row: _Optional[int] = ..., lane: _Optional[str] = ...) -> None: ...
+    parity_k: int
+    parity_m: int
+    def __init__(self, sender: _Optional[str] = ..., manifest_json: _Optional[str] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ..., row: _Optional[int] = ..., lane: _Optional[str] = ..., parity_k: _Optional[int] = ..., parity_m: _Optional[int] = ...) -> None: ...
 
 class ProtectRankResponse(_message.Message):
     __slots__ = ("already", "parity_bytes", "lane")
@@ -317,23 +321,29 @@ class RebuildChunkRequest(_message.Message):
     def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., owner: _Optional[str] = ..., generation: _Optional[str] = ..., chunk: _Optional[int] = ...) -> None: ...
 
 class ParityLookupRequest(_message.Message):
-    __slots__ = ("requester", "job", "has_step", "step", "has_rank", "rank")
+    __slots__ = ("requester", "job", "has_step", "step", "has_rank", "rank", "parity_k", "parity_m", "all_shapes")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     HAS_STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     HAS_RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    PARITY_K_FIELD_NUMBER: _ClassVar[int]
+    PARITY_M_FIELD_NUMBER: _ClassVar[int]
+    ALL_SHAPES_FIELD_NUMBER: _ClassVar[int]
     requester: str
     job: str
     has_step: bool
     step: int
     has_rank: bool
     rank: int
-    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ..., has_rank: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
+    parity_k: int
+    parity_m: int
+    all_shapes: bool
+    def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ..., has_rank: _Optional[bool] = ..., rank: _Optional[int] = ..., parity_k: _Optional[int] = ..., parity_m: _Optional[int] = ..., all_shapes: _Optional[bool] = ...) -> None: ...
 
 class ProtectedRank(_message.Message):
-    __slots__ = ("manifest_json", "chunk", "chunks", "parity_rows", "stripe", "lane", "row")
+    __slots__ = ("manifest_json", "chunk", "chunks", "parity_rows", "stripe", "lane", "row", "parity_k", "parity_m")
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +351,8 @@ class ProtectedRank(_message.Message):
     STRIPE_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
+    PARITY_K_FIELD_NUMBER: _ClassVar[int]
+    PARITY_M_FIELD_NUMBER: _ClassVar[int]
     manifest_json: str
     chunk: int
     chunks: int
@@ -348,7 +360,9 @@ class ProtectedRank(_message.Message):
     stripe: int
     lane: str
     row: int
-    def __init__(self, manifest_json: _Optional[str] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ..., parity_rows: _Optional[int] = ..., stripe: _Optional[int] = ..., lane: _Optional[str] = ..., row: _Optional[int] = ...) -> None: ...
+    parity_k: int
+    parity_m: int
+    def __init__(self, manifest_json: _Optional[str] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ..., parity_rows: _Optional[int] = ..., stripe: _Optional[int] = ..., lane: _Optional[str] = ..., row: _Optional[int] = ..., parity_k: _Optional[int] = ..., parity_m: _Optional[int] = ...) -> None: ...
 
 class ReadParityRowRequest(_message.Message):
     __slots__ = ("requester", "job", "step", "stripe", "lane", "row")

@@ -465,14 +465,16 @@ class StatusResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., local_dir: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., recycle_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., persistent_url: _Optional[str] = ..., drain_backlog_bytes: _Optional[int] = ..., drain_backlog_steps: _Optional[int] = ..., drain_oldest_age_seconds: _Optional[float] = ..., replicas: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., persistent_error: _Optional[str] = ..., now_unix: _Optional[float] = ..., fs_token: _Optional[str] = ..., reserve_bytes: _Optional[int] = ..., reserve_target_bytes: _Optional[int] = ..., reserve_ready_bytes: _Optional[int] = ..., reserve_taken_bytes: _Optional[int] = ...) -> None: ...
 
 class JobPolicy(_message.Message):
-    __slots__ = ("keep_local", "keep_persistent", "persist_every")
+    __slots__ = ("keep_local", "keep_persistent", "persist_every", "redundancy")
     KEEP_LOCAL_FIELD_NUMBER: _ClassVar[int]
     KEEP_PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     PERSIST_EVERY_FIELD_NUMBER: _ClassVar[int]
+    REDUNDANCY_FIELD_NUMBER: _ClassVar[int]
     keep_local: int
     keep_persistent: int
     persist_every: int
-    def __init__(self, keep_local: _Optional[int] = ..., keep_persistent: _Optional[int] = ..., persist_every: _Optional[int] = ...) -> None: ...
+    redundancy: str
+    def __init__(self, keep_local: _Optional[int] = ..., keep_persistent: _Optional[int] = ..., persist_every: _Optional[int] = ..., redundancy: _Optional[str] = ...) -> None: ...
 
 class SetJobPolicyRequest(_message.Message):
     __slots__ = ("job", "policy", "reset")

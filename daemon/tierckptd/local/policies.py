@@ -1,4 +1,4 @@
-"""Per-job policies: ``keep_local``, ``keep_persistent``, ``persist_every`` overridden per job.
+"""Per-job policies: ``keep_local``, ``keep_persistent``, ``persist_every``, ``redundancy`` overridden per job.
 
 A job's overrides are set by a client (SetJobPolicy, or a CommitSave carrying a policy) and kept
 in ``<local_dir>/policies/<job>.json`` (written with the local dir's safe primitives: temporary
@@ -7,7 +7,9 @@ name, then rename; never through a symlink). The start-up scan of the local tier
 An unset field falls back to the daemon's flag of the same name.
 
 Readers: local retention (:meth:`JobPolicies.keep_local`, through the store), drain selection
-(:meth:`JobPolicies.persist_every`), persistent retention (:meth:`JobPolicies.keep_persistent`).
+(:meth:`JobPolicies.persist_every`), persistent retention (:meth:`JobPolicies.keep_persistent`), the
+peer tier (:meth:`JobPolicies.redundancy`: replicas or parity for the ranks this node owns; the
+tier installs :attr:`JobPolicies.check_redundancy` for the bounds that depend on the cluster).
 
 Thread safety: every method may be called from any thread (one lock guards the table).
 """
@@ -17,12 +19,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from tierckpt.common.names import JOB_RE
 from tierckpt.errors import InvalidArgumentError
 
+from ..config import ConfigError, parse_job_redundancy
 from .localfs import LocalDir, UnsafeFileError
 
 __all__ = ["JobPolicy", "JobPolicies", "POLICY_DIR"]
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 POLICY_DIR = "policies"
 _MAX_BYTES = 4096
 _MINIMUM = {"keep_local": 1, "keep_persistent": 0, "persist_every": 0}
+_FIELDS = (*_MINIMUM, "redundancy")
 _MAXIMUM = 1 << 31
 
 
@@ -42,12 +47,17 @@ class JobPolicy:
     keep_local: int | None = None
     keep_persistent: int | None = None
     persist_every: int | None = None
+    redundancy: str | None = None
+    """"replicas:R" or "parity:K+M" (:func:`tierckptd.config.parse_job_redundancy`)."""
 
     def checked(self) -> JobPolicy:
         """Itself, or InvalidArgumentError naming the first bad field."""
         for f in fields(self):
             v = getattr(self, f.name)
             if v is None:
+                continue
+            if f.name == "redundancy":
+                check_redundancy_text(v)
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or not _MINIMUM[f.name] <= v < _MAXIMUM:
                 raise InvalidArgumentError(f"policy.{f.name}: {v!r} must be an integer >= {_MINIMUM[f.name]}")
@@ -59,6 +69,16 @@ class JobPolicy:
 
     def is_empty(self) -> bool:
         return all(v is None for v in asdict(self).values())
+
+
+def check_redundancy_text(v: Any) -> tuple[int, tuple[int, int] | None]:
+    """(R, None) or (0, (K, M)) of a policy's ``redundancy``; InvalidArgumentError naming the field."""
+    if not isinstance(v, str) or len(v) > 32:
+        raise InvalidArgumentError(f"policy.redundancy: {v!r} must be replicas:R or parity:K+M")
+    try:
+        return parse_job_redundancy(v)
+    except ConfigError as e:
+        raise InvalidArgumentError(f"policy.{e}") from None
 
 
 class JobPolicies:
@@ -75,6 +95,9 @@ class JobPolicies:
         self._fs: LocalDir | None = None
         self._lock = threading.Lock()
         self._jobs: dict[str, JobPolicy] = {}
+        self.check_redundancy: Callable[[int, tuple[int, int] | None], None] | None = None
+        """Installed by the peer tier: raises InvalidArgumentError (naming ``policy.redundancy``)
+        for a choice this cluster cannot serve (more replicas than peers, a group larger than it)."""
 
     def load(self, fs: LocalDir) -> None:
         """Read every ``policies/<job>.json`` of the local dir (the store's start-up calls it).
@@ -87,7 +110,7 @@ class JobPolicies:
                     continue
                 try:
                     doc = json.loads(fs.read_small(dfd, name, _MAX_BYTES))
-                    pol = JobPolicy(**{k: doc.get(k) for k in _MINIMUM}).checked()
+                    pol = JobPolicy(**{k: doc.get(k) for k in _FIELDS}).checked()
                 except (OSError, ValueError, TypeError, AttributeError, InvalidArgumentError) as e:
                     log.error("ignoring policy file %s/%s: %s", POLICY_DIR, name, e)
                     continue
@@ -117,6 +140,11 @@ class JobPolicies:
         v = self.get(job).persist_every
         return int(v if v is not None else default if default is not None else self.defaults.persist_every or 0)
 
+    def redundancy(self, job: str) -> tuple[int, tuple[int, int] | None] | None:
+        """The job's ``redundancy`` override as (R, None) or (0, (K, M)); None: the daemon's."""
+        v = self.get(job).redundancy
+        return parse_job_redundancy(v) if v is not None else None
+
     def update(self, job: str, policy: JobPolicy, *, reset: bool = False) -> JobPolicy:
         """Apply ``policy``'s set fields to the job's overrides (after dropping them all with
         ``reset``); write the file when something changed. Returns the new overrides.
@@ -125,6 +153,8 @@ class JobPolicies:
             InvalidArgumentError: a field is out of range (the message names it).
         """
         policy.checked()
+        if policy.redundancy is not None and self.check_redundancy is not None:
+            self.check_redundancy(*parse_job_redundancy(policy.redundancy))
         with self._lock:
             old = self._jobs.get(job, JobPolicy())
             new = (JobPolicy() if reset else old).merged(policy)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,10 @@ class Encoder:
         self.node_id, self.store, self.cluster, self.size, self.metrics = node_id, store, cluster, size, metrics
         self._prots: dict[tuple[str, int, int], _Prot] = {}
         self._sem = asyncio.Semaphore(KNOBS.max_parallel_ranks)
+        self.shape = (size - 1, 1)  # (K, M), told to the protectors in every ProtectRank
+        self.wants: Callable[[str], bool] = lambda job: True
+        """Whether this code protects ``job``'s ranks (its policy may choose another K+M, or
+        replicas): set by :class:`.shapes.ParityShapes`; :meth:`catch_up` skips other jobs."""
 
     def protectors(self) -> list[str]:
         return layout.protectors(self.node_id, self.cluster.ids(), self.size)
@@ -115,6 +120,8 @@ class Encoder:
     def catch_up(self) -> None:
         """Every owned rank in the retention window whose parity is missing or may be lost."""
         for job in self.store.jobs():
+            if not self.wants(job):
+                continue
             floor = retention_floor(self.store.complete_steps(job), self.store.policies.keep_local(job))
             for step, ranks in self.store.steps(job).items():
                 if step >= floor:
@@ -196,7 +203,8 @@ class Encoder:
         p = self.cluster.peers[holder]
         t0 = time.perf_counter()
         resp = await self.cluster.call(p, "ProtectRank", ppb.ProtectRankRequest(
-            sender=self.node_id, manifest_json=man.to_json().decode(), chunk=chunk, chunks=chunks),
+            sender=self.node_id, manifest_json=man.to_json().decode(), chunk=chunk, chunks=chunks,
+            parity_k=self.shape[0], parity_m=self.shape[1]),
             max(KNOBS.commit_timeout, KNOBS.rpc_timeout))
         if not resp.already:
             log.info("parity of %s step %d rank %d chunk %d/%d committed on %s in %.3fs (slot %d bytes)", man.job,

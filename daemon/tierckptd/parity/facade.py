@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -61,9 +62,15 @@ log = logging.getLogger(__name__)
 
 class Parity:
     def __init__(self, config: DaemonConfig, store: LocalStore, cluster: Membership, receiver: Any,
-                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task], metrics: Any = None) -> None:
-        assert config.parity is not None
-        k, m = config.parity
+                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task], metrics: Any = None, *,
+                 shape: tuple[int, int] | None = None, root: str | os.PathLike | None = None) -> None:
+        """``shape``: the (K, M) of this code (default: the daemon's ``redundancy``); ``root``: the
+        directory its parity is kept under (default: the local dir; :mod:`.shapes` gives the codes
+        that jobs chose a directory of their own)."""
+        shape = shape or config.parity
+        assert shape is not None
+        k, m = shape
+        root = store.root if root is None else root
         self.k, self.m, self.size = k, m, k + m
         self.node_id, self.store, self.cluster, self._spawn = config.node_id, store, cluster, spawn
         fsync = config.fsync == "always"
@@ -72,16 +79,15 @@ class Parity:
         self.protector: Any
         self.rebuilder: Any
         if m == 1:
-            self.pstore = ParityStore(store.root, fsync=fsync)
+            self.pstore = ParityStore(root, fsync=fsync)
             self.encoder = Encoder(self.node_id, store, cluster, self.size, metrics)
             self.protector = Protector(self.node_id, store, self.pstore, cluster, self.size, metrics)
             self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
         else:
-            self.pstore = RsStore(store.root, fsync=fsync)
+            self.pstore = RsStore(root, fsync=fsync)
             self.encoder = RsEncoder(self.node_id, store, cluster, self.size, metrics, k=k, m=m)
             self.protector = RsProtector(self.node_id, store, self.pstore, cluster, k, m, metrics)
             self.rebuilder = RsRebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
-        store.external_charge = self.pstore.nbytes  # parity counts against local_capacity (retention evicts for it)
 
     def group(self) -> list[str]:
         return self.group_of(self.node_id)
@@ -94,7 +100,6 @@ class Parity:
 
     async def start(self) -> None:
         await run_blocking(self.pstore.open)
-        self.cluster.also_watch = set(self.group()) - {self.node_id}
         log.info("peer tier: parity over group %s (K=%d, M=%d%s), %d parity bytes held", ",".join(self.group()),
                  self.k, self.m, "" if self.m == 1 else f", Reed-Solomon on {self.protector.codec(self.k).impl.name}",
                  self.pstore.nbytes())
@@ -125,7 +130,6 @@ class Parity:
             self.encoder.ensure(man)
 
     def catch_up(self) -> None:
-        self.cluster.also_watch = set(self.group()) - {self.node_id}
         self.encoder.catch_up()
 
     async def audit(self) -> None:
@@ -133,8 +137,10 @@ class Parity:
         again what one of them lost."""
         prot = self.encoder.holder_nodes()
         for job in self.store.jobs():
+            if not self.encoder.wants(job):
+                continue
             answers, _ = await self.cluster.fan_out("ParityLookup", ppb.ParityLookupRequest(
-                requester=self.node_id, job=job), prot)
+                requester=self.node_id, job=job, parity_k=self.k, parity_m=self.m), prot)
             held = set()
             for p, resp in answers:
                 for r in resp.ranks:

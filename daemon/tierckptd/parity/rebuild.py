@@ -45,7 +45,7 @@ class Rebuilder:
         """(protector, manifest, chunk, chunks) of every protected copy the peers (``nodes``, else
         all) answer for; unverifiable manifests are skipped (logged)."""
         req = ppb.ParityLookupRequest(requester=self.node_id, job=job, has_step=step is not None, step=step or 0,
-                                      has_rank=rank is not None, rank=rank or 0)
+                                      has_rank=rank is not None, rank=rank or 0, parity_k=self.size - 1, parity_m=1)
         answers, _ = await self.cluster.fan_out("ParityLookup", req, nodes)
         mine = self.protector.lookup(job, step, rank)  # this node protects chunks too
         out = []

@@ -42,6 +42,7 @@ class RsEncoder(Encoder):
     def __init__(self, *args, k: int, m: int, **kw) -> None:
         super().__init__(*args, **kw)
         self.k, self.m = k, m
+        self.shape = (k, m)
         self._lanes: dict[tuple, asyncio.Future] = {}  # (rank key, generation, chunk) -> row 0's answer
 
     def group(self) -> list[str]:
@@ -109,7 +110,7 @@ class RsEncoder(Encoder):
         t0 = time.perf_counter()
         resp = await self.cluster.call(p, "ProtectRank", ppb.ProtectRankRequest(
             sender=self.node_id, manifest_json=man.to_json().decode(), chunk=chunk,
-            chunks=rslayout.data_blocks(self.group(), self.m), row=row, lane=lane),
+            chunks=rslayout.data_blocks(self.group(), self.m), row=row, lane=lane, parity_k=self.k, parity_m=self.m),
             max(KNOBS.commit_timeout, KNOBS.rpc_timeout))
         if not resp.already:
             log.info("parity of %s step %d rank %d chunk %d row %d (lane %s) committed on %s in %.3fs (row %d "

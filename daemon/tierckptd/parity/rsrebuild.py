@@ -69,7 +69,8 @@ class RsRebuilder(Rebuilder):
 
     async def records(self, job: str, step: int | None, rank: int | None, nodes: set[str] | None) -> list[_Rec]:
         req = ppb.ParityLookupRequest(requester=self.node_id, job=job, has_step=step is not None, step=step or 0,
-                                      has_rank=rank is not None, rank=rank or 0)
+                                      has_rank=rank is not None, rank=rank or 0, parity_k=self.protector.k,
+                                      parity_m=self.protector.m)
         answers, _ = await self.cluster.fan_out("ParityLookup", req, nodes)
         mine = self.protector.lookup(job, step, rank)
         out = []

@@ -135,13 +135,15 @@ class Replicator:
                  metrics: Any = None) -> None:
         self.node_id, self.store, self.cluster, self.pusher = node_id, store, cluster, pusher
         self.replicas = replicas
+        self.per_job: Callable[[str], int] | None = None
         self.metrics = metrics
         self._reps: dict[tuple[str, int, int], _Rep] = {}
         self._sem = asyncio.Semaphore(KNOBS.max_parallel_ranks)
 
     def replicas_for(self, man: Manifest) -> int:
-        """Peer copies wanted of ``man``'s rank."""
-        return self.replicas
+        """Peer copies wanted of ``man``'s rank: its job's ``redundancy`` policy at this node
+        (:attr:`per_job`, set by the peer tier), else R."""
+        return self.per_job(man.job) if self.per_job is not None else self.replicas
 
     # ------------------------------------------------------------------------------ scheduling
 

@@ -131,10 +131,12 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
     # ------------------------------------------------------------------------------ parity
 
     def _parity(self) -> Any:
-        parity = getattr(self.tier, "parity", None)
-        if parity is None:
+        """The node's parity codes (:class:`tierckptd.parity.shapes.ParityShapes`): each request
+        is routed to the code it names (ProtectRank, ParityLookup) or to the one holding it."""
+        parities = getattr(self.tier, "parities", None)
+        if parities is None:
             raise FailedPreconditionError(f"redundancy: node {self.tier.node_id} does not use parity")
-        return parity
+        return parities
 
     @rpc
     async def ProtectRank(self, request: ppb.ProtectRankRequest, context: Any) -> ppb.ProtectRankResponse:
@@ -146,9 +148,7 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
     async def ReadRankRange(self, request: ppb.ReadRankRangeRequest, context: Any):
         check_job(request.job)
         check_step(request.step)
-        async for piece in self._parity().protector.read_rank_range(request.job, request.step, request.rank,
-                                                                     request.generation, request.offset,
-                                                                     request.length):
+        async for piece in self._parity().read_rank_range(request):
             yield piece
 
     @rpc_stream
@@ -156,18 +156,16 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
         check_job(request.job)
         check_step(request.step)
         check_node(request.owner, "owner")
-        async for piece in self._parity().protector.rebuild_chunk(request.job, request.step, request.owner,
-                                                                   request.rank, request.generation, request.chunk):
+        async for piece in self._parity().rebuild_chunk(request):
             yield piece
 
     @rpc
     async def ParityLookup(self, request: ppb.ParityLookupRequest, context: Any) -> ppb.ParityLookupResponse:
         check_job(request.job)
-        parity = getattr(self.tier, "parity", None)
-        if parity is None:
+        parities = getattr(self.tier, "parities", None)
+        if parities is None:
             return ppb.ParityLookupResponse()
-        return parity.protector.lookup(request.job, request.step if request.has_step else None,
-                                                 request.rank if request.has_rank else None)
+        return parities.lookup(request)
 
     @rpc_stream
     async def ReadParityRow(self, request: ppb.ReadParityRowRequest, context: Any):

@@ -1,0 +1,365 @@
+"""Parity codes per job: the daemon's ``redundancy`` is the default, a job's policy may choose
+another (``redundancy = "replicas:R"`` or ``"parity:K+M"``, :mod:`tierckptd.local.policies`).
+
+Why several codes on one node: the choice is made per job at the rank's owner, but a protector
+serves the owners of every job, so a node holds one :class:`.facade.Parity` per K+M in use (at
+most ``MAX_CODES``), created when first needed: when this node owns a rank of a job that chose
+it, when an owner asks it to protect a chunk under it (``ProtectRank`` carries the owner's K+M),
+or when a restore finds it in the protectors' answers. The daemon's own code keeps its parity
+where it always did (``<local_dir>/parity``, ``parity-rs``); the others each under a directory of
+their own, ``<local_dir>/parity-K+M/`` (so two codes never share a slot directory), found again at
+start-up. A protector that cannot serve a K+M (a group larger than the cluster, too many codes)
+answers FAILED_PRECONDITION: the owner's ``wait("peer")`` then fails naming it, and the owner's
+status says the parity is pending (no silent fallback to replicas).
+
+Restore does not need to know the job's policy (a replaced node has lost it): the protectors'
+``ParityLookup`` answers say the K+M each rank is protected under (``all_shapes``), and the
+rebuild runs in that code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+from tierckpt.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    TierckptError,
+    UnavailableError,
+)
+from tierckpt.v1 import peer_pb2 as ppb
+
+from ..cluster.membership import Membership
+from ..config import ConfigError, DaemonConfig, parse_redundancy
+from ..local.manifest import Manifest
+from ..local.store import Eviction, LocalStore
+from ..offload import run_blocking
+from ..tiers import RankCopy
+from .facade import Parity
+from .takeover import ParityTakeOver
+
+__all__ = ["ParityShapes", "MAX_CODES"]
+
+log = logging.getLogger(__name__)
+
+MAX_CODES = 4
+"""Parity codes one node keeps at once (each a store, an encoder, a protector): bounds what
+hostile ``ProtectRank`` requests can make a node create."""
+
+_DIR_RE = re.compile(r"^parity-(\d{1,3})\+(\d{1,2})$")
+
+Shape = tuple[int, int]
+Copies = dict[int, dict[int, RankCopy]]
+
+
+def shape_dir(shape: Shape) -> str:
+    return f"parity-{shape[0]}+{shape[1]}"
+
+
+class ParityShapes:
+    """The parity codes of one node, and which one a job's ranks use.
+
+    Args:
+        choose: the K+M a job's ranks are protected under at this node, None for replicas.
+        persistent: returns the persistent tier or None (the take-over of lost owners' ranks).
+    """
+
+    def __init__(self, config: DaemonConfig, store: LocalStore, cluster: Membership, receiver: Any,
+                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task], metrics: Any,
+                 choose: Callable[[str], Shape | None], persistent: Callable[[], Any]) -> None:
+        self.config, self.store, self.cluster, self.receiver = config, store, cluster, receiver
+        self._spawn, self.metrics, self.choose, self._persistent = spawn, metrics, choose, persistent
+        self.node_id = config.node_id
+        self.own: Shape | None = config.parity
+        self._codes: dict[Shape, Parity] = {}
+        self.takeovers: dict[Shape, ParityTakeOver] = {}
+        self._started = False
+        if self.own is not None:
+            self._add(self.own, None)
+        store.external_charge = self.nbytes  # parity counts against local_capacity (retention evicts for it)
+
+    # ------------------------------------------------------------------------------ the codes
+
+    def _add(self, shape: Shape, root: str | None) -> Parity:
+        p = Parity(self.config, self.store, self.cluster, self.receiver, self._spawn, self.metrics, shape=shape,
+                   root=root)
+        p.encoder.wants = lambda job, shape=shape: self.choose(job) == shape  # type: ignore[misc]
+        self._codes[shape] = p
+        self.takeovers[shape] = ParityTakeOver(p, self._persistent)
+        return p
+
+    def codes(self) -> list[Parity]:
+        """Every code held, the daemon's own first."""
+        return sorted(self._codes.values(), key=lambda p: (p.k, p.m) != self.own)
+
+    def get(self, shape: Shape | None) -> Parity | None:
+        return self._codes.get(shape) if shape is not None else None
+
+    def check(self, shape: Shape, field: str) -> None:
+        """Whether this node can serve ``shape``: InvalidArgumentError (a K+M no daemon accepts) or
+        FailedPreconditionError (not on this cluster, or too many codes here), naming ``field``."""
+        try:
+            parse_redundancy(f"parity:{shape[0]}+{shape[1]}")
+        except ConfigError as e:
+            raise InvalidArgumentError(f"{field}: {str(e).partition(': ')[2]}") from None
+        n = len(self.cluster.ids())
+        if sum(shape) > n:
+            raise FailedPreconditionError(f"{field}: parity:{shape[0]}+{shape[1]} needs a group of {sum(shape)} "
+                                          f"nodes; the cluster has {n}")
+        if shape not in self._codes and len(self._codes) >= MAX_CODES:
+            raise FailedPreconditionError(f"{field}: node {self.node_id} already holds {MAX_CODES} parity codes "
+                                          f"({', '.join(f'parity:{k}+{m}' for k, m in self._codes)})")
+
+    def obtain(self, shape: Shape, field: str = "redundancy") -> Parity:
+        """The code of ``shape``, created (its store opened: an empty directory the first time)."""
+        p = self._codes.get(shape)
+        if p is not None:
+            return p
+        self.check(shape, field)
+        p = self._add(shape, os.path.join(self.store.root, shape_dir(shape)))
+        p.pstore.open()  # blocking, but once per code and process: a new code's directory is empty
+        log.info("peer tier: parity:%d+%d held for the jobs that chose it, group %s", shape[0], shape[1],
+                 ",".join(p.group()))
+        if self._started:
+            self._spawn(self.takeovers[shape].watch())
+            self.watch()
+        return p
+
+    def of_job(self, job: str) -> Parity | None:
+        """The code protecting ``job``'s ranks owned here; None: replicas (or a K+M this node
+        cannot serve, logged: the ranks stay unprotected by parity and ``wait`` says so)."""
+        shape = self.choose(job)
+        if shape is None:
+            return None
+        try:
+            return self.obtain(shape)
+        except TierckptError as e:
+            log.error("job %s: its redundancy parity:%d+%d cannot be served here: %s", job, shape[0], shape[1], e)
+            return None
+
+    def nbytes(self) -> int:
+        return sum(p.pstore.nbytes() for p in list(self._codes.values()))
+
+    def watch(self) -> None:
+        """Watch every code's group (their health decides catch-up and take-over)."""
+        self.cluster.also_watch = {n for p in self._codes.values() for n in p.group()} - {self.node_id}
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        for shape in await run_blocking(self._found_dirs):
+            if shape not in self._codes:
+                try:
+                    self.check(shape, "redundancy")
+                except TierckptError as e:
+                    log.error("parity kept under %s is not served (%s): its slots stay on disk", shape_dir(shape), e)
+                    continue
+                self._add(shape, os.path.join(self.store.root, shape_dir(shape)))
+        for p in self.codes():
+            await p.start()
+        for job in self.store.jobs():  # owners of jobs that chose a code: it serves their pulls at once
+            self.of_job(job)
+        self._started = True
+        self.watch()
+        for t in self.takeovers.values():
+            self._spawn(t.watch())
+
+    def _found_dirs(self) -> list[Shape]:
+        out = []
+        with os.scandir(self.store.root) as it:
+            for e in it:
+                m = _DIR_RE.match(e.name)
+                if m and e.is_dir(follow_symlinks=False):
+                    out.append((int(m.group(1)), int(m.group(2))))
+        return sorted(out)
+
+    def cancel_all(self) -> list[asyncio.Task]:
+        return [t for p in self._codes.values() for t in p.encoder.cancel_all()]
+
+    # ------------------------------------------------------------------------------ owner side
+
+    def on_commit(self, man: Manifest) -> None:
+        if man.node == self.node_id and (p := self.of_job(man.job)) is not None:
+            p.encoder.ensure(man)
+
+    def catch_up(self) -> None:
+        for p in self.codes():
+            p.catch_up()
+        self.watch()
+
+    async def audit(self) -> None:
+        for p in self.codes():
+            await p.audit()
+
+    def on_evict(self, eviction: Eviction) -> None:
+        for p in self.codes():
+            p.on_evict(eviction)
+
+    def protected(self, man: Manifest) -> bool:
+        return any(p.encoder.protected(man) for p in self.codes())
+
+    async def wait(self, man: Manifest) -> list[str]:
+        p = self.of_job(man.job)
+        if p is None:
+            shape = self.choose(man.job)
+            raise UnavailableError(f"{man.job} step {man.step} rank {man.rank}: its redundancy "
+                                   f"parity:{shape[0]}+{shape[1]} cannot be served on this cluster" if shape else
+                                   f"{man.job} uses replicas")
+        return await p.encoder.wait(man)
+
+    def pending(self) -> list[float]:
+        return [a for p in self.codes() for a in p.encoder.pending()]
+
+    # ------------------------------------------------------------------------------ restore
+
+    async def discover(self, job: str, step: int | None, rank: int | None, nodes: set[str] | None) -> list[Shape]:
+        """The K+M the peers (``nodes``, else all) protect ``job``'s ranks under (restore on a node
+        that does not know the job's policy)."""
+        req = ppb.ParityLookupRequest(requester=self.node_id, job=job, has_step=step is not None, step=step or 0,
+                                      has_rank=rank is not None, rank=rank or 0, all_shapes=True)
+        answers, _ = await self.cluster.fan_out("ParityLookup", req, nodes)
+        found = {(r.parity_k, r.parity_m) for _, resp in answers for r in resp.ranks if r.parity_k and r.parity_m}
+        return sorted(found)
+
+    async def candidates(self, job: str, step: int | None, rank: int | None,
+                         nodes: set[str] | None) -> list[Parity]:
+        """The codes that may protect ``job``'s ranks: the job's, those held here, those the peers
+        answer for (created here: the rebuild runs in the code the rank was protected under)."""
+        out = [p for p in [self.of_job(job)] if p is not None]
+        out += [p for p in self.codes() if p not in out]
+        try:
+            shapes = await self.discover(job, step, rank, nodes)
+        except TierckptError as e:
+            log.info("parity codes of %s: lookup failed: %s", job, e)
+            shapes = []
+        for shape in shapes:
+            try:
+                p = self.obtain(shape, "parity_k/parity_m")
+            except TierckptError as e:
+                log.warning("parity:%d+%d of %s found on peers cannot be rebuilt here: %s", *shape, job, e)
+                continue
+            if p not in out:
+                out.append(p)
+        return out
+
+    async def copies(self, job: str, nodes: set[str] | None, rank: int | None, job_owner: str | None) -> Copies:
+        from .peertier import merge_copies
+
+        out: Copies = {}
+        for p in await self.candidates(job, None, rank, nodes):
+            out = merge_copies(out, await p.copies(job, nodes, rank, job_owner))
+        return out
+
+    async def fetch(self, job: str, step: int, rank: int, job_owner: str | None, otherwise: TierckptError) -> Manifest:
+        """The rank rebuilt from the first code whose protectors hold it; ``otherwise`` (the full
+        copy's failure) where no code is held here or found on the peers."""
+        missing: NotFoundError | None = None
+        err: TierckptError | None = None  # found, but not rebuildable in that code
+        codes = await self.candidates(job, step, rank, None)
+        if not codes:
+            raise otherwise
+        for p in codes:
+            try:
+                return await p.rebuilder.fetch(job, step, rank, job_owner)
+            except NotFoundError as e:
+                missing = missing or e
+            except TierckptError as e:
+                err = err or e
+        raise err or missing or NotFoundError(f"{job} step {step} rank {rank} is not protected by parity on any "
+                                              "live peer")
+
+    # ------------------------------------------------------------------------------ holder side
+
+    def _requested(self, k: int, m: int) -> Parity:
+        """The code a holder-side request names (0/0: the daemon's own)."""
+        if not k and not m:
+            p = self.get(self.own)
+            if p is None:
+                raise FailedPreconditionError(f"redundancy: node {self.node_id} does not use parity")
+            return p
+        return self.obtain((k, m), "parity_k/parity_m")
+
+    async def protect(self, req: ppb.ProtectRankRequest) -> ppb.ProtectRankResponse:
+        return await self._requested(req.parity_k, req.parity_m).protect(req)
+
+    def lookup(self, req: ppb.ParityLookupRequest) -> ppb.ParityLookupResponse:
+        step = req.step if req.has_step else None
+        rank = req.rank if req.has_rank else None
+        if req.all_shapes:
+            codes = self.codes()
+        else:
+            p = self.get(self.own) if not req.parity_k and not req.parity_m else self.get((req.parity_k,
+                                                                                          req.parity_m))
+            codes = [p] if p is not None else []
+        out = ppb.ParityLookupResponse()
+        for p in codes:
+            for r in p.protector.lookup(req.job, step, rank).ranks:
+                r.parity_k, r.parity_m = p.k, p.m
+                out.ranks.append(r)
+        return out
+
+    def read_rank_range(self, req: ppb.ReadRankRangeRequest) -> AsyncIterator[ppb.DataPiece]:
+        """The owner side of a pull: the same whatever the code (any one serves it)."""
+        codes = self.codes()
+        if not codes:
+            raise FailedPreconditionError(f"redundancy: node {self.node_id} does not use parity")
+        return codes[0].protector.read_rank_range(req.job, req.step, req.rank, req.generation, req.offset,
+                                                  req.length)
+
+    async def rebuild_chunk(self, req: ppb.RebuildChunkRequest) -> AsyncIterator[ppb.DataPiece]:
+        """XOR: the chunk decoded from whichever code's slot holds it (the request does not say)."""
+        def open_(p: Parity) -> AsyncIterator[ppb.DataPiece]:
+            return p.protector.rebuild_chunk(req.job, req.step, req.owner, req.rank, req.generation, req.chunk)
+
+        async for piece in _first_holding([p for p in self.codes() if p.m == 1] or [self._requested(0, 0)], open_):
+            yield piece
+
+    async def read_row(self, req: ppb.ReadParityRowRequest) -> AsyncIterator[ppb.DataPiece]:
+        """Reed-Solomon: the row from whichever code holds it."""
+        def open_(p: Parity) -> AsyncIterator[ppb.DataPiece]:
+            return p.read_row(req)
+
+        async for piece in _first_holding([p for p in self.codes() if p.m > 1] or [self._requested(0, 0)], open_):
+            yield piece
+
+    async def drop_local(self, job: str, step: int) -> int:
+        return sum([await p.drop_local(job, step) for p in self.codes()])
+
+    def status(self) -> dict:
+        out: dict[str, Any] = {}
+        own = self.get(self.own)
+        if own is not None:
+            out.update(own.status())
+        others = [p for p in self.codes() if p is not own]
+        if others:
+            out["job_parity"] = {f"parity:{p.k}+{p.m}": p.status() for p in others}
+            out["parity_bytes"] = self.nbytes()
+        return out
+
+
+async def _first_holding(codes: list[Parity], open_: Callable[[Parity], AsyncIterator[ppb.DataPiece]]
+                         ) -> AsyncIterator[ppb.DataPiece]:
+    """The pieces of the first code's stream that does not fail NOT_FOUND / INVALID_ARGUMENT /
+    FAILED_PRECONDITION before its first piece (else the first code's error)."""
+    err: TierckptError | None = None
+    for p in codes:
+        it = open_(p)
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        except (NotFoundError, InvalidArgumentError, FailedPreconditionError) as e:
+            err = err or e
+            continue
+        yield first
+        async for piece in it:
+            yield piece
+        return
+    assert err is not None
+    raise err
