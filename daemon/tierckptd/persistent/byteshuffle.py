@@ -34,6 +34,7 @@ _MAX = (1 << 31) - 1  # libblosc2 sizes are int32_t
 _BLOCK = 1 << 20  # bytes of planes merged at a time (512 KiB - 2 MiB measured alike on 8 MiB chunks, 128 KiB slower)
 _LIBS = ("libblosc2.so", "libblosc2.dylib", "libblosc2.dll", "blosc2.dll")
 _lock = threading.Lock()
+_local = threading.local()
 _state: dict[str, Any] = {}  # "lib": the (shuffle, unshuffle) pair or None once looked for; "off": use_native(False)
 
 
@@ -145,6 +146,18 @@ def _uninitialized(size: int) -> bytearray:
     return _NEW(None, size)  # type: ignore[no-any-return]
 
 
+def _scratch(size: int) -> Any:
+    """This thread's scratch buffer of planes for :func:`merge`, at least ``size`` bytes: kept
+    between chunks, so its pages are not faulted in again on every decode (a fresh 1 MiB
+    buffer often is: glibc returns large blocks to the kernel)."""
+    import numpy as np
+
+    held = getattr(_local, "scratch", None)
+    if held is None or len(held) < size:
+        held = _local.scratch = np.zeros(size, np.uint8)
+    return held
+
+
 def merge(planes: Sequence[Any], tail: Any, width: int) -> bytearray:
     """The inverse of :func:`split`: elements from their byte planes, then the tail.
 
@@ -174,12 +187,13 @@ def merge(planes: Sequence[Any], tail: Any, width: int) -> bytearray:
     lib = native()
     if lib is not None and 0 < count * width <= _MAX:
         step = max(1, _BLOCK // width)
-        scratch = np.empty(min(step, count) * width, np.uint8)
+        scratch = _scratch(min(step, count) * width)
         at, into = scratch.ctypes.data, flat.ctypes.data
+        starts = [a.ctypes.data for a in arrays]
         for start in range(0, count, step):
             n = min(step, count - start)
-            for k, plane in enumerate(arrays):
-                scratch[k * n:(k + 1) * n] = plane[start:start + n]
+            for k, plane in enumerate(starts):
+                ctypes.memmove(at + k * n, plane + start, n)
             if lib[1](width, n * width, at, into + start * width) != n * width:
                 raise ValueError(f"blosc2_unshuffle failed on {n * width} bytes of width {width}")
     elif width == 2 and count:  # x = (top << 8) | low: three passes over 16-bit elements, the fastest measured

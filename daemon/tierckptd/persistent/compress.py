@@ -55,7 +55,7 @@ from typing import Any
 
 from tierckpt.errors import DataLossError, FailedPreconditionError
 
-from . import byteshuffle
+from . import byteshuffle, zstdlib
 from .codec import ChunkCodec, chunk_codec, register_codec
 from .zipnn import ZIPNN, ZipNNCodec
 
@@ -90,6 +90,7 @@ _RAW, _PACKED = b"\x00", b"\x01"
 _UINT = {2: "<u2", 4: "<u4"}
 _SAMPLE = 1 << 16  # bytes of a large plane compressed first: a plane that does not shrink there is stored raw
 _local = threading.local()
+_KEEP = 64 << 20  # bytes of decoded planes a thread keeps between chunks (an 8 MiB chunk needs at most 8 MiB)
 _NUMPY = {"<f4": "float32", "<f2": "float16", "<i2": "int16", "<u2": "uint16", "<i4": "int32", "<u4": "uint32"}
 
 
@@ -218,6 +219,29 @@ def _pack_bp(data: bytes | bytearray | memoryview, width: int) -> list[Any]:
     return [*parts, bytes(planes[count * width:])]
 
 
+def _unzstd_plane(frame: memoryview, count: int, slot: int) -> Any:
+    """The ``count`` bytes of the zstd-coded byte plane ``slot`` of a ``bp*`` body: decoded by
+    libblosc2's zstd into this thread's plane buffer (:mod:`.zstdlib`: no new object whose pages
+    are faulted in, bench/README.md "Issue 28, item 2"), else by python-zstandard. The buffer is
+    reused by this thread's next decode: the merge copies the planes out before returning."""
+    if not zstdlib.available():
+        return memoryview(_unzstd(frame, count, None))
+    import numpy as np
+
+    need = (slot + 1) * count
+    held = getattr(_local, "planes", None)
+    if held is None or len(held) < need:
+        held = np.zeros(need, np.uint8)
+        if need <= _KEEP:
+            _local.planes = held
+    plane = held[slot * count:need]
+    try:
+        zstdlib.decompress_into(frame, plane.ctypes.data, count)
+    except ValueError as err:
+        raise DataLossError(f"byte plane {slot}: {err}") from None
+    return plane
+
+
 def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
     """The chunk of a ``bp*`` body: its planes (decoded when coded, else where they lie in the
     body) merged into elements in one compiled pass (:func:`.byteshuffle.merge`)."""
@@ -229,7 +253,7 @@ def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
         part = body[pos + 5:pos + 5 + length]
         pos += 5 + length
         if mode == _PACKED:
-            part = memoryview(_unzstd(part, count, None))
+            part = _unzstd_plane(part, count, len(planes))
         elif mode != _RAW:
             raise DataLossError(f"byte plane of unknown mode {bytes(mode)!r}")
         if len(part) != count:
