@@ -24,13 +24,13 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["split", "merge", "native", "use_native"]
 
-_MAX = (1 << 31) - 1  # libblosc2 sizes are int32_t
+MAX = _MAX = (1 << 31) - 1  # libblosc2 sizes are int32_t
 _BLOCK = 1 << 20  # bytes of planes merged at a time (512 KiB - 2 MiB measured alike on 8 MiB chunks, 128 KiB slower)
 _LIBS = ("libblosc2.so", "libblosc2.dylib", "libblosc2.dll", "blosc2.dll")
 _lock = threading.Lock()
@@ -205,5 +205,44 @@ def merge(planes: Sequence[Any], tail: Any, width: int) -> bytearray:
         grouped = flat[:count * width].reshape(count, width)
         for k in range(width):
             np.copyto(grouped[:, k], arrays[k])
+    flat[count * width:] = tail
+    return out
+
+
+def merge_blocks(planes: Sequence[Any], coded: int, blocks: Sequence[Any], put: Callable[[Any, int], None],
+                 tail: Any, width: int) -> bytearray:
+    """:func:`merge` where plane ``coded`` is not given but decoded block by block straight into
+    the scratch buffer (``put(block, address)`` writes ``block[3]`` bytes there: one block of a
+    :func:`.zstdlib.literal_blocks` frame), each block's elements unshuffled into the output at
+    once: the decoded plane never goes through memory (bench/README.md "Issue 28, item 2").
+    Only with libblosc2 (:func:`native`).
+
+    Raises:
+        ValueError: the planes' lengths differ, or libblosc2 is not loaded.
+    """
+    import numpy as np
+
+    lib = native()
+    count = sum(block[3] for block in blocks)
+    arrays = [np.frombuffer(plane, np.uint8) for k, plane in enumerate(planes) if k != coded]
+    if lib is None or len(planes) != width or any(len(a) != count for a in arrays) or not 0 < count * width <= _MAX:
+        raise ValueError(f"{len(planes)} byte planes of {count} bytes cannot be merged here (width {width})")
+    starts = [a.ctypes.data for a in arrays]
+    starts.insert(coded, 0)
+    tail = np.frombuffer(tail, np.uint8)
+    out = _uninitialized(count * width + len(tail))
+    flat = np.frombuffer(out, np.uint8)
+    scratch = _scratch(max(block[3] for block in blocks) * width)
+    at, into, start = scratch.ctypes.data, flat.ctypes.data, 0
+    for block in blocks:
+        n = block[3]
+        for k, plane in enumerate(starts):
+            if k == coded:
+                put(block, at + k * n)
+            else:
+                ctypes.memmove(at + k * n, plane + start, n)
+        if lib[1](width, n * width, at, into + start * width) != n * width:
+            raise ValueError(f"blosc2_unshuffle failed on {n * width} bytes of width {width}")
+        start += n
     flat[count * width:] = tail
     return out

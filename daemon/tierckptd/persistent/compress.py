@@ -199,13 +199,24 @@ def _unpack_planes(body: memoryview, size: int, width: int) -> bytes:
     return _unplanes(planes, width)
 
 
+def _plane_coder() -> Any:
+    """What codes one byte plane into a zstd frame: literals alone, Huffman-coded per 128 KiB
+    block (:func:`.zstdlib.literal_frame`: decoded 10-25% faster than zstd's frames with the rare
+    matches of :data:`PLANE_PARAMS`, bench/README.md "Issue 28, item 2"), or, where libblosc2's
+    Huffman coder is not available, zstd with :data:`PLANE_PARAMS`. Either is one zstd frame:
+    every decoder of ``bp*`` reads both."""
+    if zstdlib.available() and zstdlib.huffman():
+        return zstdlib.literal_frame
+    return _zstd(None)[0].compress
+
+
 def _pack_plane(plane: Any) -> list[Any]:
     """Mode, length and bytes of one byte plane of a ``bp*`` body (raw unless zstd shrinks it)."""
-    comp = _zstd(None)[0]
-    if len(plane) > 4 * _SAMPLE and len(comp.compress(plane[:_SAMPLE])) >= _SAMPLE * 0.97:
+    code = _plane_coder()
+    if len(plane) > 4 * _SAMPLE and len(code(plane[:_SAMPLE])) >= _SAMPLE * 0.97:
         packed = None  # noise (a mantissa plane): not worth coding in full
     else:
-        packed = comp.compress(plane)
+        packed = code(plane)
     body, mode = (packed, _PACKED) if packed is not None and len(packed) < len(plane) else (plane, _RAW)
     return [mode, len(body).to_bytes(4, "little"), body]
 
@@ -244,24 +255,36 @@ def _unzstd_plane(frame: memoryview, count: int, slot: int) -> Any:
 
 def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
     """The chunk of a ``bp*`` body: its planes (decoded when coded, else where they lie in the
-    body) merged into elements in one compiled pass (:func:`.byteshuffle.merge`)."""
-    count, pos, planes = size // width, 0, []
+    body) merged into elements in one compiled pass (:func:`.byteshuffle.merge`). A chunk whose
+    one coded plane is a frame of literals alone (:func:`.zstdlib.literal_frame`, what this
+    encoder writes) has that plane decoded block by block into the merge itself
+    (:func:`.byteshuffle.merge_blocks`)."""
+    count, pos, parts = size // width, 0, []
     for _ in range(width):
         if pos + 5 > len(body):
             raise DataLossError("byte planes cut short")
         mode, length = body[pos:pos + 1], int.from_bytes(body[pos + 1:pos + 5], "little")
         part = body[pos + 5:pos + 5 + length]
         pos += 5 + length
-        if mode == _PACKED:
-            part = _unzstd_plane(part, count, len(planes))
-        elif mode != _RAW:
+        if mode not in (_PACKED, _RAW):
             raise DataLossError(f"byte plane of unknown mode {bytes(mode)!r}")
-        if len(part) != count:
+        if mode == _RAW and len(part) != count:
             raise DataLossError(f"byte plane of {len(part)} bytes, expected {count}")
-        planes.append(part)
+        parts.append((mode == _PACKED, part))
     if len(body) - pos != size - count * width:
         raise DataLossError(f"{len(body) - pos} bytes after the byte planes, expected {size - count * width}")
-    return byteshuffle.merge(planes, body[pos:], width)
+    tail = body[pos:]
+    coded = [k for k, (packed, _) in enumerate(parts) if packed]
+    if len(coded) == 1 and byteshuffle.native() is not None and 0 < size <= byteshuffle.MAX:
+        try:
+            blocks = zstdlib.literal_blocks(parts[coded[0]][1], count)
+            if blocks is not None:
+                return byteshuffle.merge_blocks([p for _, p in parts], coded[0], blocks, zstdlib.put_block, tail,
+                                                width)
+        except ValueError as err:
+            raise DataLossError(f"byte plane {coded[0]}: {err}") from None
+    planes = [_unzstd_plane(part, count, k) if packed else part for k, (packed, part) in enumerate(parts)]
+    return byteshuffle.merge(planes, tail, width)
 
 
 class _Planes(ChunkCodec):

@@ -68,6 +68,7 @@ def _load() -> Any:
             fn.restype, fn.argtypes = restype, argtypes
         if lib.ZSTD_versionNumber() < 10400:  # 1.4: the one-shot API and its bounds as used here
             return None
+        lib.huf = _huf(lib)
         import zstandard
 
         probe = bytes(range(256)) * 40
@@ -75,9 +76,35 @@ def _load() -> Any:
         out = ctypes.create_string_buffer(len(probe))
         if _decode(lib, frame, ctypes.addressof(out), len(probe)) != len(probe) or out.raw != probe:
             return None
+        if lib.huf:  # frames of literals alone: read alike by python-zstandard and by the fast path
+            plane = bytes((i * i) % 13 for i in range(3000)) + bytes(300) + bytes(range(256)) * 2
+            frame = _literal_frame(lib, plane)
+            back = ctypes.create_string_buffer(len(plane))
+            lib.huf = (frame is not None and zstandard.ZstdDecompressor().decompress(frame) == plane
+                       and _decode(lib, frame, ctypes.addressof(back), len(plane)) == len(plane) and back.raw == plane)
     except (OSError, AttributeError, ImportError, ValueError):
         return None
     return lib
+
+
+def _huf(lib: Any) -> bool:
+    """Give ``lib`` zstd's Huffman coder with its C signatures, where they are known: they are
+    zstd's internal API (exported by libblosc2), whose arguments changed in 1.5.5, so only
+    1.5.5 - 1.5.x; elsewhere (False) planes are coded by zstd's frame API alone."""
+    if not 10505 <= lib.ZSTD_versionNumber() < 10600:
+        return False
+    size_t, ptr, flags = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int
+    try:
+        for name, restype, argtypes in (
+                ("HUF_compress4X_repeat", size_t, [ptr, size_t, ptr, size_t, ctypes.c_uint, ctypes.c_uint, ptr,
+                                                   size_t, ptr, ptr, flags]),
+                ("HUF_decompress4X_hufOnly_wksp", size_t, [ptr, ptr, size_t, ptr, size_t, ptr, size_t, flags]),
+                ("HUF_isError", ctypes.c_uint, [size_t])):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except AttributeError:
+        return False
+    return True
 
 
 def _native() -> Any:
@@ -94,6 +121,12 @@ def _native() -> Any:
 def available() -> bool:
     """Whether :func:`decompress_into` can run (libblosc2 loaded, not switched off)."""
     return _native() is not None
+
+
+def huffman() -> bool:
+    """Whether :func:`literal_frame` codes (libblosc2's zstd is 1.5.5 - 1.5.x and passed its probe)."""
+    lib = _native()
+    return lib is not None and bool(lib.huf)
 
 
 def use_native(enabled: bool) -> None:
@@ -120,6 +153,8 @@ def _decode(lib: Any, frame: Any, dst: int, size: int) -> int:
     end = lib.ZSTD_findFrameCompressedSize(src, length)
     if lib.ZSTD_isError(end) or end != length:
         raise ValueError("zstd frame is cut short or followed by other bytes")
+    if lib.huf and _literal_blocks(lib, frame, src, length, dst, size):
+        return size
     dctx = getattr(_local, "dctx", None)
     if dctx is None or dctx.lib is not lib:
         dctx = _local.dctx = _DCtx(lib)
@@ -142,3 +177,174 @@ def decompress_into(frame: Any, dst: int, size: int) -> None:
     if lib is None:
         raise ValueError("libblosc2's zstd is not available")
     _decode(lib, frame, dst, size)
+
+
+_BLOCK = 1 << 17  # zstd's largest block, and the most HUF_compress4X takes at once
+_HEADER = b"\x28\xb5\x2f\xfd\xe0"  # magic; single segment with an 8-byte content size, no checksum
+_MIN_CODED = 256  # a block shorter than this is stored raw (zstd's own bound for 4 Huffman streams)
+
+
+def _bmi2() -> int:
+    """zstd's ``HUF_flags_bmi2`` where the CPU has BMI2 (what zstd's own contexts pass), else 0."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return 1 if " bmi2" in f.read(1 << 16) else 0
+    except OSError:
+        return 0
+
+
+class _Work:
+    """One thread's Huffman tables and workspaces (zstd keeps the same inside its contexts)."""
+
+    def __init__(self) -> None:
+        self.ctable = ctypes.create_string_buffer(4096)  # HUF_CElt[257]: 2056 bytes
+        self.cwork = ctypes.create_string_buffer(1 << 14)  # HUF_WORKSPACE_SIZE: 8704 bytes
+        self.out = ctypes.create_string_buffer(_BLOCK + 4096)
+        self.repeat = ctypes.c_int(0)
+        self.dtable = (ctypes.c_uint32 * (2 * 4096 + 1))()
+        self.dtable[0] = 12 * 0x01000001  # HUF_TABLELOG_MAX, as zstd's contexts declare theirs
+        self.dwork = ctypes.create_string_buffer(1 << 16)  # HUF_DECOMPRESS_WORKSPACE_SIZE: 2560 bytes
+        self.flags = _state.setdefault("bmi2", _bmi2())
+
+
+def _work() -> _Work:
+    held = getattr(_local, "work", None)
+    if held is None:
+        held = _local.work = _Work()
+    return held
+
+
+def _block(last: int, kind: int, size: int) -> bytes:
+    return (last | kind << 1 | size << 3).to_bytes(3, "little")
+
+
+def literal_frame(plane: Any) -> bytes | None:
+    """A zstd frame of ``plane`` with no matches at all: each 128 KiB block is its literals,
+    Huffman-coded (4 streams, a table of its own), and no sequences; a block that does not shrink
+    is stored raw, one of one byte value as RLE. That is ZipNN's code of the exponent plane (a
+    table per 256 KiB), in zstd's frame format: any zstd decoder reads it, and :func:`decompress_into`
+    decodes each block's literals straight into place (no sequence pass, no copy of the literals).
+    None where libblosc2's Huffman coder is not available (then the caller uses zstd's frame API)."""
+    lib = _native()
+    if lib is None or not lib.huf:
+        return None
+    return _literal_frame(lib, plane)
+
+
+def _literal_frame(lib: Any, plane: Any) -> bytes | None:
+    src, size = address(plane)
+    work = _work()
+    parts = [_HEADER, size.to_bytes(8, "little")]
+    starts = range(0, size, _BLOCK) if size else [0]
+    for start in starts:
+        n, last = min(_BLOCK, size - start), int(start + _BLOCK >= size)
+        got = 0
+        if n >= _MIN_CODED:
+            work.repeat.value = 0  # HUF_repeat_none: a new table for every block
+            got = lib.HUF_compress4X_repeat(work.out, len(work.out), src + start, n, 255, 11, work.cwork,
+                                            len(work.cwork), work.ctable, ctypes.byref(work.repeat), work.flags)
+            if lib.HUF_isError(got):
+                return None
+        if got == 1:  # one byte value throughout
+            parts += [_block(last, 1, n), bytes(plane[start:start + 1])]
+        elif got == 0 or got + 6 >= n:
+            parts += [_block(last, 0, n), bytes(plane[start:start + n])]
+        else:  # literals section: compressed, 4 streams, 18-bit sizes (5 bytes); then 0 sequences
+            head = (2 | 3 << 2 | n << 4 | got << 22).to_bytes(5, "little")
+            parts += [_block(last, 2, got + 6), head, ctypes.string_at(work.out, got), b"\x00"]
+    return b"".join(parts)
+
+
+Block = tuple[int, int, int, int]
+"""One block of a :func:`literal_frame`: (kind: 0 raw, 1 RLE, 2 Huffman-coded literals; address of
+its bytes in the frame; their length; the plain bytes it makes)."""
+
+
+def _parse(frame: Any, src: int, length: int, size: int) -> list[Block] | None:
+    """The blocks of a frame of :func:`literal_frame`'s shape making ``size`` bytes, every length
+    checked against the frame and ``size``; None when the frame has another shape (zstd's frame
+    decoder reads it). Raises ValueError where the frame is malformed."""
+    if length < 16 or bytes(frame[:5]) != _HEADER:
+        return None
+    announced = int.from_bytes(frame[5:13], "little")
+    if announced != size:
+        raise ValueError(f"zstd frame announces {announced} bytes, expected {size}")
+    pos, off, last, blocks = 13, 0, 0, []
+    while not last:
+        if pos + 3 > length:
+            raise ValueError("zstd frame cut short")
+        head = int.from_bytes(frame[pos:pos + 3], "little")
+        last, kind, bsize = head & 1, head >> 1 & 3, head >> 3
+        pos += 3
+        n, body = bsize, bsize
+        if kind == 2:
+            if bsize < 7 or pos + bsize > length or frame[pos] & 15 != 14 or frame[pos + bsize - 1] != 0:
+                return None  # not Huffman-coded literals alone
+            lit = int.from_bytes(frame[pos:pos + 5], "little")
+            n, body = lit >> 4 & 0x3FFFF, lit >> 22
+            if body + 6 != bsize:
+                return None
+            blocks.append((2, src + pos + 5, body, n))
+        elif kind < 2:
+            body = 1 if kind == 1 else bsize
+            if pos + body > length:
+                raise ValueError("zstd block past the end of its frame")
+            blocks.append((kind, src + pos, body, n))
+        else:
+            raise ValueError("reserved zstd block type")
+        if n > _BLOCK or n > size - off:
+            raise ValueError("zstd block longer than 128 KiB or than the plane")
+        off += n
+        pos += bsize if kind != 1 else 1
+    if pos != length or off != size:
+        raise ValueError(f"zstd frame of {off} bytes and {length - pos} after it, expected {size} and none")
+    return blocks
+
+
+def literal_blocks(frame: Any, size: int) -> list[Block] | None:
+    """The blocks of ``frame`` (a zstd frame of ``size`` plain bytes) when it has
+    :func:`literal_frame`'s shape and the Huffman decoder is available, for :func:`put_block`
+    (the caller keeps ``frame`` alive meanwhile); else None (use :func:`decompress_into`).
+
+    Raises:
+        ValueError: the frame is malformed (its lengths do not add up).
+    """
+    lib = _native()
+    if lib is None or not lib.huf:
+        return None
+    src, length = address(frame)
+    return _parse(frame, src, length, size)
+
+
+def put_block(block: Block, dst: int) -> None:
+    """Write the plain bytes of one block of :func:`literal_blocks` at address ``dst`` (``block[3]``
+    writable bytes there; the Huffman decoder writes no more than that whatever the bytes).
+
+    Raises:
+        ValueError: the block's coded bytes are corrupt.
+    """
+    _put(_state["lib"], block, dst)
+
+
+def _put(lib: Any, block: Block, dst: int) -> None:
+    kind, src, length, n = block
+    if kind == 0:
+        ctypes.memmove(dst, src, n)
+    elif kind == 1:
+        ctypes.memset(dst, ctypes.c_uint8.from_address(src).value, n)
+    else:
+        work = _work()
+        got = lib.HUF_decompress4X_hufOnly_wksp(work.dtable, dst, n, src, length, work.dwork, len(work.dwork),
+                                                work.flags)
+        if lib.HUF_isError(got) or got != n:
+            raise ValueError("corrupt Huffman-coded literals")
+
+
+def _literal_blocks(lib: Any, frame: Any, src: int, length: int, dst: int, size: int) -> bool:
+    blocks = _parse(frame, src, length, size)
+    if blocks is None:
+        return False
+    for block in blocks:
+        _put(lib, block, dst)
+        dst += block[3]
+    return True
