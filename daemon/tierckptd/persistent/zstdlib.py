@@ -55,7 +55,7 @@ def _load() -> Any:
     if path is None:
         return None
     try:
-        lib = ctypes.CDLL(str(path))
+        lib: Any = ctypes.CDLL(str(path))
         size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
         for name, restype, argtypes in (
                 ("ZSTD_createDCtx", ptr, []), ("ZSTD_freeDCtx", size_t, [ptr]),
@@ -78,10 +78,10 @@ def _load() -> Any:
             return None
         if lib.huf:  # frames of literals alone: read alike by python-zstandard and by the fast path
             plane = bytes((i * i) % 13 for i in range(3000)) + bytes(300) + bytes(range(256)) * 2
-            frame = _literal_frame(lib, plane)
+            lit = _literal_frame(lib, plane)
             back = ctypes.create_string_buffer(len(plane))
-            lib.huf = (frame is not None and zstandard.ZstdDecompressor().decompress(frame) == plane
-                       and _decode(lib, frame, ctypes.addressof(back), len(plane)) == len(plane) and back.raw == plane)
+            lib.huf = (lit is not None and zstandard.ZstdDecompressor().decompress(lit) == plane
+                       and _decode(lib, lit, ctypes.addressof(back), len(plane)) == len(plane) and back.raw == plane)
     except (OSError, AttributeError, ImportError, ValueError):
         return None
     return lib
