@@ -6,18 +6,21 @@ A shard is stored as chunks; every chunk of a shard goes through the codec its m
 - ``raw``: the bytes as they are;
 - ``zstd``: zstandard, level ``LEVEL``;
 - ``bp2-zstd`` / ``bp4-zstd`` (what ``auto`` picks for float16/bfloat16 resp. float32): byte
-  planes, each coded by zstd with its match finder held back. The chunk is split into byte planes
-  (byte 0 of every 2- or 4-byte element, then byte 1, ...: the top plane holds the sign and the
-  exponent's high bits, the others mantissa bits), every plane is compressed by zstd with
-  ``PLANE_PARAMS`` (minimum match 7, a 64-entry hash table, 128 KiB blocks): on these planes matches
-  are rare and cost more than they save (zstd's default levels code the exponent plane 10-13% above
-  its entropy), so almost everything is a literal, Huffman-coded per 128 KiB block, the same code
-  as ZipNN's per 256 KiB. A plane is stored raw when it does not shrink (decided on a 64 KiB
-  sample first for planes over 256 KiB: the mantissa planes are noise). Body: per plane a mode byte
-  (0 raw, 1 zstd), its length (4 bytes, little endian) and its bytes; then the tail shorter than
-  an element as it is. Planes are split and merged by libblosc2's byte shuffle in one compiled
-  pass (:mod:`.byteshuffle`; numpy makes the same bytes where the library is missing). Measured
-  against ZipNN in bench/README.md ("Issue 28: a float codec without torch"): at most 1.015x
+  planes, each coded as one zstd frame. The chunk is split into byte planes (byte 0 of every 2- or
+  4-byte element, then byte 1, ...: the top plane holds the sign and the exponent's high bits, the
+  others mantissa bits). Since issue 28 item 2's decode work, a plane's frame holds its literals
+  alone, Huffman-coded per 128 KiB block with no matches (:func:`.zstdlib.literal_frame`: ZipNN's
+  code, a table per 256 KiB there), written with libblosc2's zstd Huffman coder; where that is not
+  available (and in chunks written before), zstd with ``PLANE_PARAMS`` (minimum match 7, a 64-entry
+  hash table, 128 KiB blocks: mostly literals, a few matches). Both are plain zstd frames: every
+  decoder reads either; a frame of literals alone is decoded block by block straight into the
+  merge (:func:`.byteshuffle.merge_blocks`), others by zstd's frame decoder into a per-thread
+  buffer (:mod:`.zstdlib`) or by python-zstandard. A plane is stored raw when it does not shrink
+  (decided on a 64 KiB sample first for planes over 256 KiB: the mantissa planes are noise).
+  Body: per plane a mode byte (0 raw, 1 zstd), its length (4 bytes, little endian) and its bytes;
+  then the tail shorter than an element as it is. Planes are split and merged by libblosc2's byte
+  shuffle in one compiled pass (:mod:`.byteshuffle`; numpy makes the same bytes where the library
+  is missing). Measured against ZipNN in bench/README.md ("Issue 28, item 2"): at most 1.015x
   ZipNN's bytes on bench/incremental.py's tensors;
 - ``zipnn-bf16`` / ``zipnn-f16`` / ``zipnn-f32``: ZipNN, what ``auto`` wrote before issue 28;
   still read (:mod:`.zipnn`: its decoder runs in a child process, and needs ZipNN's C module);
@@ -42,7 +45,7 @@ Bounds (stored bytes are hostile, issue 27): a decoder never makes more than the
 manifest gives the chunk (a zstd frame must announce exactly the size it is read as, before it is
 decoded: zstandard sizes its output by the frame's own header), and anything malformed is a
 :class:`DataLossError` (tests/persistent/test_codec_fuzz.py). Everything here is blocking; the tier
-calls it from worker threads, and zstd, libblosc2 and numpy release the GIL: chunks are coded on as many
+calls it from worker threads, and zstd, libblosc2 (ctypes) and numpy release the GIL: chunks are coded on as many
 cores as there are threads coding (``KNOBS.codec_threads`` / ``read_threads``). zstd coders are
 per thread. Nothing here imports torch (tests/persistent/test_torchfree.py).
 """
@@ -72,7 +75,8 @@ PLANE_PARAMS = {"window_log": 17, "hash_log": 6, "chain_log": 6, "search_log": 1
 """zstd parameters (strategy "fast") of each byte plane of the ``bp*`` codecs: the smallest hash
 table, the longest minimum match, 128 KiB blocks (a block is at most the window): few matches,
 literals Huffman-coded per block (bench/README.md, "Issue 28": the smallest and fastest setting
-measured on the exponent plane)."""
+measured on the exponent plane). Used where libblosc2's Huffman coder is not available
+(:func:`_plane_coder`); chunks written with it before still decode."""
 
 PLANES = {"bfloat16": "bp2-zstd", "float16": "bp2-zstd", "float32": "bp4-zstd"}
 """The byte-plane codec of each float dtype (``auto``'s choice)."""

@@ -1,21 +1,35 @@
-"""zstd's one-shot decoder from libblosc2, writing into a buffer the caller owns (issue 28 item 2).
+"""libblosc2's zstd: planes decoded into buffers the caller owns, and frames of literals alone.
 
-python-zstandard can only decode into a new ``bytes``: for a ``bp*`` chunk (:mod:`.compress`) that
-is a fresh 2-3 MiB object per coded plane, whose pages the kernel faults in and zeroes on many
-decodes (glibc hands large blocks back and forth with the kernel), read again by the merge. The
-libblosc2 shared library that :mod:`.byteshuffle` already loads exports zstd's own API
-(``ZSTD_decompressDCtx`` and friends, the same zstd the ``zstandard`` wheel bundles): through it a
-plane is decoded straight into a per-thread buffer that stays mapped and warm between chunks.
-ctypes releases the GIL during each call, so chunks decode on as many cores as threads decode.
+Issue 28 item 2 asks the torch-free float codec (:mod:`.compress`'s ``bp*``) to decode at least as
+fast as ZipNN. Where a ``bp*`` decode went (bench/README.md "Issue 28, item 2"): zstd's decode of
+the exponent plane, most of it its Huffman decode of literals, the rest the few matches that
+zstd's match finder still found (hundreds per block on Adam's exp_avg_sq, which made its decode
+3x slower than the literals alone), the copy of the literals into place and python-zstandard's
+new output object; then the merge of the planes. The libblosc2 shared library that
+:mod:`.byteshuffle` already loads exports zstd 1.5's API, its Huffman coder included (the same
+zstd the ``zstandard`` wheel bundles). Through ctypes (the GIL released during each call):
 
-Stored bytes are hostile (issue 27): the frame must announce exactly the size it is read as, must
-end exactly where the plane ends (no second frame, no trailing bytes: python-zstandard's
-``allow_extra_data=False``), and zstd's one-shot decoder never writes past the capacity it is given
-(it needs no window buffer either, so a frame's window size allocates nothing). Any error is a
-:class:`ValueError` the codec reports as data loss.
+- :func:`literal_frame` codes a plane as a zstd frame whose 128 KiB blocks are Huffman-coded
+  literals and no sequences (ZipNN's code of the exponent plane, in zstd's frame format: any zstd
+  decoder reads it, so older daemons and the fallback below read new chunks);
+- :func:`literal_blocks` / :func:`put_block` decode such a frame block by block straight into
+  the caller's memory (no sequence pass, no copy: :func:`.byteshuffle.merge_blocks` decodes each
+  block into its merge scratch);
+- :func:`decompress_into` decodes any other zstd frame of a plane with zstd's one-shot decoder
+  into a buffer the caller keeps (no new object whose pages are faulted in per chunk).
 
-Where the library is missing, too old or fails its self-check, :func:`available` is False and
-:mod:`.compress` decodes with python-zstandard as before; :func:`use_native` switches it off for tests.
+Stored bytes are hostile (issue 27): a frame must announce exactly the size it is read as and end
+exactly where the plane ends (no second frame, no trailing bytes: python-zstandard's
+``allow_extra_data=False``); every block length is checked against the frame and the plane before
+anything is written; zstd's decoders never write past the capacity they are given (the one-shot
+decoder needs no window buffer, so a frame's window size allocates nothing). Any error is a
+:class:`ValueError` the codec reports as data loss (tests/persistent/test_zstdlib.py).
+
+The Huffman functions are zstd's internal API, whose arguments changed in 1.5.5: they are used
+only with zstd 1.5.5 - 1.5.x and after a probe (a frame coded here read back by python-zstandard);
+elsewhere :func:`huffman` is False and planes are coded by python-zstandard as before. Where
+libblosc2 is missing or fails its probe, :func:`available` is False and python-zstandard decodes;
+:func:`use_native` switches libblosc2 off for tests.
 """
 
 from __future__ import annotations
@@ -26,7 +40,8 @@ from typing import Any
 
 from . import byteshuffle
 
-__all__ = ["available", "decompress_into", "use_native", "address"]
+__all__ = ["available", "huffman", "decompress_into", "literal_frame", "literal_blocks", "put_block", "use_native",
+           "address"]
 
 _UNKNOWN = (1 << 64) - 1  # ZSTD_CONTENTSIZE_UNKNOWN; ZSTD_CONTENTSIZE_ERROR is one less
 _lock = threading.Lock()
