@@ -92,7 +92,7 @@ def _load() -> Any:
         if _decode(lib, frame, ctypes.addressof(out), len(probe)) != len(probe) or out.raw != probe:
             return None
         if lib.huf:  # frames of literals alone: read alike by python-zstandard and by the fast path
-            plane = bytes((i * i) % 13 for i in range(3000)) + bytes(300) + bytes(range(256)) * 2
+            plane = bytes((i * i) % 13 for i in range(4096)) * 70 + bytes(300) + bytes(range(256)) * 2
             lit = _literal_frame(lib, plane)
             back = ctypes.create_string_buffer(len(plane))
             lib.huf = (lit is not None and zstandard.ZstdDecompressor().decompress(lit) == plane
@@ -114,6 +114,7 @@ def _huf(lib: Any) -> bool:
                 ("HUF_compress4X_repeat", size_t, [ptr, size_t, ptr, size_t, ctypes.c_uint, ctypes.c_uint, ptr,
                                                    size_t, ptr, ptr, flags]),
                 ("HUF_decompress4X_hufOnly_wksp", size_t, [ptr, ptr, size_t, ptr, size_t, ptr, size_t, flags]),
+                ("HUF_decompress4X_usingDTable", size_t, [ptr, size_t, ptr, size_t, ptr, flags]),
                 ("HUF_isError", ctypes.c_uint, [size_t])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
@@ -197,6 +198,7 @@ def decompress_into(frame: Any, dst: int, size: int) -> None:
 _BLOCK = 1 << 17  # zstd's largest block, and the most HUF_compress4X takes at once
 _HEADER = b"\x28\xb5\x2f\xfd\xe0"  # magic; single segment with an 8-byte content size, no checksum
 _MIN_CODED = 256  # a block shorter than this is stored raw (zstd's own bound for 4 Huffman streams)
+_TABLELOG = 11  # the most bits of a Huffman code (zstd's HUF_TABLELOG_DEFAULT)
 
 
 def _bmi2() -> int:
@@ -249,30 +251,37 @@ def literal_frame(plane: Any) -> bytes | None:
 def _literal_frame(lib: Any, plane: Any) -> bytes | None:
     src, size = address(plane)
     work = _work()
-    parts = [_HEADER, size.to_bytes(8, "little")]
+    parts, held = [_HEADER, size.to_bytes(8, "little")], False
     starts = range(0, size, _BLOCK) if size else [0]
     for start in starts:
         n, last = min(_BLOCK, size - start), int(start + _BLOCK >= size)
-        got = 0
+        got, reused = 0, held
         if n >= _MIN_CODED:
-            work.repeat.value = 0  # HUF_repeat_none: a new table for every block
-            got = lib.HUF_compress4X_repeat(work.out, len(work.out), src + start, n, 255, 11, work.cwork,
+            # HUF_repeat_check where the decoder holds a table: zstd's coder reuses it when that
+            # is no bigger (it leaves ``repeat`` set), else writes a new one (``repeat`` none)
+            work.repeat.value = int(held)
+            got = lib.HUF_compress4X_repeat(work.out, len(work.out), src + start, n, 255, _TABLELOG, work.cwork,
                                             len(work.cwork), work.ctable, ctypes.byref(work.repeat), work.flags)
             if lib.HUF_isError(got):
                 return None
+            reused = held and work.repeat.value != 0
         if got == 1:  # one byte value throughout
             parts += [_block(last, 1, n), bytes(plane[start:start + 1])]
         elif got == 0 or got + 6 >= n:
             parts += [_block(last, 0, n), bytes(plane[start:start + n])]
-        else:  # literals section: compressed, 4 streams, 18-bit sizes (5 bytes); then 0 sequences
-            head = (2 | 3 << 2 | n << 4 | got << 22).to_bytes(5, "little")
+        else:  # literals section: compressed (2) or with the last table (3, "treeless"), 4 streams,
+            # 18-bit sizes (5 bytes); then 0 sequences
+            head = ((3 if reused else 2) | 3 << 2 | n << 4 | got << 22).to_bytes(5, "little")
             parts += [_block(last, 2, got + 6), head, ctypes.string_at(work.out, got), b"\x00"]
+        # the decoder's table: unchanged when reused, else the one just written, if it was
+        held = reused or (got > 1 and got + 6 < n)
     return b"".join(parts)
 
 
 Block = tuple[int, int, int, int]
-"""One block of a :func:`literal_frame`: (kind: 0 raw, 1 RLE, 2 Huffman-coded literals; address of
-its bytes in the frame; their length; the plain bytes it makes)."""
+"""One block of a :func:`literal_frame`: (kind: 0 raw, 1 RLE, 2 Huffman-coded literals with their
+table, 3 with the last block's table; address of its bytes in the frame; their length; the plain
+bytes it makes)."""
 
 
 def _parse(frame: Any, src: int, length: int, size: int) -> list[Block] | None:
@@ -284,7 +293,7 @@ def _parse(frame: Any, src: int, length: int, size: int) -> list[Block] | None:
     announced = int.from_bytes(frame[5:13], "little")
     if announced != size:
         raise ValueError(f"zstd frame announces {announced} bytes, expected {size}")
-    pos, off, last, blocks = 13, 0, 0, []
+    pos, off, last, blocks, table = 13, 0, 0, [], False
     while not last:
         if pos + 3 > length:
             raise ValueError("zstd frame cut short")
@@ -293,13 +302,16 @@ def _parse(frame: Any, src: int, length: int, size: int) -> list[Block] | None:
         pos += 3
         n, body = bsize, bsize
         if kind == 2:
-            if bsize < 7 or pos + bsize > length or frame[pos] & 15 != 14 or frame[pos + bsize - 1] != 0:
+            if bsize < 7 or pos + bsize > length or frame[pos] & 14 != 14 or frame[pos + bsize - 1] != 0:
                 return None  # not Huffman-coded literals alone
             lit = int.from_bytes(frame[pos:pos + 5], "little")
-            n, body = lit >> 4 & 0x3FFFF, lit >> 22
+            n, body, kind = lit >> 4 & 0x3FFFF, lit >> 22, 2 + (lit & 1)
             if body + 6 != bsize:
                 return None
-            blocks.append((2, src + pos + 5, body, n))
+            if kind == 3 and not table:
+                raise ValueError("zstd literals reuse a Huffman table before any")
+            table = True
+            blocks.append((kind, src + pos + 5, body, n))
         elif kind < 2:
             body = 1 if kind == 1 else bsize
             if pos + body > length:
@@ -347,10 +359,13 @@ def _put(lib: Any, block: Block, dst: int) -> None:
         ctypes.memmove(dst, src, n)
     elif kind == 1:
         ctypes.memset(dst, ctypes.c_uint8.from_address(src).value, n)
-    else:
+    elif kind == 2:
         work = _work()
         got = lib.HUF_decompress4X_hufOnly_wksp(work.dtable, dst, n, src, length, work.dwork, len(work.dwork),
                                                 work.flags)
+    else:  # the table of the last kind-2 block (:func:`_parse` puts one first; blocks are decoded in order)
+        work = _work()
+        got = lib.HUF_decompress4X_usingDTable(dst, n, src, length, work.dtable, work.flags)
         if lib.HUF_isError(got) or got != n:
             raise ValueError("corrupt Huffman-coded literals")
 
