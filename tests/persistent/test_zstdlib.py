@@ -149,3 +149,23 @@ def test_a_corrupt_literal_plane_in_a_chunk_is_data_loss() -> None:
     except DataLossError:
         return
     assert out != data  # decoded garbage of the right size: the content layout's checksum refuses it
+
+
+@huffman_only
+def test_blocks_reusing_the_last_table_decode_and_never_come_first() -> None:
+    """A stationary plane's later blocks reuse the first block's Huffman table (zstd's "treeless"
+    literals), read alike by python-zstandard and the fast path; a frame whose first coded block
+    claims a table before any is refused (zstd refuses it too)."""
+    size = 1 << 20
+    plane = _plane(size, 7)
+    frame = zstdlib.literal_frame(plane)
+    assert frame is not None
+    kinds = [block[0] for block in zstdlib.literal_blocks(frame, size) or []]
+    assert kinds[0] == 2 and 3 in kinds
+    assert zstandard.ZstdDecompressor().decompress(frame) == plane == _decoded(frame, size)
+    forged = bytearray(frame)
+    forged[16] |= 1  # the first literals section: type 2 (with its table) -> 3 (the last table)
+    with pytest.raises(ValueError, match="before any"):
+        _decoded(bytes(forged), size)
+    with pytest.raises(zstandard.ZstdError):
+        zstandard.ZstdDecompressor().decompress(bytes(forged))
