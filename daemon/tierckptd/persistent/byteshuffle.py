@@ -24,16 +24,17 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["split", "merge", "native", "use_native"]
 
-_MAX = (1 << 31) - 1  # libblosc2 sizes are int32_t
+MAX = _MAX = (1 << 31) - 1  # libblosc2 sizes are int32_t
 _BLOCK = 1 << 20  # bytes of planes merged at a time (512 KiB - 2 MiB measured alike on 8 MiB chunks, 128 KiB slower)
 _LIBS = ("libblosc2.so", "libblosc2.dylib", "libblosc2.dll", "blosc2.dll")
 _lock = threading.Lock()
+_local = threading.local()
 _state: dict[str, Any] = {}  # "lib": the (shuffle, unshuffle) pair or None once looked for; "off": use_native(False)
 
 
@@ -145,6 +146,18 @@ def _uninitialized(size: int) -> bytearray:
     return _NEW(None, size)  # type: ignore[no-any-return]
 
 
+def _scratch(size: int) -> Any:
+    """This thread's scratch buffer of planes for :func:`merge`, at least ``size`` bytes: kept
+    between chunks, so its pages are not faulted in again on every decode (a fresh 1 MiB
+    buffer often is: glibc returns large blocks to the kernel)."""
+    import numpy as np
+
+    held = getattr(_local, "scratch", None)
+    if held is None or len(held) < size:
+        held = _local.scratch = np.zeros(size, np.uint8)
+    return held
+
+
 def merge(planes: Sequence[Any], tail: Any, width: int) -> bytearray:
     """The inverse of :func:`split`: elements from their byte planes, then the tail.
 
@@ -174,12 +187,13 @@ def merge(planes: Sequence[Any], tail: Any, width: int) -> bytearray:
     lib = native()
     if lib is not None and 0 < count * width <= _MAX:
         step = max(1, _BLOCK // width)
-        scratch = np.empty(min(step, count) * width, np.uint8)
+        scratch = _scratch(min(step, count) * width)
         at, into = scratch.ctypes.data, flat.ctypes.data
+        starts = [a.ctypes.data for a in arrays]
         for start in range(0, count, step):
             n = min(step, count - start)
-            for k, plane in enumerate(arrays):
-                scratch[k * n:(k + 1) * n] = plane[start:start + n]
+            for k, plane in enumerate(starts):
+                ctypes.memmove(at + k * n, plane + start, n)
             if lib[1](width, n * width, at, into + start * width) != n * width:
                 raise ValueError(f"blosc2_unshuffle failed on {n * width} bytes of width {width}")
     elif width == 2 and count:  # x = (top << 8) | low: three passes over 16-bit elements, the fastest measured
@@ -191,5 +205,44 @@ def merge(planes: Sequence[Any], tail: Any, width: int) -> bytearray:
         grouped = flat[:count * width].reshape(count, width)
         for k in range(width):
             np.copyto(grouped[:, k], arrays[k])
+    flat[count * width:] = tail
+    return out
+
+
+def merge_blocks(planes: Sequence[Any], coded: int, blocks: Sequence[Any], put: Callable[[Any, int], None],
+                 tail: Any, width: int) -> bytearray:
+    """:func:`merge` where plane ``coded`` is not given but decoded block by block straight into
+    the scratch buffer (``put(block, address)`` writes ``block[3]`` bytes there: one block of a
+    :func:`.zstdlib.literal_blocks` frame), each block's elements unshuffled into the output at
+    once: the decoded plane never goes through memory (bench/README.md "Issue 28, item 2").
+    Only with libblosc2 (:func:`native`).
+
+    Raises:
+        ValueError: the planes' lengths differ, or libblosc2 is not loaded.
+    """
+    import numpy as np
+
+    lib = native()
+    count = sum(block[3] for block in blocks)
+    arrays = [np.frombuffer(plane, np.uint8) for k, plane in enumerate(planes) if k != coded]
+    if lib is None or len(planes) != width or any(len(a) != count for a in arrays) or not 0 < count * width <= _MAX:
+        raise ValueError(f"{len(planes)} byte planes of {count} bytes cannot be merged here (width {width})")
+    starts = [a.ctypes.data for a in arrays]
+    starts.insert(coded, 0)
+    tail = np.frombuffer(tail, np.uint8)
+    out = _uninitialized(count * width + len(tail))
+    flat = np.frombuffer(out, np.uint8)
+    scratch = _scratch(max(block[3] for block in blocks) * width)
+    at, into, start = scratch.ctypes.data, flat.ctypes.data, 0
+    for block in blocks:
+        n = block[3]
+        for k, plane in enumerate(starts):
+            if k == coded:
+                put(block, at + k * n)
+            else:
+                ctypes.memmove(at + k * n, plane + start, n)
+        if lib[1](width, n * width, at, into + start * width) != n * width:
+            raise ValueError(f"blosc2_unshuffle failed on {n * width} bytes of width {width}")
+        start += n
     flat[count * width:] = tail
     return out

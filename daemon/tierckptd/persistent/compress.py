@@ -6,18 +6,21 @@ A shard is stored as chunks; every chunk of a shard goes through the codec its m
 - ``raw``: the bytes as they are;
 - ``zstd``: zstandard, level ``LEVEL``;
 - ``bp2-zstd`` / ``bp4-zstd`` (what ``auto`` picks for float16/bfloat16 resp. float32): byte
-  planes, each coded by zstd with its match finder held back. The chunk is split into byte planes
-  (byte 0 of every 2- or 4-byte element, then byte 1, ...: the top plane holds the sign and the
-  exponent's high bits, the others mantissa bits), every plane is compressed by zstd with
-  ``PLANE_PARAMS`` (minimum match 7, a 64-entry hash table, 128 KiB blocks): on these planes matches
-  are rare and cost more than they save (zstd's default levels code the exponent plane 10-13% above
-  its entropy), so almost everything is a literal, Huffman-coded per 128 KiB block, the same code
-  as ZipNN's per 256 KiB. A plane is stored raw when it does not shrink (decided on a 64 KiB
-  sample first for planes over 256 KiB: the mantissa planes are noise). Body: per plane a mode byte
-  (0 raw, 1 zstd), its length (4 bytes, little endian) and its bytes; then the tail shorter than
-  an element as it is. Planes are split and merged by libblosc2's byte shuffle in one compiled
-  pass (:mod:`.byteshuffle`; numpy makes the same bytes where the library is missing). Measured
-  against ZipNN in bench/README.md ("Issue 28: a float codec without torch"): at most 1.015x
+  planes, each coded as one zstd frame. The chunk is split into byte planes (byte 0 of every 2- or
+  4-byte element, then byte 1, ...: the top plane holds the sign and the exponent's high bits, the
+  others mantissa bits). Since issue 28 item 2's decode work, a plane's frame holds its literals
+  alone, Huffman-coded per 128 KiB block with no matches (:func:`.zstdlib.literal_frame`: ZipNN's
+  code, a table per 256 KiB there), written with libblosc2's zstd Huffman coder; where that is not
+  available (and in chunks written before), zstd with ``PLANE_PARAMS`` (minimum match 7, a 64-entry
+  hash table, 128 KiB blocks: mostly literals, a few matches). Both are plain zstd frames: every
+  decoder reads either; a frame of literals alone is decoded block by block straight into the
+  merge (:func:`.byteshuffle.merge_blocks`), others by zstd's frame decoder into a per-thread
+  buffer (:mod:`.zstdlib`) or by python-zstandard. A plane is stored raw when it does not shrink
+  (decided on a 64 KiB sample first for planes over 256 KiB: the mantissa planes are noise).
+  Body: per plane a mode byte (0 raw, 1 zstd), its length (4 bytes, little endian) and its bytes;
+  then the tail shorter than an element as it is. Planes are split and merged by libblosc2's byte
+  shuffle in one compiled pass (:mod:`.byteshuffle`; numpy makes the same bytes where the library
+  is missing). Measured against ZipNN in bench/README.md ("Issue 28, item 2"): at most 1.015x
   ZipNN's bytes on bench/incremental.py's tensors;
 - ``zipnn-bf16`` / ``zipnn-f16`` / ``zipnn-f32``: ZipNN, what ``auto`` wrote before issue 28;
   still read (:mod:`.zipnn`: its decoder runs in a child process, and needs ZipNN's C module);
@@ -42,7 +45,7 @@ Bounds (stored bytes are hostile, issue 27): a decoder never makes more than the
 manifest gives the chunk (a zstd frame must announce exactly the size it is read as, before it is
 decoded: zstandard sizes its output by the frame's own header), and anything malformed is a
 :class:`DataLossError` (tests/persistent/test_codec_fuzz.py). Everything here is blocking; the tier
-calls it from worker threads, and zstd, libblosc2 and numpy release the GIL: chunks are coded on as many
+calls it from worker threads, and zstd, libblosc2 (ctypes) and numpy release the GIL: chunks are coded on as many
 cores as there are threads coding (``KNOBS.codec_threads`` / ``read_threads``). zstd coders are
 per thread. Nothing here imports torch (tests/persistent/test_torchfree.py).
 """
@@ -55,7 +58,7 @@ from typing import Any
 
 from tierckpt.errors import DataLossError, FailedPreconditionError
 
-from . import byteshuffle
+from . import byteshuffle, zstdlib
 from .codec import ChunkCodec, chunk_codec, register_codec
 from .zipnn import ZIPNN, ZipNNCodec
 
@@ -72,7 +75,8 @@ PLANE_PARAMS = {"window_log": 17, "hash_log": 6, "chain_log": 6, "search_log": 1
 """zstd parameters (strategy "fast") of each byte plane of the ``bp*`` codecs: the smallest hash
 table, the longest minimum match, 128 KiB blocks (a block is at most the window): few matches,
 literals Huffman-coded per block (bench/README.md, "Issue 28": the smallest and fastest setting
-measured on the exponent plane)."""
+measured on the exponent plane). Used where libblosc2's Huffman coder is not available
+(:func:`_plane_coder`); chunks written with it before still decode."""
 
 PLANES = {"bfloat16": "bp2-zstd", "float16": "bp2-zstd", "float32": "bp4-zstd"}
 """The byte-plane codec of each float dtype (``auto``'s choice)."""
@@ -90,6 +94,7 @@ _RAW, _PACKED = b"\x00", b"\x01"
 _UINT = {2: "<u2", 4: "<u4"}
 _SAMPLE = 1 << 16  # bytes of a large plane compressed first: a plane that does not shrink there is stored raw
 _local = threading.local()
+_KEEP = 64 << 20  # bytes of decoded planes a thread keeps between chunks (an 8 MiB chunk needs at most 8 MiB)
 _NUMPY = {"<f4": "float32", "<f2": "float16", "<i2": "int16", "<u2": "uint16", "<i4": "int32", "<u4": "uint32"}
 
 
@@ -198,13 +203,24 @@ def _unpack_planes(body: memoryview, size: int, width: int) -> bytes:
     return _unplanes(planes, width)
 
 
+def _plane_coder() -> Any:
+    """What codes one byte plane into a zstd frame: literals alone, Huffman-coded per 128 KiB
+    block (:func:`.zstdlib.literal_frame`: decoded 10-25% faster than zstd's frames with the rare
+    matches of :data:`PLANE_PARAMS`, bench/README.md "Issue 28, item 2"), or, where libblosc2's
+    Huffman coder is not available, zstd with :data:`PLANE_PARAMS`. Either is one zstd frame:
+    every decoder of ``bp*`` reads both."""
+    if zstdlib.available() and zstdlib.huffman():
+        return zstdlib.literal_frame
+    return _zstd(None)[0].compress
+
+
 def _pack_plane(plane: Any) -> list[Any]:
     """Mode, length and bytes of one byte plane of a ``bp*`` body (raw unless zstd shrinks it)."""
-    comp = _zstd(None)[0]
-    if len(plane) > 4 * _SAMPLE and len(comp.compress(plane[:_SAMPLE])) >= _SAMPLE * 0.97:
+    code = _plane_coder()
+    if len(plane) > 4 * _SAMPLE and len(code(plane[:_SAMPLE])) >= _SAMPLE * 0.97:
         packed = None  # noise (a mantissa plane): not worth coding in full
     else:
-        packed = comp.compress(plane)
+        packed = code(plane)
     body, mode = (packed, _PACKED) if packed is not None and len(packed) < len(plane) else (plane, _RAW)
     return [mode, len(body).to_bytes(4, "little"), body]
 
@@ -218,26 +234,61 @@ def _pack_bp(data: bytes | bytearray | memoryview, width: int) -> list[Any]:
     return [*parts, bytes(planes[count * width:])]
 
 
+def _unzstd_plane(frame: memoryview, count: int, slot: int) -> Any:
+    """The ``count`` bytes of the zstd-coded byte plane ``slot`` of a ``bp*`` body: decoded by
+    libblosc2's zstd into this thread's plane buffer (:mod:`.zstdlib`: no new object whose pages
+    are faulted in, bench/README.md "Issue 28, item 2"), else by python-zstandard. The buffer is
+    reused by this thread's next decode: the merge copies the planes out before returning."""
+    if not zstdlib.available():
+        return memoryview(_unzstd(frame, count, None))
+    import numpy as np
+
+    need = (slot + 1) * count
+    held = getattr(_local, "planes", None)
+    if held is None or len(held) < need:
+        held = np.zeros(need, np.uint8)
+        if need <= _KEEP:
+            _local.planes = held
+    plane = held[slot * count:need]
+    try:
+        zstdlib.decompress_into(frame, plane.ctypes.data, count)
+    except ValueError as err:
+        raise DataLossError(f"byte plane {slot}: {err}") from None
+    return plane
+
+
 def _unpack_bp(body: memoryview, size: int, width: int) -> bytearray:
     """The chunk of a ``bp*`` body: its planes (decoded when coded, else where they lie in the
-    body) merged into elements in one compiled pass (:func:`.byteshuffle.merge`)."""
-    count, pos, planes = size // width, 0, []
+    body) merged into elements in one compiled pass (:func:`.byteshuffle.merge`). A chunk whose
+    one coded plane is a frame of literals alone (:func:`.zstdlib.literal_frame`, what this
+    encoder writes) has that plane decoded block by block into the merge itself
+    (:func:`.byteshuffle.merge_blocks`)."""
+    count, pos, parts = size // width, 0, []
     for _ in range(width):
         if pos + 5 > len(body):
             raise DataLossError("byte planes cut short")
         mode, length = body[pos:pos + 1], int.from_bytes(body[pos + 1:pos + 5], "little")
         part = body[pos + 5:pos + 5 + length]
         pos += 5 + length
-        if mode == _PACKED:
-            part = memoryview(_unzstd(part, count, None))
-        elif mode != _RAW:
+        if mode not in (_PACKED, _RAW):
             raise DataLossError(f"byte plane of unknown mode {bytes(mode)!r}")
-        if len(part) != count:
+        if mode == _RAW and len(part) != count:
             raise DataLossError(f"byte plane of {len(part)} bytes, expected {count}")
-        planes.append(part)
+        parts.append((mode == _PACKED, part))
     if len(body) - pos != size - count * width:
         raise DataLossError(f"{len(body) - pos} bytes after the byte planes, expected {size - count * width}")
-    return byteshuffle.merge(planes, body[pos:], width)
+    tail = body[pos:]
+    coded = [k for k, (packed, _) in enumerate(parts) if packed]
+    if len(coded) == 1 and byteshuffle.native() is not None and 0 < size <= byteshuffle.MAX:
+        try:
+            blocks = zstdlib.literal_blocks(parts[coded[0]][1], count)
+            if blocks is not None:
+                return byteshuffle.merge_blocks([p for _, p in parts], coded[0], blocks, zstdlib.put_block, tail,
+                                                width)
+        except ValueError as err:
+            raise DataLossError(f"byte plane {coded[0]}: {err}") from None
+    planes = [_unzstd_plane(part, count, k) if packed else part for k, (packed, part) in enumerate(parts)]
+    return byteshuffle.merge(planes, tail, width)
 
 
 class _Planes(ChunkCodec):
