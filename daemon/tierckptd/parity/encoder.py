@@ -12,6 +12,7 @@ parity) is asked again at the next catch-up; the request is idempotent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -168,7 +169,7 @@ class Encoder:
                 return self._finish(st, TierError(f"{man.job} step {man.step} rank {man.rank} was evicted or "
                                                   "re-saved before its parity was committed"))
             missing = [h for h in st.holders if h not in st.acked]
-            async with self._sem:
+            async with (contextlib.nullcontext() if self._unchanged(man) else self._sem):
                 outcomes = await asyncio.gather(*(self._ask(man, h, st.holders.index(h), len(st.holders))
                                                   for h in missing), return_exceptions=True)
             for h, out in zip(missing, outcomes):
@@ -190,6 +191,19 @@ class Encoder:
         failed = ", ".join(f"{h} ({st.failures.get(h, 'not answered')})" for h in st.holders if h not in st.acked)
         self._finish(st, TierError(f"{man.job} step {man.step} rank {man.rank}: parity committed on "
                                    f"{len(st.acked)} of {len(st.holders)} protectors; failed: {failed}"))
+
+    def _unchanged(self, man: Manifest) -> bool:
+        """Whether the rank's shards are those of its previous step here (same names, sizes and
+        checksums). Its protectors then link the base step's parity once every member of a slot
+        has claimed its place (:mod:`.share`): such a rank does not take one of the
+        ``max_parallel_ranks`` places, or ranks waiting for each other's claims could hold them
+        all (more ranks per node than places) until ``parity_share_wait``."""
+        prev = [s for s, ranks in self.store.steps(man.job).items() if s < man.step and man.rank in ranks]
+        if not prev:
+            return False
+        old = self.store.get(man.job, max(prev), man.rank)
+        return old is not None and [(s.name, s.size, s.checksum) for s in old.shards] == [
+            (s.name, s.size, s.checksum) for s in man.shards]
 
     async def _ask(self, man: Manifest, holder: str, chunk: int, chunks: int) -> str:
         """Have ``holder`` protect chunk ``chunk``; returns its instance."""
