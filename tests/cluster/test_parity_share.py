@@ -1,8 +1,9 @@
 """Parity shared with the base step (issue 32 item 4, :mod:`tierckptd.parity.share`), real daemons
 on loopback: a step whose shards are all unchanged pulls nothing for its parity (its slots/rows
-are hard-linked from the base step's), a step with one changed rank pulls only the slots that
-rank is in; a wiped node's ranks restore exactly from the shared parity, also once the base step
-was evicted (its parity dropped) by retention."""
+are hard-linked from the base step's); a step with one changed rank pulls that rank's old and new
+chunks only (the slots/rows it is in are updated by delta); a step with every rank changed is
+encoded anew. A wiped node's ranks restore exactly from the shared parity, also once the base
+step was evicted (its parity dropped) by retention."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def _check(cl: Cluster, node: str, job: str, step: int, rank: int, shards: dict[
 @pytest.mark.parametrize("redundancy,pdir", [("parity:4+1", "parity"), ("parity:3+2", "parity-rs")])
 def test_unchanged_ranks_share_parity_changed_ones_are_pulled_restores_exact(daemon_factory, redundancy, pdir):
     cl = Cluster(daemon_factory, 5, replicas=0, metrics=True,
-                 extra=("--redundancy", redundancy, "--keep-local", "2"))
+                 extra=("--redundancy", redundancy, "--keep-local", "3"))
     job, world = "share", 10  # two ranks per node
     v1 = _data(world, {})
     fresh = sum(s.nbytes for r in v1.values() for s in r.values())
@@ -81,28 +82,30 @@ def test_unchanged_ranks_share_parity_changed_ones_are_pulled_restores_exact(dae
     assert len(one) == len(two) > 0
     assert {p.stat().st_ino for p in one} == {p.stat().st_ino for p in two}  # the same files
 
-    # step 3: rank 0 changed: only the slots/rows holding one of its chunks are encoded again
+    # step 3: rank 0 changed: the slots/rows holding one of its chunks are updated by its delta
+    # (old and new chunk pulled), the others linked
     v3 = _data(world, {0: 3})
     before = _metric(cl, PULLED)
     _save(cl, job, 3, v3, set(range(1, world)))
-    pulled = _metric(cl, PULLED) - before
     rank0 = sum(s.nbytes for s in v3[0].values())
-    assert m * rank0 <= pulled < 0.75 * m * fresh, (pulled, fresh)
+    assert _metric(cl, PULLED) - before == pytest.approx(2 * m * rank0, rel=0.01)
     three = _files(cl, pdir, job, 3)
     assert 0 < len({p.stat().st_ino for p in three} & {p.stat().st_ino for p in two}) < len(three)
 
-    # retention (keep 2) evicted step 1 everywhere: its parity is dropped, steps 2 and 3 keep theirs
+    # step 4: every rank changed: a delta would cost more than encoding anew, which is done
+    v4 = _data(world, dict.fromkeys(range(world), 4))
+    before = _metric(cl, PULLED)
+    _save(cl, job, 4, v4, set())
+    assert _metric(cl, PULLED) - before == pytest.approx(m * fresh, rel=0.01)
+
+    # retention (keep 3) evicted step 1 everywhere: its parity is dropped, the later steps keep theirs
     wait_until(lambda: not _files(cl, pdir, job, 1), timeout=60, what="step 1's parity dropped")
     assert len(_files(cl, pdir, job, 2)) == len(two)
 
-    # kill -9 and wipe a node: its ranks of steps 2 and 3 are rebuilt exactly from the shared parity
+    # kill -9 and wipe a node: its ranks of steps 2-4 are rebuilt exactly from the shared parity
     cl.replace("n2")
     cl.wait_peers("n2")
     for rank in (2, 7):
         _check(cl, "n2", job, 2, rank, v1[rank])
         _check(cl, "n2", job, 3, rank, v3[rank])
-    # and the changed rank's owner too
-    cl.replace("n0")
-    cl.wait_peers("n0")
-    _check(cl, "n0", job, 3, 0, v3[0])
-    _check(cl, "n0", job, 2, 0, v1[0])
+        _check(cl, "n2", job, 4, rank, v4[rank])

@@ -169,7 +169,7 @@ class Encoder:
                 return self._finish(st, TierError(f"{man.job} step {man.step} rank {man.rank} was evicted or "
                                                   "re-saved before its parity was committed"))
             missing = [h for h in st.holders if h not in st.acked]
-            async with (contextlib.nullcontext() if self._unchanged(man) else self._sem):
+            async with (contextlib.nullcontext() if self._may_share(man) else self._sem):
                 outcomes = await asyncio.gather(*(self._ask(man, h, st.holders.index(h), len(st.holders))
                                                   for h in missing), return_exceptions=True)
             for h, out in zip(missing, outcomes):
@@ -192,18 +192,13 @@ class Encoder:
         self._finish(st, TierError(f"{man.job} step {man.step} rank {man.rank}: parity committed on "
                                    f"{len(st.acked)} of {len(st.holders)} protectors; failed: {failed}"))
 
-    def _unchanged(self, man: Manifest) -> bool:
-        """Whether the rank's shards are those of its previous step here (same names, sizes and
-        checksums). Its protectors then link the base step's parity once every member of a slot
-        has claimed its place (:mod:`.share`): such a rank does not take one of the
-        ``max_parallel_ranks`` places, or ranks waiting for each other's claims could hold them
-        all (more ranks per node than places) until ``parity_share_wait``."""
-        prev = [s for s, ranks in self.store.steps(man.job).items() if s < man.step and man.rank in ranks]
-        if not prev:
-            return False
-        old = self.store.get(man.job, max(prev), man.rank)
-        return old is not None and [(s.name, s.size, s.checksum) for s in old.shards] == [
-            (s.name, s.size, s.checksum) for s in man.shards]
+    def _may_share(self, man: Manifest) -> bool:
+        """Whether the rank has an earlier step here: its protectors may then hold its chunks
+        while the other members of their base slots claim theirs (:mod:`.share`), so it does not
+        take one of the ``max_parallel_ranks`` places, or ranks waiting for each other's claims
+        could hold them all (more ranks per node than places) until ``parity_share_wait``. The
+        protectors still pull one chunk at a time each."""
+        return any(s < man.step and man.rank in ranks for s, ranks in self.store.steps(man.job).items())
 
     async def _ask(self, man: Manifest, holder: str, chunk: int, chunks: int) -> str:
         """Have ``holder`` protect chunk ``chunk``; returns its instance."""

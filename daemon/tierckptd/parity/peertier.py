@@ -97,12 +97,22 @@ class ParityPeerTier(PeerTier):
         return merge_copies({0: out}, {0: {s: r[rank] for s, r in near.items() if rank in r}})[0]
 
     async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None) -> Manifest:
-        """A full copy from a live peer if one holds it, else the rank reconstructed from parity."""
+        """A full copy from a live peer of the neighbourhood if one holds it, else the rank
+        reconstructed from parity (its group first), else a full copy anywhere: a lost rank costs
+        O(neighbourhood + group) calls, not one per node (under parity no replica exists, so the
+        replica path's ask-everyone fallback would find nothing, N - 1 calls later)."""
         try:
-            return await super().fetch(job, step, rank, job_owner)
+            return await self.fetcher.fetch(job, step, rank, job_owner, anywhere=False)
         except (NotFoundError, UnavailableError, DataLossError) as e:
             log.info("%s step %d rank %d: no full peer copy (%s); reconstructing from parity", job, step, rank, e)
+        try:
             return await self.parity.rebuilder.fetch(job, step, rank, job_owner)
+        except (NotFoundError, UnavailableError, DataLossError) as e:
+            log.info("%s step %d rank %d: %s; asking every peer for a full copy", job, step, rank, e)
+            try:
+                return await super().fetch(job, step, rank, job_owner)
+            except NotFoundError:
+                raise e from None
 
     async def wait(self, job: str, step: int, rank: int, timeout: float | None) -> list[str]:
         """Until the parity of every chunk of the rank is committed on its protectors."""

@@ -30,11 +30,11 @@ from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from ..offload import run_blocking
 from . import layout, rslayout
-from .protector import Protector, pull_incoming
+from .protector import Protector, pull_incoming, pulled_deltas
 from .ranges import PIECE
 from .rs import Codec
 from .rsslots import RsStore
-from .share import ShareBoard, member_key, share
+from .share import ShareBoard, member_key, share, worth_delta
 from .slots import Member
 
 __all__ = ["RsProtector", "check_row"]
@@ -97,20 +97,36 @@ class RsProtector:
 
     async def _share(self, man: Manifest, chunk: int, k: int, stripe: int, row: int, lane: str) -> Any:
         """The row of this step linked from the base step's (:mod:`.share`), or None: pull."""
-        base_step, lane, keys, same = await run_blocking(self.rstore.share_plan, man, chunk, k, stripe, row, lane)
+        base_step, lane, keys, state, old = await run_blocking(self.rstore.share_plan, man, chunk, k, stripe, row,
+                                                               lane)
         ident = (man.job, man.step, stripe, lane, row)
-        if not same or base_step is None:
+        if base_step is None or state in ("none", "exists"):
             if lane:
                 self.board.break_(ident)  # this chunk joins the row by encoding: its claimants encode too
             return None
         member = Member(man.node, man.rank, man.generation, chunk, k, man.to_json().decode())
-        slot = await share(self.board, ident, keys, member_key(man.node, man.rank, chunk), member,
-                           lambda ms: self.rstore.link(man.job, man.step, base_step, stripe, lane, row, ms))
+        slot = await share(self.board, ident, keys, member_key(man.node, man.rank, chunk),
+                           (member, old if state == "changed" else None),
+                           lambda claims: self._link(man.job, man.step, base_step, stripe, lane, row, k, claims))
         if slot is None:  # linked all the same by a claimant cancelled meanwhile?
             return self.rstore.find(man.job, man.step, (man.node, man.rank, man.generation, chunk), row)
-        if self.metrics:
+        if self.metrics and state == "same":
             self.metrics.parity_linked_bytes.inc(layout.chunk_span(man.nbytes, k, chunk)[1])
         return slot
+
+    async def _link(self, job: str, step: int, base_step: int, stripe: int, lane: str, row: int, k: int,
+                    claims: dict) -> Any:
+        members = [m for m, _ in claims.values()]
+        changed = [(m, old) for m, old in claims.values() if old is not None]
+        if not changed:
+            return await run_blocking(self.rstore.link, job, step, base_step, stripe, lane, row, members)
+        if not worth_delta(len(changed), len(members)):
+            return None
+        async with self._pulling:
+            async with pulled_deltas(self.rstore, self.store, self.cluster, self.node_id, changed,
+                                     self.metrics) as files:
+                return await run_blocking(self.rstore.link, job, step, base_step, stripe, lane, row, members,
+                                          self.codec(k), files)
 
     async def _pull_and_add(self, man: Manifest, chunk: int, codec: Codec, stripe: int, row: int, lane: str) -> Any:
         off, length = layout.chunk_span(man.nbytes, codec.k, chunk)

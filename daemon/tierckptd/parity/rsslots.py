@@ -19,18 +19,19 @@ import mmap
 import os
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tierckpt.common import checksum
-from tierckpt.errors import FailedPreconditionError, NotFoundError, TierckptError
+from tierckpt.errors import DataLossError, FailedPreconditionError, NotFoundError
 
 from ..local.localfs import FILE_MODE, LocalDir, check_regular, digest_fd
 from ..local.manifest import Manifest
 from .rs import Codec
-from .share import link_file, member_key, same_chunk, unshare
-from .slots import Member, charged, data_ino, step_dirs
+from .share import link_file, member_key, unshare
+from .slots import Member, charged, data_ino, same_state, step_dirs
 
 __all__ = ["RsStore", "Row", "RS_DIR"]
 
@@ -172,10 +173,10 @@ class RsStore:
         return ""
 
     def share_plan(self, man: Manifest, chunk: int, k: int, stripe: int, row: int,
-                   lane: str) -> tuple[int | None, str, list[tuple[str, int, int]], bool]:
-        """Where a chunk would share (:mod:`.share`): (base step or None, lane ("" = a new one),
-        the base row's member keys, whether this chunk is unchanged there and the row of this
-        step does not exist yet)."""
+                   lane: str) -> tuple[int | None, str, list[tuple[str, int, int]], str, str]:
+        """Where a chunk would share (:mod:`.share`): (base step, lane ("" = a new one), the base
+        row's member keys, state, the member's manifest in the base step); states as
+        :meth:`.slots.ParityStore.share_plan`."""
         key = member_key(man.node, man.rank, chunk)
         with self._lock:
             base = self._base_locked(man.job, man.step)
@@ -184,20 +185,23 @@ class RsStore:
             old = base[1].get(Row(stripe, lane, row).name) if base and lane else None
             was = next((m for m in old.members if member_key(m.node, m.rank, m.chunk) == key), None) if old else None
             if base is None or old is None or was is None:
-                return None, lane, [], False
-            exists = Row(stripe, lane, row).name in self._steps.get((man.job, man.step), {})
+                return None, lane, [], "none", ""
+            if Row(stripe, lane, row).name in self._steps.get((man.job, man.step), {}):
+                return base[0], lane, [], "exists", ""
             keys = [member_key(m.node, m.rank, m.chunk) for m in old.members]
-        try:
-            same = not exists and was.chunks == k and same_chunk(Manifest.from_json(was.manifest), man, k, chunk)
-        except (TierckptError, ValueError, KeyError):  # an old manifest no longer readable: encode
-            same = False
-        return base[0], lane, keys, same
+        return base[0], lane, keys, same_state(was, man, k, chunk), was.manifest
 
-    def link(self, job: str, step: int, base_step: int, stripe: int, lane: str, row: int,
-             members: list[Member]) -> Row | None:
+    def link(self, job: str, step: int, base_step: int, stripe: int, lane: str, row: int, members: list[Member],
+             codec: Codec | None = None, deltas: Sequence[tuple[int, int, int]] = ()) -> Row | None:
         """Row ``row`` of ``lane`` of ``stripe`` of ``step``: the base step's hard-linked, with
-        ``members`` (those of the base row, by place). None when the base row is gone or changed,
-        or the row of ``step`` exists."""
+        ``members`` (those of the base row, by place). With ``deltas`` ((fd, length, position)
+        of chunk files: each changed member's old and new chunk), a checked private copy of it
+        updated by them (``codec``). None when the base row is gone or changed, or the row of
+        ``step`` exists.
+
+        Raises:
+            DataLossError: the base row fails its checksum (a delta would hide it).
+        """
         name = Row(stripe, lane, row).name
         with self._lock:
             step_lock = self._adding.setdefault((job, step), threading.Lock())
@@ -213,7 +217,11 @@ class RsStore:
                 self.fs.atomic_write(sfd, name + ".json", slot.to_json(pending=True), fsync=self.fsync)
                 try:
                     link_file(self.fs, bfd, sfd, name + ".bin")
-                except OSError:
+                    if deltas:
+                        assert codec is not None
+                        slot.size, slot.checksum = self._apply(sfd, name + ".bin", old, codec, deltas)
+                except BaseException:
+                    self.fs.unlink(sfd, name + ".bin")
                     self.fs.unlink(sfd, name + ".json")
                     raise
                 slot.ino = data_ino(self.fs, sfd, name + ".bin")
@@ -221,6 +229,32 @@ class RsStore:
             with self._lock:
                 self._steps.setdefault((job, step), {})[name] = slot
             return slot
+
+    def _apply(self, sfd: int, name: str, old: Row, codec: Codec,
+               deltas: Sequence[tuple[int, int, int]]) -> tuple[int, str]:
+        """Update a private copy of linked file ``name`` (checked against ``old``'s checksum
+        first) by ``deltas``; returns its new size and checksum. Adding a chunk's share twice
+        cancels it (GF(2^8) addition is XOR): old and new chunk together replace one by the other."""
+        fd = self.fs.open_regular(sfd, name, os.O_RDWR, "parity row")
+        try:
+            fd = unshare(fd, sfd, name)
+            if (digest_fd(fd, old.size) if old.size else checksum.digest(b"")) != old.checksum:
+                raise DataLossError(f"parity row {name} fails its checksum: not updated by delta")
+            size = max([old.size, *(n for _, n, _ in deltas)])
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            for src, length, position in deltas:
+                if length:
+                    with mmap.mmap(fd, length, flags=mmap.MAP_SHARED) as dm, \
+                            mmap.mmap(src, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as sm:
+                        dst, data = np.frombuffer(dm, dtype=np.uint8), np.frombuffer(sm, dtype=np.uint8)
+                        codec.update([old.row], [dst], position, data)
+                        del dst, data  # the maps close only once no array views them
+            if self.fsync:
+                os.fsync(fd)
+            return size, (digest_fd(fd, size) if size else checksum.digest(b""))
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------------------ adding a chunk
 

@@ -12,24 +12,31 @@ What makes that possible:
 1. Placement mirrors the base: a member that was in slot ``n`` (XOR) or lane ``L`` (RS) of ``b``
    joins slot ``n`` / lane ``L`` of ``s`` (:func:`mirror`), so the membership of a slot does not
    depend on arrival order from one step to the next.
-2. A member whose chunk is unchanged (:func:`same_chunk`) does not pull at once: it *claims* its
-   place (:class:`ShareBoard`) and waits, at most ``KNOBS.parity_share_wait`` seconds, for the
-   other members of the base slot to claim theirs. The last one links the base file (the store's
-   ``link``) and every claimant is answered together: ``wait("peer")`` still resolves only once
-   the parity of ``s`` is committed, and it names exactly the members of ``s``.
-3. Anything else falls back to today's path, for every claimant of that slot: a member whose
-   chunk changed, a slot of ``s`` that already exists (a member joined it by XOR), a claimant
+2. A member whose chunk is in the base slot *claims* its place (:class:`ShareBoard`) instead of
+   pulling at once, saying whether its chunk is unchanged (:func:`same_chunk`), and waits, at
+   most ``KNOBS.parity_share_wait`` seconds, for the other members of the base slot to claim
+   theirs. The last one builds the slot of ``s`` for all of them: every member unchanged, the
+   base file hard-linked (the store's ``link``); a few changed (:func:`worth_delta`: fewer than
+   half), a private copy of the base file, checked against its checksum, updated by each
+   changed member's delta (its old chunk, still held by its owner in ``b``, and its new one
+   pulled: both codes are linear, and over GF(2^8) adding a share twice cancels it). Every
+   claimant is answered together, so ``wait("peer")`` still resolves only once the parity of
+   ``s`` is committed, and it names exactly the members of ``s``.
+3. Anything else falls back to today's path, for every claimant of that slot: a member not in
+   the base slot, a slot of ``s`` that already exists (a member joined it by encoding), many
+   changed members, a delta that failed (the old chunk gone, the base slot corrupt), a claimant
    that waited too long (a member that never comes). The claimants then pull and encode as a
-   fresh slot would; nothing is shared half-way, so no parity ever depends on the base step's
-   data once committed.
+   fresh slot would; no committed parity ever depends on the base step's data.
 4. A file with several links is never written in place (:func:`unshare`: copy first), so a
    member joining a base slot after it was linked, or a new member joining a linked slot, changes
    one step's parity only. Dropping ``b`` (retention, ``DropParity``) unlinks its names only: the
    inode stays for ``s``. Parity bytes are charged once per inode (the stores' ``nbytes``).
 
-Not done: a partially changed slot is encoded anew (all its members pulled) rather than updated
-by the delta of its changed members (both codes are linear, but the old chunk of a changed
-member would have to be pulled as well: its owner may have dropped it).
+The owner side (:meth:`.encoder.Encoder._may_share`) lets a rank with an earlier step skip the
+``max_parallel_ranks`` limit: otherwise ranks whose claims wait for each other could hold every
+place (more ranks per node than places) until the wait expires. That limit never bounded the
+owner's bandwidth under parity (each protector pulls one chunk at a time); without it more
+ProtectRank calls queue on a protector at once (all the ranks of a step, not 4 per owner).
 """
 
 from __future__ import annotations
@@ -37,18 +44,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from tierckpt.errors import TierckptError
 
 from ..knobs import KNOBS
 from ..local.localfs import FILE_MODE, LocalDir, check_regular
 from ..local.manifest import Manifest
-from ..offload import run_blocking
 from . import layout
 from .ranges import spans
 
-__all__ = ["same_chunk", "member_key", "unshare", "ShareBoard", "link_file", "share"]
+__all__ = ["same_chunk", "member_key", "unshare", "ShareBoard", "link_file", "share", "worth_delta"]
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +134,12 @@ def mirror(base: Iterable[tuple[Hashable, Iterable[MemberKey]]], key: MemberKey)
 class _Claims:
     want: frozenset[MemberKey]
     members: dict[MemberKey, Any] = field(default_factory=dict)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)  # every member claimed (or broken)
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class ShareBoard:
-    """Claims of unchanged members per slot of a step (event loop only: no lock).
+    """Claims of members per slot of a step (event loop only: no lock).
 
     A slot is identified by whatever the store names it by (``(job, step, slot)``,
     ``(job, step, stripe, lane, row)``); once broken it stays broken (a late claimant pulls).
@@ -144,27 +153,26 @@ class ShareBoard:
         """No sharing for this slot: every claimant falls back."""
         self._broken.add(ident)
         c = self._open.pop(ident, None)
-        if c is not None and not c.done.done():
-            c.done.set_result(None)
+        if c is not None:
+            c.complete.set()
+            self.resolve(c.done, None)
 
     def claim(self, ident: Hashable, want: Iterable[MemberKey], key: MemberKey,
-              member: Any) -> tuple[asyncio.Future, dict[MemberKey, Any] | None]:
-        """Claim ``key``'s place; returns the future every claimant awaits (the shared slot, or
-        None: fall back) and, for the claimant that completed the set, the members to link
-        (it links and then calls :meth:`resolve`)."""
+              claim: Any) -> tuple[_Claims | None, dict[MemberKey, Any] | None]:
+        """Claim ``key``'s place (None: the slot is broken, fall back); for the claimant that
+        completed the set, also every claim (it links, then calls :meth:`resolve`)."""
         if ident in self._broken:
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_result(None)
-            return fut, None
+            return None, None
         c = self._open.get(ident)
         if c is None:
             c = self._open[ident] = _Claims(frozenset(want))
-        c.members[key] = member
+        c.members[key] = claim
         if set(c.members) == c.want:
             del self._open[ident]
             self._broken.add(ident)  # linked or failed: never claimed again
-            return c.done, dict(c.members)
-        return c.done, None
+            c.complete.set()
+            return c, dict(c.members)
+        return c, None
 
     @staticmethod
     def resolve(fut: asyncio.Future, result: Any) -> None:
@@ -178,22 +186,33 @@ class ShareBoard:
         self._broken = {i for i in self._broken if not pred(i)}
 
 
-async def share(board: ShareBoard, ident: Hashable, want: Iterable[MemberKey], key: MemberKey, member: Any,
-                link: Callable[[list[Any]], Any]) -> Any | None:
+async def share(board: ShareBoard, ident: Hashable, want: Iterable[MemberKey], key: MemberKey, claim: Any,
+                link: Callable[[dict[MemberKey, Any]], Awaitable[Any]]) -> Any | None:
     """Claim ``key``'s place in slot ``ident`` and wait for the slot to be linked: the linked
-    slot/row, or None (fall back: pull and encode). The claimant completing the set calls
-    ``link(members)`` (blocking; None or OSError: not linked) for all."""
-    fut, complete = board.claim(ident, want, key, member)
+    slot/row, or None (fall back: pull and encode). Claims are collected for at most
+    ``KNOBS.parity_share_wait`` seconds; the claimant completing the set calls ``link(claims)``
+    (None, OSError or a TierckptError: not linked) for all, and the others wait for it."""
+    c, complete = board.claim(ident, want, key, claim)
+    if c is None:
+        return None
     if complete is not None:
         done = None
         try:
-            done = await run_blocking(link, list(complete.values()))
-        except OSError as e:
+            done = await link(complete)
+        except (OSError, TierckptError) as e:
             log.warning("parity of %s not shared with its base step: %s", ident, e)
         finally:
-            board.resolve(fut, done)
-    try:
-        return await asyncio.wait_for(asyncio.shield(fut), KNOBS.parity_share_wait)
-    except TimeoutError:
-        board.break_(ident)  # a member did not come: every claimant encodes
-        return None
+            board.resolve(c.done, done)
+    else:
+        try:
+            await asyncio.wait_for(c.complete.wait(), KNOBS.parity_share_wait)
+        except TimeoutError:
+            board.break_(ident)  # a member did not come: every claimant encodes
+            return None
+    return await asyncio.shield(c.done)
+
+
+def worth_delta(changed: int, members: int) -> bool:
+    """Whether updating a base slot/row by the delta of its ``changed`` members (2 chunks pulled
+    each: old and new) costs less network than encoding it anew (``members`` chunks pulled)."""
+    return 2 * changed < members

@@ -18,11 +18,12 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierckpt.common import checksum
-from tierckpt.errors import NotFoundError, TierckptError
+from tierckpt.errors import DataLossError, NotFoundError, TierckptError
 
 from ..local.localfs import FILE_MODE, LocalDir, check_regular, digest_fd
 from ..local.manifest import Manifest
@@ -56,6 +57,15 @@ def data_ino(fs: LocalDir, dir_fd: int, name: str) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return (st.st_dev, st.st_ino)
+
+
+def same_state(was: Member, man: Manifest, chunks: int, chunk: int) -> str:
+    """"same" if ``man``'s chunk holds the bytes base member ``was`` held, else "changed"."""
+    try:
+        return "same" if was.chunks == chunks and same_chunk(Manifest.from_json(was.manifest), man, chunks,
+                                                             chunk) else "changed"
+    except (TierckptError, ValueError, KeyError):  # an old manifest no longer readable: encode
+        return "changed"
 
 
 def charged(parts) -> int:
@@ -202,10 +212,10 @@ class ParityStore:
         return max([*slots, *bslots], default=-1) + 1
 
     def share_plan(self, man: Manifest, chunk: int, chunks: int) -> tuple[int | None, int, list[tuple[str, int, int]],
-                                                                          bool]:
-        """Where a chunk would share (:mod:`.share`): (base step or None, the slot it joins, the
-        base slot's member keys, whether this chunk is unchanged there and the slot of this step
-        does not exist yet)."""
+                                                                          str, str]:
+        """Where a chunk would share (:mod:`.share`): (base step, the slot it joins, the base
+        slot's member keys, state, the member's manifest in the base step). State: "none" (no
+        base member), "exists" (the slot of this step exists), "same" or "changed" (its bytes)."""
         key = member_key(man.node, man.rank, chunk)
         with self._lock:
             base = self._base_locked(man.job, man.step)
@@ -213,20 +223,23 @@ class ParityStore:
             old = base[1].get(n) if base else None
             was = next((m for m in old.members if member_key(m.node, m.rank, m.chunk) == key), None) if old else None
             if base is None or old is None or was is None:
-                return None, n, [], False
-            exists = n in self._steps.get((man.job, man.step), {})
+                return None, n, [], "none", ""
+            if n in self._steps.get((man.job, man.step), {}):
+                return base[0], n, [], "exists", ""
             keys = [member_key(m.node, m.rank, m.chunk) for m in old.members]
-        try:
-            same = not exists and was.chunks == chunks and same_chunk(Manifest.from_json(was.manifest), man, chunks,
-                                                                       chunk)
-        except (TierckptError, ValueError, KeyError):  # an old manifest no longer readable: encode
-            same = False
-        return base[0], n, keys, same
+        return base[0], n, keys, same_state(was, man, chunks, chunk), was.manifest
 
-    def link(self, job: str, step: int, base_step: int, n: int, members: list[Member]) -> Slot | None:
+    def link(self, job: str, step: int, base_step: int, n: int, members: list[Member],
+             deltas: Sequence[tuple[int, int]] = ()) -> Slot | None:
         """Slot ``n`` of ``step``: base slot ``n`` of ``base_step`` hard-linked, with ``members``
-        (those of the base slot, by place). None (nothing changed) when the base slot is gone or
-        changed, or slot ``n`` of ``step`` exists."""
+        (those of the base slot, by place). With ``deltas`` ((fd, length) of chunk files: each
+        changed member's old and new chunk), a checked private copy of it with them XORed in.
+        None (nothing changed) when the base slot is gone or changed, or slot ``n`` of ``step``
+        exists.
+
+        Raises:
+            DataLossError: the base slot fails its checksum (a delta would hide it).
+        """
         with self._lock:
             step_lock = self._adding.setdefault((job, step), threading.Lock())
         with step_lock:
@@ -237,18 +250,41 @@ class ParityStore:
                         member_key(m.node, m.rank, m.chunk) for m in members):
                     return None
                 slot = Slot(n, old.size, old.checksum, list(members), old.ino)
+            name = self._name(n, "bin")
             with self.fs.dir(_step_dir(job, base_step)) as bfd, self.fs.dir(_step_dir(job, step), create=True) as sfd:
                 self.fs.atomic_write(sfd, self._name(n, "json"), slot.to_json(pending=True), fsync=self.fsync)
                 try:
-                    link_file(self.fs, bfd, sfd, self._name(n, "bin"))
-                except OSError:
+                    link_file(self.fs, bfd, sfd, name)
+                    if deltas:
+                        slot.size, slot.checksum = self._apply(sfd, name, old, deltas)
+                except BaseException:
+                    self.fs.unlink(sfd, name)
                     self.fs.unlink(sfd, self._name(n, "json"))
                     raise
-                slot.ino = data_ino(self.fs, sfd, self._name(n, "bin"))
+                slot.ino = data_ino(self.fs, sfd, name)
                 self.fs.atomic_write(sfd, self._name(n, "json"), slot.to_json(), fsync=self.fsync)
             with self._lock:
                 self._steps.setdefault((job, step), {})[n] = slot
             return slot
+
+    def _apply(self, sfd: int, name: str, old: Slot, deltas: Sequence[tuple[int, int]]) -> tuple[int, str]:
+        """XOR ``deltas`` into a private copy of linked file ``name`` (checked against ``old``'s
+        checksum first); returns its new size and checksum."""
+        fd = self.fs.open_regular(sfd, name, os.O_RDWR, "parity slot")
+        try:
+            fd = unshare(fd, sfd, name)
+            if (digest_fd(fd, old.size) if old.size else checksum.digest(b"")) != old.checksum:
+                raise DataLossError(f"parity slot {name} fails its checksum: not updated by delta")
+            size = max([old.size, *(n for _, n in deltas)])
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            for src, length in deltas:
+                xor_file_into_file(fd, src, length)
+            if self.fsync:
+                os.fsync(fd)
+            return size, (digest_fd(fd, size) if size else checksum.digest(b""))
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _name(n: int, ext: str) -> str:
