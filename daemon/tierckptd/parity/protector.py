@@ -83,8 +83,8 @@ class Protector:
             return None
         member = Member(man.node, man.rank, man.generation, chunk, chunks, man.to_json().decode())
         slot = await share(self.board, ident, keys, member_key(man.node, man.rank, chunk),
-                           (member, old if state == "changed" else None),
-                           lambda claims: self._link(man.job, man.step, base_step, n, claims))
+                           (member, old if state == "changed" else None), changed=state == "changed",
+                           link=lambda claims: self._link(man.job, man.step, base_step, n, claims))
         if slot is None:  # linked all the same by a claimant cancelled meanwhile?
             return self.pstore.find(man.job, man.step, man.node, man.rank, man.generation, chunk)
         if self.metrics and state == "same":

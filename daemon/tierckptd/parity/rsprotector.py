@@ -106,8 +106,8 @@ class RsProtector:
             return None
         member = Member(man.node, man.rank, man.generation, chunk, k, man.to_json().decode())
         slot = await share(self.board, ident, keys, member_key(man.node, man.rank, chunk),
-                           (member, old if state == "changed" else None),
-                           lambda claims: self._link(man.job, man.step, base_step, stripe, lane, row, k, claims))
+                           (member, old if state == "changed" else None), changed=state == "changed",
+                           link=lambda claims: self._link(man.job, man.step, base_step, stripe, lane, row, k, claims))
         if slot is None:  # linked all the same by a claimant cancelled meanwhile?
             return self.rstore.find(man.job, man.step, (man.node, man.rank, man.generation, chunk), row)
         if self.metrics and state == "same":

@@ -134,6 +134,7 @@ def mirror(base: Iterable[tuple[Hashable, Iterable[MemberKey]]], key: MemberKey)
 class _Claims:
     want: frozenset[MemberKey]
     members: dict[MemberKey, Any] = field(default_factory=dict)
+    changed: int = 0  # claims whose chunk changed
     complete: asyncio.Event = field(default_factory=asyncio.Event)  # every member claimed (or broken)
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -157,16 +158,22 @@ class ShareBoard:
             c.complete.set()
             self.resolve(c.done, None)
 
-    def claim(self, ident: Hashable, want: Iterable[MemberKey], key: MemberKey,
-              claim: Any) -> tuple[_Claims | None, dict[MemberKey, Any] | None]:
+    def claim(self, ident: Hashable, want: Iterable[MemberKey], key: MemberKey, claim: Any,
+              changed: bool = False) -> tuple[_Claims | None, dict[MemberKey, Any] | None]:
         """Claim ``key``'s place (None: the slot is broken, fall back); for the claimant that
-        completed the set, also every claim (it links, then calls :meth:`resolve`)."""
+        completed the set, also every claim (it links, then calls :meth:`resolve`). A slot with
+        so many ``changed`` claims that a delta is not worth it is broken at once (no claimant
+        waits for the rest: a step whose chunks all changed is encoded as soon as they come)."""
         if ident in self._broken:
             return None, None
         c = self._open.get(ident)
         if c is None:
             c = self._open[ident] = _Claims(frozenset(want))
         c.members[key] = claim
+        c.changed += changed
+        if not worth_delta(c.changed, len(c.want)):
+            self.break_(ident)
+            return None, None
         if set(c.members) == c.want:
             del self._open[ident]
             self._broken.add(ident)  # linked or failed: never claimed again
@@ -187,12 +194,12 @@ class ShareBoard:
 
 
 async def share(board: ShareBoard, ident: Hashable, want: Iterable[MemberKey], key: MemberKey, claim: Any,
-                link: Callable[[dict[MemberKey, Any]], Awaitable[Any]]) -> Any | None:
+                link: Callable[[dict[MemberKey, Any]], Awaitable[Any]], changed: bool = False) -> Any | None:
     """Claim ``key``'s place in slot ``ident`` and wait for the slot to be linked: the linked
     slot/row, or None (fall back: pull and encode). Claims are collected for at most
     ``KNOBS.parity_share_wait`` seconds; the claimant completing the set calls ``link(claims)``
     (None, OSError or a TierckptError: not linked) for all, and the others wait for it."""
-    c, complete = board.claim(ident, want, key, claim)
+    c, complete = board.claim(ident, want, key, claim, changed)
     if c is None:
         return None
     if complete is not None:
