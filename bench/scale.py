@@ -28,7 +28,11 @@ deltas; background polls in the same moments are included, so fractions of a cal
 Prints one markdown table and exits 1 when the target is missed: at the largest N, idle CPU per
 daemon (mean) and availability latency within ``--target``x (1.5) of N=4 (the smallest N).
 
-Usage: .venv/bin/python bench/scale.py [--sizes 4,8,16,32] [--window 20]
+With ``--redundancy parity:K+M`` the daemons protect with parity instead of replicas (no
+``--replicas``): the replaced node's rank is then reconstructed from its group's parity, and a
+call to a peer outside the node's neighbourhood *and* its parity group is flagged.
+
+Usage: .venv/bin/python bench/scale.py [--sizes 4,8,16,32] [--window 20] [--redundancy parity:4+1]
 The same script measures an older tree with PYTHONPATH=/other/client:/other/daemon (daemons
 inherit it); what that tree lacks (Availability, the peer_calls metric) is reported as n/a.
 """
@@ -48,6 +52,7 @@ import time
 import urllib.request
 
 import tierckpt
+from tierckptd.parity import layout
 from tierckptd.testing import Daemon, free_port, scratch_dir
 
 JOB = "scale"
@@ -129,6 +134,15 @@ def neighbourhood(node: str, ids: list[str], replicas: int) -> set[str]:
     return set(succ[:k]) | set(succ[::-1][:k])
 
 
+def near(node: str, ids: list[str], redundancy: str) -> set[str]:
+    """The peers a node is expected to call: its ring neighbourhood, and under parity its group."""
+    out = neighbourhood(node, ids, REPLICAS)
+    if redundancy.startswith("parity:"):
+        k, m = (int(x) for x in redundancy.split(":", 1)[1].split("+"))
+        out |= set(layout.group_of(node, ids, k + m, m + 1)) - {node}
+    return out
+
+
 def wait_until(pred, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while True:
@@ -160,10 +174,11 @@ def run_size(n: int, args) -> dict:
     reserved = reserve_ports(2 * n)
     ports, mports = dict(zip(ids, reserved[:n])), dict(zip(ids, reserved[n:]))
     peers = ",".join(f"{i}=127.0.0.1:{ports[i]}" for i in ids)
-    base = ("--peers", peers, "--replicas", str(REPLICAS))
+    parity = args.redundancy.startswith("parity:")
+    base = ("--peers", peers, *(("--redundancy", args.redundancy) if parity else ("--replicas", str(REPLICAS))))
     root = scratch_dir("tck-scale-")
     ds = {i: Daemon(root, i, port=ports[i], args=(*base, "--metrics-port", str(mports[i]))) for i in ids}
-    out: dict = {"n": n, "pred_nbhd": len(neighbourhood(ids[0], ids, REPLICAS)), "pred_full": n - 1}
+    out: dict = {"n": n, "pred_nbhd": len(near(ids[0], ids, args.redundancy)), "pred_full": n - 1}
     try:
         t0 = time.monotonic()
         with cf.ThreadPoolExecutor(max_workers=min(n, args.start_parallel)) as ex:
@@ -223,7 +238,7 @@ def run_size(n: int, args) -> dict:
                 called = {p for p, v in delta.items() if v > 0}
                 rates.append(sum(delta.values()) / (ts1 - ts0))
                 distinct.append(len(called))
-                extra = called - neighbourhood(i, ids, REPLICAS)
+                extra = called - near(i, ids, args.redundancy)
                 if extra:
                     outside[i] = sorted(extra)
             out["rpc_mean"], out["rpc_max"] = statistics.mean(rates), max(rates)
@@ -295,7 +310,7 @@ def calls(r: dict, key: str) -> str:
 
 
 COLUMNS = ("N", "idle CPU/daemon mean", "max", "all daemons (cores)", "RSS/daemon MiB", "peer RPC/s per daemon",
-           "model RPC/s: neighbourhood / full polling", "TCP bytes/s sent per daemon",
+           "model RPC/s: neighbourhood (+ group) / full polling", "TCP bytes/s sent per daemon",
            "distinct peers called mean / max", "status ms", "availability ms", "latest ms",
            "restore s: restore(job, rank) / availability + restore(step)")
 
@@ -327,10 +342,12 @@ def main() -> int:
     ap.add_argument("--start-parallel", type=int, default=4, help="daemons started at once")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--target", type=float, default=1.5)
+    ap.add_argument("--redundancy", default="replicas", help='"replicas" (R = 1) or "parity:K+M"')
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks (kill daemons)
-    print(f"# tierckpt {getattr(tierckpt, '__file__', '?')}; load average {os.getloadavg()[0]:.2f} "
+    print(f"# tierckpt {getattr(tierckpt, '__file__', '?')}; redundancy {args.redundancy}; "
+          f"load average {os.getloadavg()[0]:.2f} "
           f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; {os.cpu_count()} cpus", flush=True)
     rows = []
     for n in sizes:
@@ -344,7 +361,7 @@ def main() -> int:
               f"restore {r['restore_latest_s']:.3f}s / {fmt(r.get('restore_availability_s'), '.3f')}s; "
               f"load {os.getloadavg()[0]:.2f}", flush=True)
         if r.get("outside"):
-            print(f"  ! daemons calling peers outside their ring neighbourhood: {r['outside']}", flush=True)
+            print(f"  ! daemons calling peers outside their ring neighbourhood (and group): {r['outside']}", flush=True)
     print()
     print(table(rows))
     small, big = rows[0], rows[-1]

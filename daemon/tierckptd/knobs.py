@@ -94,6 +94,10 @@ class Knobs:
     """Seconds a bulk read ticket stays valid after its last use (it is also bound to the requester)."""
     commit_timeout: float = 60.0
     """Deadline of a CommitReplica RPC (the receiver verifies and commits the replica)."""
+    parity_share_wait: float = 5.0
+    """Seconds a parity protector holds an unchanged chunk's ProtectRank while the other members of
+    its base slot/row claim theirs (all unchanged: the base parity is linked, nothing pulled);
+    past it, they are pulled and encoded as new (:mod:`tierckptd.parity.share`)."""
 
     # -- persistent tier
     upload_threads: int = 8

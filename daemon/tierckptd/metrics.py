@@ -91,6 +91,14 @@ class Metrics:
             "shards): local = linked from the base step at BeginSave, peer = linked from a copy the receiver "
             "held when a replica was prepared (not sent over the bulk channel).",
             ["tier"], registry=r)
+        self.parity_pulled_bytes = Counter(
+            "tierckpt_parity_pulled_bytes_total",
+            "Chunk bytes this node pulled from their owners to encode into the parity it protects "
+            "(redundancy = parity:K+M).", registry=r)
+        self.parity_linked_bytes = Counter(
+            "tierckpt_parity_linked_bytes_total",
+            "Chunk bytes this node protected without pulling them: their parity slot/row was linked from the "
+            "base step, every member of it unchanged (redundancy = parity:K+M).", registry=r)
         self.saves = Counter(
             "tierckpt_saves_total",
             "Rank commits into a tier (local saves, peer replications, persistent drains) by result.",

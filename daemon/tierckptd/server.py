@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from tierckpt.common.names import MAX_METADATA_BYTES, check_job, check_rank, check_shard, check_step
@@ -360,7 +361,7 @@ def policy_from_pb(p: pb.JobPolicy) -> JobPolicy:
 
 
 def policy_to_pb(p: JobPolicy) -> pb.JobPolicy:
-    fields: dict[str, object] = {"keep_local": p.keep_local, "keep_persistent": p.keep_persistent,
+    fields: dict[str, Any] = {"keep_local": p.keep_local, "keep_persistent": p.keep_persistent,
                                  "persist_every": p.persist_every, "redundancy": p.redundancy}
     return pb.JobPolicy(**{k: v for k, v in fields.items() if v is not None})
 

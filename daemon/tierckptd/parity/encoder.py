@@ -12,6 +12,7 @@ parity) is asked again at the next catch-up; the request is idempotent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -175,7 +176,7 @@ class Encoder:
                 return self._finish(st, TierError(f"{man.job} step {man.step} rank {man.rank} was evicted or "
                                                   "re-saved before its parity was committed"))
             missing = [h for h in st.holders if h not in st.acked]
-            async with self._sem:
+            async with (contextlib.nullcontext() if self._may_share(man) else self._sem):
                 outcomes = await asyncio.gather(*(self._ask(man, h, st.holders.index(h), len(st.holders))
                                                   for h in missing), return_exceptions=True)
             for h, out in zip(missing, outcomes):
@@ -197,6 +198,14 @@ class Encoder:
         failed = ", ".join(f"{h} ({st.failures.get(h, 'not answered')})" for h in st.holders if h not in st.acked)
         self._finish(st, TierError(f"{man.job} step {man.step} rank {man.rank}: parity committed on "
                                    f"{len(st.acked)} of {len(st.holders)} protectors; failed: {failed}"))
+
+    def _may_share(self, man: Manifest) -> bool:
+        """Whether the rank has an earlier step here: its protectors may then hold its chunks
+        while the other members of their base slots claim theirs (:mod:`.share`), so it does not
+        take one of the ``max_parallel_ranks`` places, or ranks waiting for each other's claims
+        could hold them all (more ranks per node than places) until ``parity_share_wait``. The
+        protectors still pull one chunk at a time each."""
+        return any(s < man.step and man.rank in ranks for s, ranks in self.store.steps(man.job).items())
 
     async def _ask(self, man: Manifest, holder: str, chunk: int, chunks: int) -> str:
         """Have ``holder`` protect chunk ``chunk``; returns its instance."""

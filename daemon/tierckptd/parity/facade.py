@@ -10,22 +10,13 @@ full; catalogs list a rank as held by its protectors; a step evicted by retentio
 parity dropped on the protectors (``DropParity``, the whole step: retention evicts a complete
 step on every node alike).
 
-Unchanged shards (a save that links shards of its base step) are not shared with the parity:
-each step's chunks are pulled and encoded again, so a step whose shards are all unchanged costs
-the peer tier what a fresh one costs (one rank's worth of network per rank, 1/K of parity per
-member). The parity a protector holds is a combination of several owners' chunks (a slot: their
-XOR; a row: their Cauchy combination), never a chunk itself, so the replica rule (link the shard
-the receiver already holds byte-identically, :mod:`tierckptd.peer`) has nothing to link to. What
-the code would allow, and what it would take: both codes are linear, so step s's slot or row is
-step s-1's updated with each member's delta (``new XOR old`` over the byte ranges that changed,
-zero elsewhere; ``Codec.update`` for Reed-Solomon, XOR for M = 1), and an unchanged range would
-send nothing. That needs (1) the step s-1 slot/row to have exactly the same members at the same
-positions (same owners, ranks and chunk indices: slots and lanes are assigned in arrival order
-today, so only one rank per node per group is deterministic), (2) every member's base step to be
-s-1 and still held by its owner and the protector (retention and ``DropParity`` of s-1 then
-race with the update of s), and (3) a copy of the old slot per step on the protector (the
-memory saved by skipping the pull is spent again on the copy: the saving is network and
-encoding, not memory). Not built (issue 32 item 4): bench/README.md, "Parity instead of copies".
+Unchanged shards (a save that links shards of its base step) share their parity with the base
+step (:mod:`.share`): slots (XOR) and lanes (Reed-Solomon) take the place their members had in
+the base step, and a slot or row whose every member is unchanged is hard-linked from the base
+step's instead of pulled and encoded again: a step whose shards are all unchanged costs the
+peer tier no network and no new parity bytes. A slot or row with one changed member is encoded
+anew (all its members pulled, as for a fresh step): issue 32 item 4, bench/README.md, "Parity
+instead of copies".
 """
 
 from __future__ import annotations
@@ -169,6 +160,7 @@ class Parity:
     # ------------------------------------------------------------------------------ holder side
 
     async def drop_local(self, job: str, step: int) -> int:
+        self.protector.board.forget(lambda ident: ident[:2] == (job, step))
         return await run_blocking(self.pstore.drop, job, step)
 
     # ------------------------------------------------------------------------------ catalogs

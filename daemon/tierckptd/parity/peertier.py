@@ -147,13 +147,23 @@ class ParityPeerTier(PeerTier):
         return merge_copies({0: out}, {0: {s: r[rank] for s, r in near.items() if rank in r}})[0]
 
     async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None) -> Manifest:
-        """A full copy from a live peer if one holds it, else the rank reconstructed from parity
-        (in the code its protectors say it was protected under)."""
+        """A full copy from a live peer of the neighbourhood if one holds it, else the rank
+        reconstructed from parity (in the code its protectors say it was protected under, its
+        group first), else a full copy anywhere: a lost rank costs O(neighbourhood + group) calls,
+        not one per node (under parity no replica exists, so the replica path's ask-everyone
+        fallback would find nothing, N - 1 calls later)."""
         try:
-            return await super().fetch(job, step, rank, job_owner)
+            return await self.fetcher.fetch(job, step, rank, job_owner, anywhere=False)
         except (NotFoundError, UnavailableError, DataLossError) as e:
             log.info("%s step %d rank %d: no full peer copy (%s); reconstructing from parity", job, step, rank, e)
-            return await self.parities.fetch(job, step, rank, job_owner, otherwise=e)
+            try:
+                return await self.parities.fetch(job, step, rank, job_owner, otherwise=e)
+            except (NotFoundError, UnavailableError, DataLossError) as e2:
+                log.info("%s step %d rank %d: %s; asking every peer for a full copy", job, step, rank, e2)
+                try:
+                    return await super().fetch(job, step, rank, job_owner)
+                except NotFoundError:
+                    raise e2 from None
 
     async def wait(self, job: str, step: int, rank: int, timeout: float | None) -> list[str]:
         """Replicas: until R peers hold a copy; parity: until the parity of every chunk of the

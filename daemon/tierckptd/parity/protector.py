@@ -29,7 +29,8 @@ from ..offload import run_blocking
 from . import layout
 from .decode import decode_chunk, pull_range
 from .ranges import PIECE, read_range
-from .slots import ParityStore
+from .share import ShareBoard, member_key, share, worth_delta
+from .slots import Member, ParityStore
 
 __all__ = ["Protector"]
 
@@ -42,6 +43,7 @@ class Protector:
         self.node_id, self.store, self.pstore, self.cluster, self.size = node_id, store, pstore, cluster, size
         self.metrics = metrics
         self._inflight: dict[tuple[str, int, int, str, int], asyncio.Lock] = {}
+        self.board = ShareBoard()
         self._pulling = asyncio.Semaphore(1)
         """One chunk pulled at a time: the chunk waits in a temporary file (1/K of a rank) until it
         is XORed in, so at most one such file exists and the memory stays ~1 + 1/K. A holder
@@ -63,17 +65,51 @@ class Protector:
                 slot = self.pstore.find(man.job, man.step, man.node, man.rank, man.generation, chunk)
                 if slot is not None:
                     return ppb.ProtectRankResponse(already=True, parity_bytes=slot.size)
-                async with self._pulling:
-                    slot = await self._pull_and_add(man, chunk, chunks)
+                slot = await self._share(man, chunk, chunks)
+                if slot is None:
+                    async with self._pulling:
+                        slot = await self._pull_and_add(man, chunk, chunks)
                 return ppb.ProtectRankResponse(already=False, parity_bytes=slot.size)
         finally:
             if not lock.locked() and self._inflight.get(key) is lock:
                 del self._inflight[key]
 
+    async def _share(self, man: Manifest, chunk: int, chunks: int) -> Any:
+        """The slot of this step linked from the base step's (:mod:`.share`), or None: pull."""
+        base_step, n, keys, state, old = await run_blocking(self.pstore.share_plan, man, chunk, chunks)
+        ident = (man.job, man.step, n)
+        if base_step is None or state in ("none", "exists"):
+            self.board.break_(ident)  # this chunk joins slot n by XOR: its claimants encode too
+            return None
+        member = Member(man.node, man.rank, man.generation, chunk, chunks, man.to_json().decode())
+        slot = await share(self.board, ident, keys, member_key(man.node, man.rank, chunk),
+                           (member, old if state == "changed" else None), changed=state == "changed",
+                           link=lambda claims: self._link(man.job, man.step, base_step, n, claims))
+        if slot is None:  # linked all the same by a claimant cancelled meanwhile?
+            return self.pstore.find(man.job, man.step, man.node, man.rank, man.generation, chunk)
+        if self.metrics and state == "same":
+            self.metrics.parity_linked_bytes.inc(layout.chunk_span(man.nbytes, chunks, chunk)[1])
+        return slot
+
+    async def _link(self, job: str, step: int, base_step: int, n: int, claims: dict) -> Any:
+        members = [m for m, _ in claims.values()]
+        changed = [(m, old) for m, old in claims.values() if old is not None]
+        if not changed:
+            return await run_blocking(self.pstore.link, job, step, base_step, n, members)
+        if not worth_delta(len(changed), len(members)):
+            return None
+        async with self._pulling:
+            async with pulled_deltas(self.pstore, self.store, self.cluster, self.node_id, changed,
+                                     self.metrics) as files:
+                return await run_blocking(self.pstore.link, job, step, base_step, n, members,
+                                          [(fd, length) for fd, length, _ in files])
+
     async def _pull_and_add(self, man: Manifest, chunk: int, chunks: int) -> Any:
         off, length = layout.chunk_span(man.nbytes, chunks, chunk)
         name, fd = await pull_incoming(self.pstore, self.store, self.cluster, self.node_id, man, off, length,
-                                        self.pstore.growth(man.job, man.step, man.node, length))
+                                        self.pstore.growth(man.job, man.step, man.node, length, man.rank, chunk))
+        if self.metrics:
+            self.metrics.parity_pulled_bytes.inc(length)
         return await run_blocking(self.pstore.add, man, chunk, chunks, name, fd, length)
 
     # ------------------------------------------------------------------------------ streams
@@ -111,6 +147,29 @@ class Protector:
         return ppb.ParityLookupResponse(ranks=[ppb.ProtectedRank(manifest_json=m.manifest, chunk=m.chunk,
                                                                  chunks=m.chunks)
                                                for m in self.pstore.lookup(job, step, rank)])
+
+
+@contextlib.asynccontextmanager
+async def pulled_deltas(pstore: Any, store: LocalStore, cluster: Membership, node_id: str, changed: list,
+                        metrics: Any = None) -> AsyncIterator[list[tuple[int, int, int]]]:
+    """The old and new chunk of each changed member (``(member, its manifest in the base step)``)
+    pulled from their owners into temporary files of ``pstore``: (fd, length, position) each,
+    removed on exit (a delta update of a base slot or row, :mod:`.share`)."""
+    files: list[tuple[Manifest, str, int, int, int]] = []
+    try:
+        for m, old_json in changed:
+            for man in (Manifest.from_json(old_json), Manifest.from_json(m.manifest)):
+                off, length = layout.chunk_span(man.nbytes, m.chunks, m.chunk)
+                name, fd = await pull_incoming(pstore, store, cluster, node_id, man, off, length, 0)
+                files.append((man, name, fd, length, m.chunk))
+                if metrics:
+                    metrics.parity_pulled_bytes.inc(length)
+        yield [(fd, length, pos) for _, _, fd, length, pos in files]
+    finally:
+        for man, name, fd, _, _ in files:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                await run_blocking(pstore.discard, man.job, man.step, name)
 
 
 async def pull_incoming(pstore: Any, store: LocalStore, cluster: Membership, node_id: str, man: Manifest, off: int,

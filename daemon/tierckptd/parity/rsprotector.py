@@ -30,10 +30,12 @@ from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from ..offload import run_blocking
 from . import layout, rslayout
-from .protector import Protector, pull_incoming
+from .protector import Protector, pull_incoming, pulled_deltas
 from .ranges import PIECE
 from .rs import Codec
 from .rsslots import RsStore
+from .share import ShareBoard, member_key, share, worth_delta
+from .slots import Member
 
 __all__ = ["RsProtector", "check_row"]
 
@@ -54,6 +56,7 @@ class RsProtector:
         self.k, self.m, self.metrics = k, m, metrics
         self._inflight: dict[tuple, asyncio.Lock] = {}
         self._pulling = asyncio.Semaphore(1)  # one chunk waits in a temporary file at a time
+        self.board = ShareBoard()
 
     @functools.cache  # noqa: B019 (a handful of codecs for the daemon's life)
     def codec(self, k: int) -> Codec:
@@ -83,17 +86,55 @@ class RsProtector:
                 held = self.rstore.find(man.job, man.step, (man.node, man.rank, man.generation, chunk), row)
                 if held is not None and (not lane or held.lane == lane):
                     return ppb.ProtectRankResponse(already=True, parity_bytes=held.size, lane=held.lane)
-                async with self._pulling:
-                    slot = await self._pull_and_add(man, chunk, self.codec(k), stripe, row, lane)
+                slot = await self._share(man, chunk, k, stripe, row, lane)
+                if slot is None:
+                    async with self._pulling:
+                        slot = await self._pull_and_add(man, chunk, self.codec(k), stripe, row, lane)
                 return ppb.ProtectRankResponse(already=False, parity_bytes=slot.size, lane=slot.lane)
         finally:
             if not lock.locked() and self._inflight.get(key) is lock:
                 del self._inflight[key]
 
+    async def _share(self, man: Manifest, chunk: int, k: int, stripe: int, row: int, lane: str) -> Any:
+        """The row of this step linked from the base step's (:mod:`.share`), or None: pull."""
+        base_step, lane, keys, state, old = await run_blocking(self.rstore.share_plan, man, chunk, k, stripe, row,
+                                                               lane)
+        ident = (man.job, man.step, stripe, lane, row)
+        if base_step is None or state in ("none", "exists"):
+            if lane:
+                self.board.break_(ident)  # this chunk joins the row by encoding: its claimants encode too
+            return None
+        member = Member(man.node, man.rank, man.generation, chunk, k, man.to_json().decode())
+        slot = await share(self.board, ident, keys, member_key(man.node, man.rank, chunk),
+                           (member, old if state == "changed" else None), changed=state == "changed",
+                           link=lambda claims: self._link(man.job, man.step, base_step, stripe, lane, row, k, claims))
+        if slot is None:  # linked all the same by a claimant cancelled meanwhile?
+            return self.rstore.find(man.job, man.step, (man.node, man.rank, man.generation, chunk), row)
+        if self.metrics and state == "same":
+            self.metrics.parity_linked_bytes.inc(layout.chunk_span(man.nbytes, k, chunk)[1])
+        return slot
+
+    async def _link(self, job: str, step: int, base_step: int, stripe: int, lane: str, row: int, k: int,
+                    claims: dict) -> Any:
+        members = [m for m, _ in claims.values()]
+        changed = [(m, old) for m, old in claims.values() if old is not None]
+        if not changed:
+            return await run_blocking(self.rstore.link, job, step, base_step, stripe, lane, row, members)
+        if not worth_delta(len(changed), len(members)):
+            return None
+        async with self._pulling:
+            async with pulled_deltas(self.rstore, self.store, self.cluster, self.node_id, changed,
+                                     self.metrics) as files:
+                return await run_blocking(self.rstore.link, job, step, base_step, stripe, lane, row, members,
+                                          self.codec(k), files)
+
     async def _pull_and_add(self, man: Manifest, chunk: int, codec: Codec, stripe: int, row: int, lane: str) -> Any:
         off, length = layout.chunk_span(man.nbytes, codec.k, chunk)
         name, fd = await pull_incoming(self.rstore, self.store, self.cluster, self.node_id, man, off, length,
-                                        self.rstore.growth(man.job, man.step, stripe, row, lane, chunk, length))
+                                        self.rstore.growth(man.job, man.step, stripe, row, lane, chunk, length,
+                                                           (man.node, man.rank)))
+        if self.metrics:
+            self.metrics.parity_pulled_bytes.inc(length)
         try:
             return await run_blocking(self.rstore.add, man, chunk, codec, stripe, row, lane, name, fd, length)
         except BaseException:

@@ -19,17 +19,19 @@ import mmap
 import os
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tierckpt.common import checksum
-from tierckpt.errors import FailedPreconditionError, NotFoundError
+from tierckpt.errors import DataLossError, FailedPreconditionError, NotFoundError
 
 from ..local.localfs import FILE_MODE, LocalDir, check_regular, digest_fd
 from ..local.manifest import Manifest
 from .rs import Codec
-from .slots import Member, step_dirs
+from .share import link_file, member_key, unshare
+from .slots import Member, charged, data_ino, same_state, step_dirs
 
 __all__ = ["RsStore", "Row", "RS_DIR"]
 
@@ -47,6 +49,7 @@ class Row:
     size: int = 0
     checksum: str = ""
     members: list[Member] = field(default_factory=list)
+    ino: tuple[int, int] | None = None  # of its data file, once known: linked rows are charged once
 
     @property
     def name(self) -> str:
@@ -104,6 +107,7 @@ class RsStore:
                         log.warning("parity row %s of %s step %d was being written at a crash: dropped", name, job,
                                     step)
                         continue
+                    row.ino = data_ino(self.fs, sfd, row.name + ".bin")
                     self._steps.setdefault((job, step), {})[row.name] = row
 
     # ------------------------------------------------------------------------------ queries
@@ -123,14 +127,14 @@ class RsStore:
             r = self._steps.get((job, step), {}).get(Row(stripe, lane, row).name)
             return list(r.members) if r else []
 
-    def growth(self, job: str, step: int, stripe: int, row: int, lane: str, chunk: int, length: int) -> int:
-        """Bytes a ``length``-byte chunk adds to row ``row`` (of ``lane``; row 0 without a lane:
-        the first lane of the stripe with position ``chunk`` free, as :meth:`add` picks it)."""
+    def growth(self, job: str, step: int, stripe: int, row: int, lane: str, chunk: int, length: int,
+               owner: tuple[str, int] = ("", -1)) -> int:
+        """Bytes a ``length``-byte chunk (of ``owner`` = (node, rank)) adds to row ``row`` (of
+        ``lane``; row 0 without a lane: the lane :meth:`add` would pick)."""
         with self._lock:
             rows = self._steps.get((job, step), {})
             if not lane:
-                lane = next((r.lane for r in sorted(rows.values(), key=lambda r: r.name)
-                             if r.stripe == stripe and r.row == 0 and all(m.chunk != chunk for m in r.members)), "")
+                lane = self._lane_locked(job, step, stripe, member_key(*owner, chunk))
             slot = rows.get(Row(stripe, lane, row).name) if lane else None
             return max(0, length - (slot.size if slot else 0))
 
@@ -141,7 +145,116 @@ class RsStore:
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(r.size for rows in self._steps.values() for r in rows.values())
+            return charged((r.ino, r.size) for rows in self._steps.values() for r in rows.values())
+
+    # ------------------------------------------------------------------------------ placement, sharing
+
+    def _base_locked(self, job: str, step: int) -> tuple[int, dict[str, Row]] | None:
+        held = [s for (j, s) in self._steps if j == job and s < step]
+        return (max(held), self._steps[(job, max(held))]) if held else None
+
+    def _lane_locked(self, job: str, step: int, stripe: int, key: tuple[str, int, int]) -> str:
+        """The lane of ``stripe`` a chunk of ``key = (node, rank, position)`` joins at row 0: the
+        lane of the base step that held the same member there, if its position is free here; else
+        the first lane with the position free (and not another member's in the base); else ""
+        (a new one)."""
+        rows = self._steps.get((job, step), {})
+        base = self._base_locked(job, step)
+        brows = {r.lane: r for r in (base[1].values() if base else ()) if r.stripe == stripe and r.row == 0}
+        here = {r.lane: r for r in rows.values() if r.stripe == stripe and r.row == 0}
+        free = {ln for ln, r in here.items() if all(m.chunk != key[2] for m in r.members)}
+        was = next((ln for ln, r in brows.items() if any(member_key(m.node, m.rank, m.chunk) == key
+                                                          for m in r.members)), None)
+        if was is not None and (was not in here or was in free):
+            return was
+        for ln in sorted(free):
+            if ln not in brows or all(m.chunk != key[2] for m in brows[ln].members):
+                return ln
+        return ""
+
+    def share_plan(self, man: Manifest, chunk: int, k: int, stripe: int, row: int,
+                   lane: str) -> tuple[int | None, str, list[tuple[str, int, int]], str, str]:
+        """Where a chunk would share (:mod:`.share`): (base step, lane ("" = a new one), the base
+        row's member keys, state, the member's manifest in the base step); states as
+        :meth:`.slots.ParityStore.share_plan`."""
+        key = member_key(man.node, man.rank, chunk)
+        with self._lock:
+            base = self._base_locked(man.job, man.step)
+            if not lane:
+                lane = self._lane_locked(man.job, man.step, stripe, key)
+            old = base[1].get(Row(stripe, lane, row).name) if base and lane else None
+            was = next((m for m in old.members if member_key(m.node, m.rank, m.chunk) == key), None) if old else None
+            if base is None or old is None or was is None:
+                return None, lane, [], "none", ""
+            if Row(stripe, lane, row).name in self._steps.get((man.job, man.step), {}):
+                return base[0], lane, [], "exists", ""
+            keys = [member_key(m.node, m.rank, m.chunk) for m in old.members]
+        return base[0], lane, keys, same_state(was, man, k, chunk), was.manifest
+
+    def link(self, job: str, step: int, base_step: int, stripe: int, lane: str, row: int, members: list[Member],
+             codec: Codec | None = None, deltas: Sequence[tuple[int, int, int]] = ()) -> Row | None:
+        """Row ``row`` of ``lane`` of ``stripe`` of ``step``: the base step's hard-linked, with
+        ``members`` (those of the base row, by place). With ``deltas`` ((fd, length, position)
+        of chunk files: each changed member's old and new chunk), a checked private copy of it
+        updated by them (``codec``). None when the base row is gone or changed, or the row of
+        ``step`` exists.
+
+        Raises:
+            DataLossError: the base row fails its checksum (a delta would hide it).
+        """
+        name = Row(stripe, lane, row).name
+        with self._lock:
+            step_lock = self._adding.setdefault((job, step), threading.Lock())
+        with step_lock:
+            with self._lock:
+                old = self._steps.get((job, base_step), {}).get(name)
+                if old is None or name in self._steps.get((job, step), {}) or sorted(
+                        member_key(m.node, m.rank, m.chunk) for m in old.members) != sorted(
+                        member_key(m.node, m.rank, m.chunk) for m in members):
+                    return None
+                slot = Row(stripe, lane, row, old.size, old.checksum, list(members))
+            with self.fs.dir(_step_dir(job, base_step)) as bfd, self.fs.dir(_step_dir(job, step), create=True) as sfd:
+                self.fs.atomic_write(sfd, name + ".json", slot.to_json(pending=True), fsync=self.fsync)
+                try:
+                    link_file(self.fs, bfd, sfd, name + ".bin")
+                    if deltas:
+                        assert codec is not None
+                        slot.size, slot.checksum = self._apply(sfd, name + ".bin", old, codec, deltas)
+                except BaseException:
+                    self.fs.unlink(sfd, name + ".bin")
+                    self.fs.unlink(sfd, name + ".json")
+                    raise
+                slot.ino = data_ino(self.fs, sfd, name + ".bin")
+                self.fs.atomic_write(sfd, name + ".json", slot.to_json(), fsync=self.fsync)
+            with self._lock:
+                self._steps.setdefault((job, step), {})[name] = slot
+            return slot
+
+    def _apply(self, sfd: int, name: str, old: Row, codec: Codec,
+               deltas: Sequence[tuple[int, int, int]]) -> tuple[int, str]:
+        """Update a private copy of linked file ``name`` (checked against ``old``'s checksum
+        first) by ``deltas``; returns its new size and checksum. Adding a chunk's share twice
+        cancels it (GF(2^8) addition is XOR): old and new chunk together replace one by the other."""
+        fd = self.fs.open_regular(sfd, name, os.O_RDWR, "parity row")
+        try:
+            fd = unshare(fd, sfd, name)
+            if (digest_fd(fd, old.size) if old.size else checksum.digest(b"")) != old.checksum:
+                raise DataLossError(f"parity row {name} fails its checksum: not updated by delta")
+            size = max([old.size, *(n for _, n, _ in deltas)])
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            for src, length, position in deltas:
+                if length:
+                    with mmap.mmap(fd, length, flags=mmap.MAP_SHARED) as dm, \
+                            mmap.mmap(src, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as sm:
+                        dst, data = np.frombuffer(dm, dtype=np.uint8), np.frombuffer(sm, dtype=np.uint8)
+                        codec.update([old.row], [dst], position, data)
+                        del dst, data  # the maps close only once no array views them
+            if self.fsync:
+                os.fsync(fd)
+            return size, (digest_fd(fd, size) if size else checksum.digest(b""))
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------------------ adding a chunk
 
@@ -183,9 +296,7 @@ class RsStore:
                 with self._lock:
                     rows = self._steps.setdefault(key, {})
                     if not lane:
-                        lane = next((r.lane for r in sorted(rows.values(), key=lambda r: r.name)
-                                     if r.stripe == stripe and r.row == 0
-                                     and all(m.chunk != chunk for m in r.members)), "")
+                        lane = self._lane_locked(man.job, man.step, stripe, member_key(man.node, man.rank, chunk))
                     if not lane:
                         lane, self._next = f"{self.token}-{self._next}", self._next + 1
                     slot = rows.setdefault(Row(stripe, lane, row).name, Row(stripe, lane, row))
@@ -207,6 +318,7 @@ class RsStore:
                          FILE_MODE, dir_fd=sfd)
             try:
                 check_regular(fd, "parity row")
+                fd = unshare(fd, sfd, slot.name + ".bin")  # a row linked into another step
                 size = max(slot.size, length)
                 if os.fstat(fd).st_size < size:
                     os.ftruncate(fd, size)
@@ -219,10 +331,11 @@ class RsStore:
                 if self.fsync:
                     os.fsync(fd)
                 digest = digest_fd(fd, size) if size else checksum.digest(b"")
+                st = os.fstat(fd)
             finally:
                 os.close(fd)
             with self._lock:
-                slot.size, slot.checksum = size, digest
+                slot.size, slot.checksum, slot.ino = size, digest, (st.st_dev, st.st_ino)
                 slot.members.append(member)
             self.fs.atomic_write(sfd, slot.name + ".json", slot.to_json(), fsync=self.fsync)
 

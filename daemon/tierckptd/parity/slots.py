@@ -18,14 +18,16 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierckpt.common import checksum
-from tierckpt.errors import NotFoundError
+from tierckpt.errors import DataLossError, NotFoundError, TierckptError
 
 from ..local.localfs import FILE_MODE, LocalDir, check_regular, digest_fd
 from ..local.manifest import Manifest
+from .share import link_file, member_key, mirror, same_chunk, unshare
 from .xor import xor_file_into_file
 
 __all__ = ["ParityStore", "Member", "Slot", "PARITY_DIR"]
@@ -48,6 +50,36 @@ def step_dirs(fs: LocalDir, root: str) -> list[tuple[str, int]]:
 _MAX_META = 64 << 20
 
 
+def data_ino(fs: LocalDir, dir_fd: int, name: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of a parity data file (not followed), None if absent."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def same_state(was: Member, man: Manifest, chunks: int, chunk: int) -> str:
+    """"same" if ``man``'s chunk holds the bytes base member ``was`` held, else "changed"."""
+    try:
+        return "same" if was.chunks == chunks and same_chunk(Manifest.from_json(was.manifest), man, chunks,
+                                                             chunk) else "changed"
+    except (TierckptError, ValueError, KeyError):  # an old manifest no longer readable: encode
+        return "changed"
+
+
+def charged(parts) -> int:
+    """Bytes of parity files ``(ino, size)``, a file linked into several steps counted once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for ino, size in parts:
+        if ino is None or ino not in seen:
+            total += size
+            if ino is not None:
+                seen.add(ino)
+    return total
+
+
 @dataclass
 class Member:
     node: str
@@ -68,6 +100,7 @@ class Slot:
     size: int = 0
     checksum: str = ""
     members: list[Member] = field(default_factory=list)
+    ino: tuple[int, int] | None = None  # of its data file, once known: linked slots are charged once
 
     def to_json(self, pending: bool = False) -> bytes:
         return json.dumps({"slot": self.n, "size": self.size, "checksum": self.checksum, "pending": pending,
@@ -121,6 +154,7 @@ class ParityStore:
                         log.warning("parity slot %s of %s step %d was being written at a crash: dropped", name,
                                     job, step)
                         continue
+                    slot.ino = data_ino(self.fs, sfd, self._name(slot.n, "bin"))
                     self._steps.setdefault((job, step), {})[slot.n] = slot
 
     # ------------------------------------------------------------------------------ queries
@@ -138,12 +172,11 @@ class ParityStore:
             return [m for (j, s), slots in self._steps.items() if j == job and step in (None, s)
                     for slot in slots.values() for m in slot.members if rank in (None, m.rank)]
 
-    def growth(self, job: str, step: int, node: str, length: int) -> int:
-        """Bytes a ``length``-byte chunk of ``node``'s adds to this node's parity (it joins the
-        first slot without a chunk of ``node``, as :meth:`add` does): charged before the pull."""
+    def growth(self, job: str, step: int, node: str, length: int, rank: int = -1, chunk: int = -1) -> int:
+        """Bytes a ``length``-byte chunk (``rank``, ``chunk``) of ``node``'s adds to this node's
+        parity (in the slot :meth:`add` would pick): charged before the pull."""
         with self._lock:
-            slot = next((s for s in self._steps.get((job, step), {}).values()
-                         if all(m.node != node for m in s.members)), None)
+            slot = self._steps.get((job, step), {}).get(self._place_locked(job, step, (node, rank, chunk)))
             return max(0, length - (slot.size if slot else 0))
 
     def manifests(self) -> set[str]:
@@ -153,7 +186,105 @@ class ParityStore:
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(slot.size for slots in self._steps.values() for slot in slots.values())
+            return charged((slot.ino, slot.size) for slots in self._steps.values() for slot in slots.values())
+
+    # ------------------------------------------------------------------------------ placement, sharing
+
+    def _base_locked(self, job: str, step: int) -> tuple[int, dict[int, Slot]] | None:
+        """The latest step before ``step`` of ``job`` held here, and its slots (the base of :mod:`.share`)."""
+        held = [s for (j, s) in self._steps if j == job and s < step]
+        return (max(held), self._steps[(job, max(held))]) if held else None
+
+    def _place_locked(self, job: str, step: int, key: tuple[str, int, int]) -> int:
+        """The slot a chunk of ``key = (node, rank, chunk)`` joins: the slot of the base step that
+        held the same member, if free of the node here; else the first slot without a chunk of
+        the node (nor one in its base counterpart); else a new one."""
+        slots = self._steps.get((job, step), {})
+        base = self._base_locked(job, step)
+        bslots = base[1] if base else {}
+        free = [n for n, s in slots.items() if all(m.node != key[0] for m in s.members)]
+        n = mirror(((n, [member_key(m.node, m.rank, m.chunk) for m in s.members]) for n, s in bslots.items()), key)
+        if isinstance(n, int) and (n not in slots or n in free):
+            return n
+        for n in sorted(set(free) | (set(bslots) - set(slots))):
+            if all(m.node != key[0] for m in bslots[n].members) if n in bslots else True:
+                return n
+        return max([*slots, *bslots], default=-1) + 1
+
+    def share_plan(self, man: Manifest, chunk: int, chunks: int) -> tuple[int | None, int, list[tuple[str, int, int]],
+                                                                          str, str]:
+        """Where a chunk would share (:mod:`.share`): (base step, the slot it joins, the base
+        slot's member keys, state, the member's manifest in the base step). State: "none" (no
+        base member), "exists" (the slot of this step exists), "same" or "changed" (its bytes)."""
+        key = member_key(man.node, man.rank, chunk)
+        with self._lock:
+            base = self._base_locked(man.job, man.step)
+            n = self._place_locked(man.job, man.step, key)
+            old = base[1].get(n) if base else None
+            was = next((m for m in old.members if member_key(m.node, m.rank, m.chunk) == key), None) if old else None
+            if base is None or old is None or was is None:
+                return None, n, [], "none", ""
+            if n in self._steps.get((man.job, man.step), {}):
+                return base[0], n, [], "exists", ""
+            keys = [member_key(m.node, m.rank, m.chunk) for m in old.members]
+        return base[0], n, keys, same_state(was, man, chunks, chunk), was.manifest
+
+    def link(self, job: str, step: int, base_step: int, n: int, members: list[Member],
+             deltas: Sequence[tuple[int, int]] = ()) -> Slot | None:
+        """Slot ``n`` of ``step``: base slot ``n`` of ``base_step`` hard-linked, with ``members``
+        (those of the base slot, by place). With ``deltas`` ((fd, length) of chunk files: each
+        changed member's old and new chunk), a checked private copy of it with them XORed in.
+        None (nothing changed) when the base slot is gone or changed, or slot ``n`` of ``step``
+        exists.
+
+        Raises:
+            DataLossError: the base slot fails its checksum (a delta would hide it).
+        """
+        with self._lock:
+            step_lock = self._adding.setdefault((job, step), threading.Lock())
+        with step_lock:
+            with self._lock:
+                old = self._steps.get((job, base_step), {}).get(n)
+                if old is None or n in self._steps.get((job, step), {}) or sorted(
+                        member_key(m.node, m.rank, m.chunk) for m in old.members) != sorted(
+                        member_key(m.node, m.rank, m.chunk) for m in members):
+                    return None
+                slot = Slot(n, old.size, old.checksum, list(members), old.ino)
+            name = self._name(n, "bin")
+            with self.fs.dir(_step_dir(job, base_step)) as bfd, self.fs.dir(_step_dir(job, step), create=True) as sfd:
+                self.fs.atomic_write(sfd, self._name(n, "json"), slot.to_json(pending=True), fsync=self.fsync)
+                try:
+                    link_file(self.fs, bfd, sfd, name)
+                    if deltas:
+                        slot.size, slot.checksum = self._apply(sfd, name, old, deltas)
+                except BaseException:
+                    self.fs.unlink(sfd, name)
+                    self.fs.unlink(sfd, self._name(n, "json"))
+                    raise
+                slot.ino = data_ino(self.fs, sfd, name)
+                self.fs.atomic_write(sfd, self._name(n, "json"), slot.to_json(), fsync=self.fsync)
+            with self._lock:
+                self._steps.setdefault((job, step), {})[n] = slot
+            return slot
+
+    def _apply(self, sfd: int, name: str, old: Slot, deltas: Sequence[tuple[int, int]]) -> tuple[int, str]:
+        """XOR ``deltas`` into a private copy of linked file ``name`` (checked against ``old``'s
+        checksum first); returns its new size and checksum."""
+        fd = self.fs.open_regular(sfd, name, os.O_RDWR, "parity slot")
+        try:
+            fd = unshare(fd, sfd, name)
+            if (digest_fd(fd, old.size) if old.size else checksum.digest(b"")) != old.checksum:
+                raise DataLossError(f"parity slot {name} fails its checksum: not updated by delta")
+            size = max([old.size, *(n for _, n in deltas)])
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            for src, length in deltas:
+                xor_file_into_file(fd, src, length)
+            if self.fsync:
+                os.fsync(fd)
+            return size, (digest_fd(fd, size) if size else checksum.digest(b""))
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _name(n: int, ext: str) -> str:
@@ -198,10 +329,8 @@ class ParityStore:
     def _add_locked(self, key: tuple[str, int], man: Manifest, member: Member, tmp_name: str, tmp_fd: int,
                     length: int) -> Slot:
         with self._lock:
-            slots = self._steps.setdefault(key, {})
-            slot = next((s for s in slots.values() if all(m.node != man.node for m in s.members)), None)
-            if slot is None:
-                slot = slots[max(slots, default=-1) + 1] = Slot(max(slots, default=-1) + 1)
+            n = self._place_locked(man.job, man.step, member_key(man.node, man.rank, member.chunk))
+            slot = self._steps.setdefault(key, {}).setdefault(n, Slot(n))
         try:
             with self.fs.dir(_step_dir(*key), create=True) as sfd:
                 self.fs.atomic_write(sfd, self._name(slot.n, "json"), slot.to_json(pending=True), fsync=self.fsync)
@@ -209,6 +338,7 @@ class ParityStore:
                              | os.O_NONBLOCK, FILE_MODE, dir_fd=sfd)
                 try:
                     check_regular(fd, "parity slot")
+                    fd = unshare(fd, sfd, self._name(slot.n, "bin"))  # a slot linked into another step
                     size = max(slot.size, length)
                     if os.fstat(fd).st_size < size:
                         os.ftruncate(fd, size)
@@ -216,10 +346,11 @@ class ParityStore:
                     if self.fsync:
                         os.fsync(fd)
                     digest = digest_fd(fd, size) if size else checksum.digest(b"")
+                    st = os.fstat(fd)
                 finally:
                     os.close(fd)
                 with self._lock:
-                    slot.size, slot.checksum = size, digest
+                    slot.size, slot.checksum, slot.ino = size, digest, (st.st_dev, st.st_ino)
                     slot.members.append(member)
                 self.fs.atomic_write(sfd, self._name(slot.n, "json"), slot.to_json(), fsync=self.fsync)
                 self.fs.unlink(sfd, tmp_name)

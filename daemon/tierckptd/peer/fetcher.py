@@ -43,13 +43,15 @@ class Fetcher:
         self.node_id, self.store, self.cluster = node_id, store, cluster
         self.transfer, self.receiver, self.metrics = transfer, receiver, metrics
 
-    async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None) -> Manifest:
+    async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None,
+                    anywhere: bool = True) -> Manifest:
         """Copy one rank from the best live holder into the local store and return its manifest;
-        with ``job_owner``, only a copy that identity saved."""
+        with ``job_owner``, only a copy that identity saved; without ``anywhere``, only from the
+        neighbourhood (O(neighbourhood) calls: the parity tier tries its group before everyone)."""
         check_job(job)
         check_step(step)
         cands = await self._candidates(job, step, rank, self.cluster.watched(), job_owner)
-        if not cands:  # not in the neighbourhood (a rank that moved to this node): ask everyone
+        if not cands and anywhere:  # not in the neighbourhood (a rank that moved to this node): ask everyone
             cands = await self._candidates(job, step, rank, None, job_owner)
         if not cands:
             raise NotFoundError(f"{job} step {step} rank {rank} is not held by any live peer")
