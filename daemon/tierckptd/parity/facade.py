@@ -61,7 +61,8 @@ log = logging.getLogger(__name__)
 
 class Parity:
     def __init__(self, config: DaemonConfig, store: LocalStore, cluster: Membership, receiver: Any,
-                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task], metrics: Any = None) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task], metrics: Any = None,
+                 transfer: Any = None) -> None:
         assert config.parity is not None
         k, m = config.parity
         self.k, self.m, self.size = k, m, k + m
@@ -75,12 +76,14 @@ class Parity:
             self.pstore = ParityStore(store.root, fsync=fsync)
             self.encoder = Encoder(self.node_id, store, cluster, self.size, metrics)
             self.protector = Protector(self.node_id, store, self.pstore, cluster, self.size, metrics)
-            self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
+            self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics,
+                                      transfer)
         else:
             self.pstore = RsStore(store.root, fsync=fsync)
             self.encoder = RsEncoder(self.node_id, store, cluster, self.size, metrics, k=k, m=m)
             self.protector = RsProtector(self.node_id, store, self.pstore, cluster, k, m, metrics)
-            self.rebuilder = RsRebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
+            self.rebuilder = RsRebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics,
+                                        transfer)
         store.external_charge = self.pstore.nbytes  # parity counts against local_capacity (retention evicts for it)
 
     def group(self) -> list[str]:

@@ -32,7 +32,7 @@ Copies = dict[int, dict[int, RankCopy]]
 class ParityPeerTier(PeerTier):
     def __init__(self, config: DaemonConfig, store: LocalStore, cluster: Membership, metrics: Any = None) -> None:
         super().__init__(config, store, cluster, metrics)
-        self.parity = Parity(config, store, cluster, self.receiver, self._spawn, metrics)
+        self.parity = Parity(config, store, cluster, self.receiver, self._spawn, metrics, self.fetcher.transfer)
         self._catching_up: asyncio.Task | None = None
         self.takeover = ParityTakeOver(self.parity, self._persistent)
 

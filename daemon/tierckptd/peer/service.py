@@ -161,6 +161,16 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
             yield piece
 
     @rpc
+    async def OpenSlotRead(self, request: ppb.RebuildChunkRequest, context: Any) -> ppb.OpenSlotReadResponse:
+        check_job(request.job)
+        check_step(request.step)
+        check_node(request.owner, "owner")
+        protector = self._parity().protector
+        if not hasattr(protector, "open_slot_read"):
+            raise FailedPreconditionError(f"redundancy: node {self.tier.node_id} does not hold XOR parity slots")
+        return await protector.open_slot_read(request, self.tier.receiver)
+
+    @rpc
     async def ParityLookup(self, request: ppb.ParityLookupRequest, context: Any) -> ppb.ParityLookupResponse:
         check_job(request.job)
         parity = getattr(self.tier, "parity", None)
