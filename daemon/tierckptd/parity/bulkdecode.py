@@ -73,9 +73,10 @@ class Windows:
                 entry = self._acc[w] = (bytearray(), [0], threading.Lock())
         acc, count, lock = entry
         with lock:
-            if not acc:
-                acc.extend(bytes(min(W, self.length - w * W)))
-                acc[:len(data)] = data
+            if not acc:  # the first to arrive: copied (no zero fill unless it is short)
+                acc.extend(data)
+                if len(acc) < min(W, self.length - w * W):
+                    acc.extend(bytes(min(W, self.length - w * W) - len(acc)))
             else:
                 xor_into(acc, data)
             count[0] += 1

@@ -98,11 +98,14 @@ class Rebuilder:
 
     async def _rebuild(self, man: Manifest, holders: dict[int, str], chunks: int) -> Manifest:
         specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
+        t0 = time.perf_counter()
         st = await run_owning(self.store.begin, self.store.abort_staging, man.job, man.step, man.rank, man.world_size,
                               specs, prefault=True, job_owner=man.job_owner)
         try:
             opener = functools.partial(self.store.open_staged, st.save_id)
+            t1 = time.perf_counter()
             await asyncio.gather(*(self._chunk(man, c, chunks, holders[c], opener) for c in range(chunks)))
+            t2 = time.perf_counter()
             for s in man.shards:
                 fd = opener(s.name, os.O_RDONLY)
                 try:
@@ -116,7 +119,11 @@ class Rebuilder:
                            f"fails its checksum (expected {s.checksum}, got {actual})")
                     log.error("%s", msg)
                     raise DataLossError(msg)
-            return await self.receiver.commit_copy(st, man)
+            t3 = time.perf_counter()
+            local = await self.receiver.commit_copy(st, man)
+            log.info("rebuilt %s step %d rank %d: staging %.3fs, blocks and decode %.3fs, verify %.3fs, commit %.3fs",
+                     man.job, man.step, man.rank, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+            return local
         except BaseException:
             await run_blocking(self.store.abort, st.save_id)
             raise
