@@ -66,7 +66,7 @@ def start(root: Path, flags: tuple[str, ...]) -> dict[str, Daemon]:
     return ds
 
 
-def one_config(name: str, flags: tuple[str, ...], mib: int, restores: int) -> dict:
+def one_config(name: str, flags: tuple[str, ...], mib: int, restores: int, settle: float = 0.0) -> dict:
     root = scratch_dir("tck-parity-")
     ds = start(root, flags)
     nbytes = mib << 20
@@ -98,6 +98,7 @@ def one_config(name: str, flags: tuple[str, ...], mib: int, restores: int) -> di
                     if time.monotonic() > deadline:
                         raise RuntimeError("n2 does not see its peers after the restart")
                     time.sleep(0.2)
+                time.sleep(settle)  # let the replaced node's background catch-up (replicas, parity) run first
                 t0 = time.perf_counter()
                 ck = c.restore("bench", 2, step=1)
                 restore_s.append(time.perf_counter() - t0)
@@ -134,6 +135,8 @@ def main() -> None:
     ap.add_argument("--restores", type=int, default=3)
     ap.add_argument("--xor-mib", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=0.0, help="seconds between the replaced node seeing its "
+                    "peers and its restore (0: at once, as a replacement's trainer would)")
     ap.add_argument("--redundancy", default="parity:4+1", help="parity:K+M (M >= 2: Reed-Solomon on K+M nodes)")
     args = ap.parse_args()
     k, m = (int(x) for x in args.redundancy.removeprefix("parity:").split("+"))
@@ -149,8 +152,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     mem_ok = True
     for run in range(1, args.runs + 1):
-        rows = [one_config("replicas:1", ("--replicas", "1"), args.mib, args.restores),
-                one_config(args.redundancy, ("--redundancy", args.redundancy), args.mib, args.restores)]
+        rows = [one_config("replicas:1", ("--replicas", "1"), args.mib, args.restores, args.settle),
+                one_config(args.redundancy, ("--redundancy", args.redundancy), args.mib, args.restores, args.settle)]
         for r in rows:
             n = net[r["name"]]
             print(f"| {run} | {r['name']} | {r['mem_max']:.3f} / {r['mem_mean']:.3f} | {r['to_redundant']:.3f} | "

@@ -11,6 +11,7 @@ checked against its manifest before it is committed (:class:`.rebuild.Rebuilder`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Any
@@ -60,10 +61,10 @@ async def pull_chunk(pulls: Pulls, protector: Any, man: Manifest, chunk: int, ch
             sources.append((_local_slot(fd, resp.size, length, hasher), length))
         else:
             sources.append((pulls.slot(holder, resp, length, hasher), length))
-        for m in others:
-            m_off, m_len = layout.chunk_span(m[0].nbytes, m[2], m[1])
-            n = min(m_len, length)
-            sources.append((await pulls.member(m[0], m_off, n), n))
+        spans = [layout.chunk_span(m.nbytes, chunks_m, c) for m, c, chunks_m in others]
+        opened = await asyncio.gather(*(pulls.member(m[0], m_off, min(m_len, length))
+                                        for m, (m_off, m_len) in zip(others, spans)))  # read tickets at once
+        sources.extend((src, min(m_len, length)) for src, (_, m_len) in zip(opened, spans))
         windows = Windows(length, [n for _, n in sources], lambda at, data: write_range(opener, man, off + at, data))
         intos = [Into(windows.add) for _ in sources]
         await pulls.run([_job(src, into) for (src, _), into in zip(sources, intos)])
