@@ -105,6 +105,11 @@ class PeerStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
                 _registered_method=True)
+        self.OpenRowRead = channel.unary_unary(
+                '/tierckpt.v1.Peer/OpenRowRead',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.ReadParityRowRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
+                _registered_method=True)
         self.ParityLookup = channel.unary_unary(
                 '/tierckpt.v1.Peer/ParityLookup',
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.ParityLookupRequest.SerializeToString,
@@ -237,6 +242,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenRowRead(self, request, context):
+        """Reed-Solomon: check one parity row held here against its checksum and issue a bulk "get"
+        ticket for its bytes (shard "slot"; members empty). Idempotent; DATA_LOSS if it is corrupt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ParityLookup(self, request, context):
         """The ranks protected here for a job. Idempotent.
         """
@@ -329,6 +342,11 @@ def add_PeerServicer_to_server(servicer, server):
             'OpenSlotRead': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSlotRead,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.SerializeToString,
+            ),
+            'OpenRowRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenRowRead,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.ReadParityRowRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.SerializeToString,
             ),
             'ParityLookup': grpc.unary_unary_rpc_method_handler(
@@ -725,6 +743,33 @@ class Peer:
             target,
             '/tierckpt.v1.Peer/OpenSlotRead',
             tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenRowRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Peer/OpenRowRead',
+            tierckpt_dot_v1_dot_peer__pb2.ReadParityRowRequest.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
             options,
             channel_credentials,

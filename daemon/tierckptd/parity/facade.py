@@ -67,6 +67,7 @@ class Parity:
         k, m = config.parity
         self.k, self.m, self.size = k, m, k + m
         self.node_id, self.store, self.cluster, self._spawn = config.node_id, store, cluster, spawn
+        self.receiver = receiver
         fsync = config.fsync == "always"
         self.pstore: Any
         self.encoder: Any
@@ -112,6 +113,14 @@ class Parity:
         return await self.protector.protect(req.sender, req.manifest_json, req.chunk, req.chunks, req.row, req.lane)
 
     def read_row(self, req: ppb.ReadParityRowRequest) -> Any:
+        self._check_row_request(req)
+        return self.protector.read_row(req.job, req.step, req.stripe, req.lane, req.row)
+
+    async def open_row_read(self, req: ppb.ReadParityRowRequest) -> ppb.OpenSlotReadResponse:
+        self._check_row_request(req)
+        return await self.protector.open_row_read(req, self.receiver)
+
+    def _check_row_request(self, req: ppb.ReadParityRowRequest) -> None:
         if self.m == 1:
             raise FailedPreconditionError(f"redundancy: node {self.node_id} uses XOR parity: it keeps no rows")
         check_row(req.row, self.m)
@@ -119,7 +128,6 @@ class Parity:
         if req.stripe >= 2 * self.size:
             raise InvalidArgumentError(f"stripe: {req.stripe} is not a stripe of a group of at most "
                                        f"{2 * self.size} nodes")
-        return self.protector.read_row(req.job, req.step, req.stripe, req.lane, req.row)
 
     # ------------------------------------------------------------------------------ owner side
 

@@ -171,6 +171,12 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
         return await protector.open_slot_read(request, self.tier.receiver)
 
     @rpc
+    async def OpenRowRead(self, request: ppb.ReadParityRowRequest, context: Any) -> ppb.OpenSlotReadResponse:
+        check_job(request.job)
+        check_step(request.step)
+        return await self._parity().open_row_read(request)
+
+    @rpc
     async def ParityLookup(self, request: ppb.ParityLookupRequest, context: Any) -> ppb.ParityLookupResponse:
         check_job(request.job)
         parity = getattr(self.tier, "parity", None)
