@@ -42,7 +42,7 @@ NODES = [f"n{i}" for i in range(5)]  # K+M of them: set by main()
 
 def dir_bytes(d: Daemon) -> int:
     total = 0
-    for sub in ("jobs", "parity"):
+    for sub in ("jobs", "parity", "parity-rs"):  # own ranks and replicas, XOR slots, Reed-Solomon rows
         for p in (d.local_dir / sub).rglob("*"):
             if p.is_file() and not p.is_symlink():
                 total += p.stat().st_size
