@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierckpt.errors import FailedPreconditionError, InvalidArgumentError
 
 from ..knobs import KNOBS
+from . import bulk
 
 __all__ = ["BLOB_SHARD", "BlobTickets"]
 
@@ -95,6 +99,20 @@ class BlobTickets:
             if b is None:
                 raise FailedPreconditionError("ticket: unknown, expired or spent slot ticket")
             return b.size, b.requester
+
+    def serve(self, sock: socket.socket, ticket: str, shard: str, piece: tuple[Any, Any, Any], buf: bytearray,
+              check_holder: Callable[[socket.socket, str], None]) -> None:
+        """Serve one bulk "get" of a blob ticket (a bulk thread): the connection must be the
+        requester's (``check_holder``), the piece must fit the file, each byte is served once."""
+        size, requester = self.describe(ticket)
+        check_holder(sock, requester)
+        bulk.check_piece(*piece, size)
+        ranges = list(bulk.runs(*piece, size))
+        fd, _ = self.take(ticket, shard, ranges)
+        with os.fdopen(fd, "rb") as fh:
+            bulk.send_msg(sock, {"ok": True, "length": sum(n for _, n in ranges)})
+            for start, length in ranges:
+                bulk.send_range(sock, fh, start, length, buf)
 
     def expire(self) -> None:
         now = time.monotonic()

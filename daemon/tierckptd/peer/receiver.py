@@ -370,7 +370,7 @@ class Receiver:
 
     def _get(self, sock: socket.socket, ticket: str, shard: str, piece: tuple[Any, Any, Any], buf: bytearray) -> None:
         if self.blobs.holds(ticket):
-            self._get_blob(sock, ticket, shard, piece, buf)
+            self.blobs.serve(sock, ticket, shard, piece, buf, self._check_holder)
             return
         now = time.monotonic()
         with self._lock:
@@ -394,18 +394,6 @@ class Receiver:
                 del self._readers[ticket]  # every byte handed out: the ticket is spent
         fh = os.fdopen(self.store.open_shard(rd.man, shard), "rb")  # NotFoundError: evicted since
         with fh, self.store.warm.sending():
-            bulk.send_msg(sock, {"ok": True, "length": sum(n for _, n in ranges)})
-            for start, length in ranges:
-                bulk.send_range(sock, fh, start, length, buf)
-
-    def _get_blob(self, sock: socket.socket, ticket: str, shard: str, piece: tuple[Any, Any, Any],
-                  buf: bytearray) -> None:
-        size, requester = self.blobs.describe(ticket)
-        self._check_holder(sock, requester)
-        bulk.check_piece(*piece, size)
-        ranges = list(bulk.runs(*piece, size))
-        fd, _ = self.blobs.take(ticket, shard, ranges)
-        with os.fdopen(fd, "rb") as fh:
             bulk.send_msg(sock, {"ok": True, "length": sum(n for _, n in ranges)})
             for start, length in ranges:
                 bulk.send_range(sock, fh, start, length, buf)
