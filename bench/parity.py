@@ -61,15 +61,20 @@ def start(root: Path, flags: tuple[str, ...]) -> dict[str, Daemon]:
     peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
     ds = {n: Daemon(root, n, port=ports[n], args=("--peers", peers, "--log-level", "WARNING", *flags))
           for n in NODES}
-    for d in ds.values():
-        d.start()
-    for n, d in ds.items():
-        with d.client() as c:
-            deadline = time.monotonic() + 60
-            while not _all_up(c):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{n} does not see its peers")
-                time.sleep(0.2)
+    try:
+        for d in ds.values():
+            d.start()
+        for n, d in ds.items():
+            with d.client() as c:
+                deadline = time.monotonic() + 60
+                while not _all_up(c):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{n} does not see its peers")
+                    time.sleep(0.2)
+    except BaseException:  # never leave daemons behind
+        for d in ds.values():
+            d.kill()
+        raise
     return ds
 
 
