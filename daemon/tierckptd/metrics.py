@@ -106,6 +106,9 @@ class Metrics:
         self.restored_bytes = Counter(
             "tierckpt_restored_bytes_total", "Shard bytes handed to restoring clients, by source tier.",
             ["tier"], registry=r)
+        self.parity_rebuild_bulk_bytes = Counter(
+            "tierckpt_parity_rebuild_bulk_bytes_total", "Bytes this node received over the bulk data channel while "
+            "reconstructing lost ranks from parity (slots, rows and the other members' chunks).", registry=r)
         self.restores = Counter(
             "tierckpt_restores_total", "Rank restores by source tier and result.", ["tier", "result"], registry=r)
 

@@ -320,6 +320,20 @@ class RebuildChunkRequest(_message.Message):
     chunk: int
     def __init__(self, requester: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., owner: _Optional[str] = ..., generation: _Optional[str] = ..., chunk: _Optional[int] = ...) -> None: ...
 
+class OpenSlotReadResponse(_message.Message):
+    __slots__ = ("ticket", "bulk_port", "size", "checksum", "members")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    ticket: str
+    bulk_port: int
+    size: int
+    checksum: str
+    members: _containers.RepeatedCompositeFieldContainer[ProtectedRank]
+    def __init__(self, ticket: _Optional[str] = ..., bulk_port: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[str] = ..., members: _Optional[_Iterable[_Union[ProtectedRank, _Mapping]]] = ...) -> None: ...
+
 class ParityLookupRequest(_message.Message):
     __slots__ = ("requester", "job", "has_step", "step", "has_rank", "rank", "parity_k", "parity_m", "all_shapes")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]

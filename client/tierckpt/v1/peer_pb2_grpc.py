@@ -100,6 +100,16 @@ class PeerStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.FromString,
                 _registered_method=True)
+        self.OpenSlotRead = channel.unary_unary(
+                '/tierckpt.v1.Peer/OpenSlotRead',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
+                _registered_method=True)
+        self.OpenRowRead = channel.unary_unary(
+                '/tierckpt.v1.Peer/OpenRowRead',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.ReadParityRowRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
+                _registered_method=True)
         self.ParityLookup = channel.unary_unary(
                 '/tierckpt.v1.Peer/ParityLookup',
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.ParityLookupRequest.SerializeToString,
@@ -223,6 +233,23 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSlotRead(self, request, context):
+        """XOR parity: describe the slot protecting a chunk and issue a bulk "get" ticket for its bytes
+        (the restoring node decodes the chunk itself, pulling every block over the bulk channel).
+        Idempotent; NOT_FOUND if this node does not protect it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenRowRead(self, request, context):
+        """Reed-Solomon: check one parity row held here against its checksum and issue a bulk "get"
+        ticket for its bytes (shard "slot"; members empty). Idempotent; DATA_LOSS if it is corrupt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ParityLookup(self, request, context):
         """The ranks protected here for a job. Idempotent.
         """
@@ -311,6 +338,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.RebuildChunk,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.DataPiece.SerializeToString,
+            ),
+            'OpenSlotRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSlotRead,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.SerializeToString,
+            ),
+            'OpenRowRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenRowRead,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.ReadParityRowRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.SerializeToString,
             ),
             'ParityLookup': grpc.unary_unary_rpc_method_handler(
                     servicer.ParityLookup,
@@ -680,6 +717,60 @@ class Peer:
             '/tierckpt.v1.Peer/RebuildChunk',
             tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.DataPiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSlotRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Peer/OpenSlotRead',
+            tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenRowRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Peer/OpenRowRead',
+            tierckpt_dot_v1_dot_peer__pb2.ReadParityRowRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
             options,
             channel_credentials,
             insecure,

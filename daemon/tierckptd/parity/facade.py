@@ -53,9 +53,11 @@ log = logging.getLogger(__name__)
 
 class Parity:
     def __init__(self, config: DaemonConfig, store: LocalStore, cluster: Membership, receiver: Any,
-                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task], metrics: Any = None, *,
+                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task], metrics: Any = None,
+                 transfer: Any = None, *,
                  shape: tuple[int, int] | None = None, root: str | os.PathLike | None = None) -> None:
-        """``shape``: the (K, M) of this code (default: the daemon's ``redundancy``); ``root``: the
+        """``transfer``: the peer tier's bulk transfers (rebuilds pull over the bulk channel);
+        ``shape``: the (K, M) of this code (default: the daemon's ``redundancy``); ``root``: the
         directory its parity is kept under (default: the local dir; :mod:`.shapes` gives the codes
         that jobs chose a directory of their own)."""
         shape = shape or config.parity
@@ -64,6 +66,7 @@ class Parity:
         root = store.root if root is None else root
         self.k, self.m, self.size = k, m, k + m
         self.node_id, self.store, self.cluster, self._spawn = config.node_id, store, cluster, spawn
+        self.receiver = receiver
         fsync = config.fsync == "always"
         self.pstore: Any
         self.encoder: Any
@@ -73,12 +76,14 @@ class Parity:
             self.pstore = ParityStore(root, fsync=fsync)
             self.encoder = Encoder(self.node_id, store, cluster, self.size, metrics)
             self.protector = Protector(self.node_id, store, self.pstore, cluster, self.size, metrics)
-            self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
+            self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics,
+                                      transfer)
         else:
             self.pstore = RsStore(root, fsync=fsync)
             self.encoder = RsEncoder(self.node_id, store, cluster, self.size, metrics, k=k, m=m)
             self.protector = RsProtector(self.node_id, store, self.pstore, cluster, k, m, metrics)
-            self.rebuilder = RsRebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics)
+            self.rebuilder = RsRebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics,
+                                        transfer)
 
     def group(self) -> list[str]:
         return self.group_of(self.node_id)
@@ -105,6 +110,14 @@ class Parity:
         return await self.protector.protect(req.sender, req.manifest_json, req.chunk, req.chunks, req.row, req.lane)
 
     def read_row(self, req: ppb.ReadParityRowRequest) -> Any:
+        self._check_row_request(req)
+        return self.protector.read_row(req.job, req.step, req.stripe, req.lane, req.row)
+
+    async def open_row_read(self, req: ppb.ReadParityRowRequest) -> ppb.OpenSlotReadResponse:
+        self._check_row_request(req)
+        return await self.protector.open_row_read(req, self.receiver)
+
+    def _check_row_request(self, req: ppb.ReadParityRowRequest) -> None:
         if self.m == 1:
             raise FailedPreconditionError(f"redundancy: node {self.node_id} uses XOR parity: it keeps no rows")
         check_row(req.row, self.m)
@@ -112,7 +125,6 @@ class Parity:
         if req.stripe >= 2 * self.size:
             raise InvalidArgumentError(f"stripe: {req.stripe} is not a stripe of a group of at most "
                                        f"{2 * self.size} nodes")
-        return self.protector.read_row(req.job, req.step, req.stripe, req.lane, req.row)
 
     # ------------------------------------------------------------------------------ owner side
 

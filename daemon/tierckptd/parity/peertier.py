@@ -41,7 +41,7 @@ class ParityPeerTier(PeerTier):
     def __init__(self, config: DaemonConfig, store: LocalStore, cluster: Membership, metrics: Any = None) -> None:
         super().__init__(config, store, cluster, metrics)
         self.parities = ParityShapes(config, store, cluster, self.receiver, self._spawn, metrics,
-                                     lambda job: self.choice(job)[1], self._persistent)
+                                     lambda job: self.choice(job)[1], self._persistent, self.fetcher.transfer)
         self.replicator.per_job = lambda job: self.choice(job)[0]
         store.policies.check_redundancy = self.check_choice
         self._catching_up: asyncio.Task | None = None

@@ -126,6 +126,21 @@ class Protector:
         for off in range(0, len(data), PIECE):
             yield ppb.DataPiece(data=bytes(data[off:off + PIECE]))
 
+    async def open_slot_read(self, req: ppb.RebuildChunkRequest, receiver: Any) -> ppb.OpenSlotReadResponse:
+        """A bulk ticket for the slot protecting a chunk, its size, checksum and members (the
+        restoring node decodes the chunk itself: :mod:`.bulkdecode`). The ticket keeps the slot
+        file open, so the bytes served are the ones described here."""
+        slot, fd = await run_blocking(self.pstore.open_slot, req.job, req.step, req.owner, req.rank, req.generation,
+                                      req.chunk)
+        try:
+            ticket = receiver.blobs.issue(fd, slot.size, req.requester)
+        except BaseException:
+            os.close(fd)
+            raise
+        members = [ppb.ProtectedRank(manifest_json=m.manifest, chunk=m.chunk, chunks=m.chunks) for m in slot.members]
+        return ppb.OpenSlotReadResponse(ticket=ticket, bulk_port=receiver.bulk_port, size=slot.size,
+                                        checksum=slot.checksum, members=members)
+
     async def read_rank_range(self, job: str, step: int, rank: int, generation: str, offset: int,
                               length: int) -> AsyncIterator[ppb.DataPiece]:
         man = self.store.get(job, step, rank)

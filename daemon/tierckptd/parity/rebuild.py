@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 from tierckpt.common.status import error_from_rpc
-from tierckpt.errors import DataLossError, NotFoundError, UnavailableError
+from tierckpt.errors import DataLossError, NotFoundError, TierckptError, UnavailableError
 from tierckpt.v1 import peer_pb2 as ppb
 
 from ..cluster.membership import Membership
@@ -26,8 +26,10 @@ from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from ..offload import run_blocking, run_owning
 from . import layout
+from .bulkdecode import Pulls
 from .protector import Protector
 from .ranges import write_range
+from .xorpull import pull_chunk
 
 __all__ = ["Rebuilder"]
 
@@ -36,9 +38,18 @@ log = logging.getLogger(__name__)
 
 class Rebuilder:
     def __init__(self, node_id: str, store: LocalStore, cluster: Membership, size: int, receiver: Any,
-                 protector: Protector, metrics: Any = None) -> None:
+                 protector: Protector, metrics: Any = None, transfer: Any = None) -> None:
         self.node_id, self.store, self.cluster, self.size = node_id, store, cluster, size
         self.receiver, self.protector, self.metrics = receiver, protector, metrics
+        self.transfer = transfer  # the peer tier's BulkClient (None: every block over gRPC)
+
+    def pulls(self) -> Pulls | None:
+        """Bulk connections for one chunk's blocks (None without a bulk client)."""
+        return Pulls(self.node_id, self.store, self.cluster, self.transfer) if self.transfer is not None else None
+
+    def count_bulk(self, nbytes: int) -> None:
+        if self.metrics and nbytes:
+            self.metrics.parity_rebuild_bulk_bytes.inc(nbytes)
 
     async def locate(self, job: str, step: int | None, rank: int | None,
                      nodes: set[str] | None) -> list[tuple[str, Manifest, int, int]]:
@@ -87,11 +98,14 @@ class Rebuilder:
 
     async def _rebuild(self, man: Manifest, holders: dict[int, str], chunks: int) -> Manifest:
         specs = [(s.name, s.size, s.dtype, s.shape) for s in man.shards]
+        t0 = time.perf_counter()
         st = await run_owning(self.store.begin, self.store.abort_staging, man.job, man.step, man.rank, man.world_size,
                               specs, prefault=True, job_owner=man.job_owner)
         try:
             opener = functools.partial(self.store.open_staged, st.save_id)
+            t1 = time.perf_counter()
             await asyncio.gather(*(self._chunk(man, c, chunks, holders[c], opener) for c in range(chunks)))
+            t2 = time.perf_counter()
             for s in man.shards:
                 fd = opener(s.name, os.O_RDONLY)
                 try:
@@ -105,13 +119,30 @@ class Rebuilder:
                            f"fails its checksum (expected {s.checksum}, got {actual})")
                     log.error("%s", msg)
                     raise DataLossError(msg)
-            return await self.receiver.commit_copy(st, man)
+            t3 = time.perf_counter()
+            local = await self.receiver.commit_copy(st, man)
+            log.info("rebuilt %s step %d rank %d: staging %.3fs, blocks and decode %.3fs, verify %.3fs, commit %.3fs",
+                     man.job, man.step, man.rank, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+            return local
         except BaseException:
             await run_blocking(self.store.abort, st.save_id)
             raise
 
     async def _chunk(self, man: Manifest, chunk: int, chunks: int, holder: str, opener: Any) -> None:
-        """Chunk ``chunk`` of ``man``, decoded by ``holder`` (its slot's node), into the staging files."""
+        """Chunk ``chunk`` of ``man`` into the staging files: decoded here from blocks pulled over
+        the bulk channel (:mod:`.xorpull`), else (a holder that cannot serve its slot so) by
+        ``holder`` (its slot's node) and streamed over gRPC."""
+        pulls = self.pulls()
+        if pulls is not None:
+            try:
+                self.count_bulk(await pull_chunk(pulls, self.protector, man, chunk, chunks, holder, opener,
+                                                 self.metrics))
+                return
+            except DataLossError:
+                raise
+            except (TierckptError, OSError) as e:
+                log.warning("chunk %d of %s step %d rank %d: bulk rebuild failed (%s); decoding it on %s", chunk,
+                            man.job, man.step, man.rank, e, holder)
         off, length = layout.chunk_span(man.nbytes, chunks, chunk)
         if holder == self.node_id:  # its slot is here
             pieces = self.protector.rebuild_chunk(man.job, man.step, man.node, man.rank, man.generation, chunk)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from tierckpt.errors import (
 from tierckpt.v1 import peer_pb2 as ppb
 
 from ..cluster.membership import Membership
+from ..local.localfs import digest_fd
 from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from ..offload import run_blocking
@@ -162,6 +164,26 @@ class RsProtector:
             log.error("%s", msg)
             raise DataLossError(msg)
         return buf
+
+    async def open_row_read(self, req: ppb.ReadParityRowRequest, receiver: Any) -> ppb.OpenSlotReadResponse:
+        """A bulk ticket for a row held here, once the file behind it passed its checksum (the
+        ticket keeps that file open; the reader hashes what it receives again)."""
+        slot, fd = await run_blocking(self.rstore.open_row, req.job, req.step, req.stripe, req.lane, req.row)
+        try:
+            actual = await run_blocking(digest_fd, fd, slot.size) if os.fstat(fd).st_size >= slot.size else "short"
+            if actual != slot.checksum:
+                if self.metrics:
+                    self.metrics.checksum_failures.labels(tier="peer").inc()
+                msg = (f"parity row {req.row} of {req.job} step {req.step} (stripe {req.stripe}, lane {req.lane}) on "
+                       f"{self.node_id} fails its checksum (expected {slot.checksum}, got {actual})")
+                log.error("%s", msg)
+                raise DataLossError(msg)
+            ticket = receiver.blobs.issue(fd, slot.size, req.requester)
+        except BaseException:
+            os.close(fd)
+            raise
+        return ppb.OpenSlotReadResponse(ticket=ticket, bulk_port=receiver.bulk_port, size=slot.size,
+                                        checksum=slot.checksum)
 
     async def read_row(self, job: str, step: int, stripe: int, lane: str, row: int) -> AsyncIterator[ppb.DataPiece]:
         buf = await self.row_bytes(job, step, stripe, lane, row)

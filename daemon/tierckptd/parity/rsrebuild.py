@@ -22,14 +22,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from tierckpt.common import checksum
 from tierckpt.common.status import error_from_rpc
-from tierckpt.errors import DataLossError, InvalidArgumentError, NotFoundError, TierckptError, UnavailableError
+from tierckpt.errors import (
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    TierckptError,
+    UnavailableError,
+)
 from tierckpt.v1 import peer_pb2 as ppb
 
 from ..knobs import KNOBS
 from ..local.manifest import Manifest
 from ..offload import run_blocking
 from . import layout, rslayout
+from .bulkdecode import Into, Pulls, W
 from .decode import pull_range
 from .ranges import read_range, write_range
 from .rebuild import Rebuilder
@@ -217,11 +226,58 @@ class RsRebuilder(Rebuilder):
         if m.node == self.node_id or m.node not in self.cluster.peers:
             raise UnavailableError(f"{m.key} is held by no live node known here")
 
+        pulls = self.pulls()
+        if pulls is not None:
+            try:
+                await self._member_bulk(pulls, m, off, length, buf)
+                return bytes(buf)
+            except FailedPreconditionError as e:  # e.g. a spent ticket; an owner down fails over gRPC too
+                log.warning("%s: bulk pull failed (%s); reading it over gRPC", m.key, e)
+
         async def sink(pos: int, data: bytes) -> None:
             buf[pos:pos + len(data)] = data
 
         await pull_range(self.cluster, m.node, self.node_id, m, off, length, sink)
         return bytes(buf)
+
+    async def _row_bulk(self, pulls: Pulls, holder: str, req: ppb.ReadParityRowRequest, expect: int) -> bytearray:
+        """A row over the bulk channel: its holder checks it first, this node hashes what arrives."""
+        try:
+            resp = await self.cluster.call(self.cluster.peers[holder], "OpenRowRead", req)
+        except TierckptError as e:
+            log.warning("row %d of %s step %d from %s: %s", req.row, req.job, req.step, holder, e)
+            raise
+        if resp.size > expect:
+            raise DataLossError(f"peer {holder} describes parity row {req.row} as {resp.size} bytes; its members "
+                                f"need {expect}")
+        buf = bytearray(resp.size)
+
+        def add(w: int, data: memoryview) -> None:
+            buf[w * W:w * W + len(data)] = data
+
+        hasher = checksum.new()
+        into = Into(add)
+        src = pulls.slot(holder, resp, resp.size, hasher)
+        await pulls.run([lambda: src(into)])
+        self.count_bulk(into.moved)
+        if hasher.hexdigest() != resp.checksum:
+            if self.metrics:
+                self.metrics.checksum_failures.labels(tier="peer").inc()
+            raise DataLossError(f"parity row {req.row} of {req.job} step {req.step} from {holder} fails its checksum "
+                                f"on receipt (expected {resp.checksum}, got {hasher.hexdigest()})")
+        return buf
+
+    async def _member_bulk(self, pulls: Pulls, m: Manifest, off: int, length: int, buf: bytearray) -> None:
+        """``[off, off + length)`` of member ``m``'s rank into ``buf``, over the bulk channel."""
+        def add(w: int, data: memoryview) -> None:
+            if w * W + len(data) > length:
+                raise DataLossError(f"{m.key}: more than the {length} bytes asked")
+            buf[w * W:w * W + len(data)] = data
+
+        src = await pulls.member(m, off, length)
+        into = Into(add)
+        await pulls.run([lambda: src(into)])
+        self.count_bulk(into.moved)
 
     async def _row(self, man: Manifest, plan: _Plan, row: int, expect: int) -> bytearray:
         """Row ``row`` of the plan's lane (at most ``expect`` bytes: its longest member's chunk)."""
@@ -235,6 +291,13 @@ class RsRebuilder(Rebuilder):
         p = self.cluster.peers[holder]
         req = ppb.ReadParityRowRequest(requester=self.node_id, job=man.job, step=man.step, stripe=stripe, lane=lane,
                                        row=row)
+        pulls = self.pulls()
+        if pulls is not None:
+            try:
+                return await self._row_bulk(pulls, holder, req, expect)
+            except FailedPreconditionError as e:  # e.g. a holder that cannot issue row tickets
+                log.warning("row %d of %s step %d from %s: bulk pull failed (%s); reading it over gRPC", row, man.job,
+                            man.step, holder, e)
         buf = bytearray()
         try:
             async for piece in p.stub.ReadParityRow(req, timeout=max(KNOBS.commit_timeout, KNOBS.rpc_timeout)):

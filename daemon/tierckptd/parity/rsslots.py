@@ -341,6 +341,16 @@ class RsStore:
 
     # ------------------------------------------------------------------------------ reading, dropping
 
+    def open_row(self, job: str, step: int, stripe: int, lane: str, row: int) -> tuple[Row, int]:
+        """A row and a read-only fd of its data (the caller closes it; NotFoundError: not here)."""
+        name = Row(stripe, lane, row).name
+        with self._lock:
+            slot = self._steps.get((job, step), {}).get(name)
+        if slot is None:
+            raise NotFoundError(f"row {row} of lane {lane} of stripe {stripe} of {job} step {step} is not here")
+        with self.fs.dir(_step_dir(job, step)) as sfd:
+            return slot, self.fs.open_regular(sfd, name + ".bin", os.O_RDONLY, "parity row")
+
     def read_row(self, job: str, step: int, stripe: int, lane: str, row: int) -> tuple[Row, bytearray]:
         """A row's bytes, checked against its checksum.
 

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from tierckpt.errors import (
@@ -72,8 +72,9 @@ class ParityShapes:
 
     def __init__(self, config: DaemonConfig, store: LocalStore, cluster: Membership, receiver: Any,
                  spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task], metrics: Any,
-                 choose: Callable[[str], Shape | None], persistent: Callable[[], Any]) -> None:
+                 choose: Callable[[str], Shape | None], persistent: Callable[[], Any], transfer: Any = None) -> None:
         self.config, self.store, self.cluster, self.receiver = config, store, cluster, receiver
+        self.transfer = transfer  # the peer tier's bulk transfers, which every code's rebuilds pull over
         self._spawn, self.metrics, self.choose, self._persistent = spawn, metrics, choose, persistent
         self.node_id = config.node_id
         self.own: Shape | None = config.parity
@@ -87,8 +88,8 @@ class ParityShapes:
     # ------------------------------------------------------------------------------ the codes
 
     def _add(self, shape: Shape, root: str | None) -> Parity:
-        p = Parity(self.config, self.store, self.cluster, self.receiver, self._spawn, self.metrics, shape=shape,
-                   root=root)
+        p = Parity(self.config, self.store, self.cluster, self.receiver, self._spawn, self.metrics,
+                   self.transfer, shape=shape, root=root)
         p.encoder.wants = lambda job, shape=shape: self.choose(job) == shape  # type: ignore[misc]
         self._codes[shape] = p
         self.takeovers[shape] = ParityTakeOver(p, self._persistent)
@@ -328,6 +329,18 @@ class ParityShapes:
         async for piece in _first_holding([p for p in self.codes() if p.m > 1] or [self._requested(0, 0)], open_):
             yield piece
 
+    async def open_slot_read(self, req: ppb.RebuildChunkRequest, receiver: Any) -> ppb.OpenSlotReadResponse:
+        """XOR: a bulk ticket for the slot of whichever code holds it (the request does not say)."""
+        codes = [p for p in self.codes() if p.m == 1]
+        if not codes:
+            raise FailedPreconditionError(f"redundancy: node {self.node_id} does not hold XOR parity slots")
+        return await _first_answer(codes, lambda p: p.protector.open_slot_read(req, receiver))
+
+    async def open_row_read(self, req: ppb.ReadParityRowRequest) -> ppb.OpenSlotReadResponse:
+        """Reed-Solomon: a bulk ticket for the row of whichever code holds it."""
+        return await _first_answer([p for p in self.codes() if p.m > 1] or [self._requested(0, 0)],
+                                   lambda p: p.open_row_read(req))
+
     async def drop_local(self, job: str, step: int) -> int:
         return sum([await p.drop_local(job, step) for p in self.codes()])
 
@@ -361,5 +374,19 @@ async def _first_holding(codes: list[Parity], open_: Callable[[Parity], AsyncIte
         async for piece in it:
             yield piece
         return
+    assert err is not None
+    raise err
+
+
+async def _first_answer(codes: list[Parity], call: Callable[[Parity], Awaitable[ppb.OpenSlotReadResponse]]
+                        ) -> ppb.OpenSlotReadResponse:
+    """The answer of the first code that does not fail NOT_FOUND / INVALID_ARGUMENT /
+    FAILED_PRECONDITION (else the first code's error)."""
+    err: TierckptError | None = None
+    for p in codes:
+        try:
+            return await call(p)
+        except (NotFoundError, InvalidArgumentError, FailedPreconditionError) as e:
+            err = err or e
     assert err is not None
     raise err

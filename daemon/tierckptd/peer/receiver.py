@@ -39,6 +39,7 @@ from ..local.manifest import Manifest
 from ..local.store import LocalStore, Staging
 from ..offload import run_blocking, run_owning
 from . import bulk
+from .blobs import BlobTickets
 
 __all__ = ["Receiver", "check_digest"]
 
@@ -127,6 +128,7 @@ class Receiver:
         # ranks a restore is bringing in, from any tier (not to be staged twice): key -> restores
         self.fetching: collections.Counter[tuple[str, int, int]] = collections.Counter()
         self.check_identity = check_identity  # under mTLS: the connection's certificate names the ticket's node
+        self.blobs = BlobTickets()  # parity slots a restoring node pulls to decode a chunk itself
 
     @contextlib.contextmanager
     def fetching_rank(self, key: tuple[str, int, int]) -> Iterator[None]:
@@ -259,6 +261,7 @@ class Receiver:
         (a sender that died between two connections), and stale read tickets (blocking)."""
         now = time.monotonic()
         idle = KNOBS.inbound_idle_timeout or float("inf")
+        self.blobs.expire()
         with self._lock:
             stale = [t for t, i in self._inbound.items()
                      if now - i.created > self.staging_timeout or now - i.active > idle]
@@ -366,6 +369,9 @@ class Receiver:
         bulk.send_msg(sock, {"ok": True})
 
     def _get(self, sock: socket.socket, ticket: str, shard: str, piece: tuple[Any, Any, Any], buf: bytearray) -> None:
+        if self.blobs.holds(ticket):
+            self.blobs.serve(sock, ticket, shard, piece, buf, self._check_holder)
+            return
         now = time.monotonic()
         with self._lock:
             rd = self._readers.get(ticket)

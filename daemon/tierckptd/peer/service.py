@@ -160,6 +160,19 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
             yield piece
 
     @rpc
+    async def OpenSlotRead(self, request: ppb.RebuildChunkRequest, context: Any) -> ppb.OpenSlotReadResponse:
+        check_job(request.job)
+        check_step(request.step)
+        check_node(request.owner, "owner")
+        return await self._parity().open_slot_read(request, self.tier.receiver)
+
+    @rpc
+    async def OpenRowRead(self, request: ppb.ReadParityRowRequest, context: Any) -> ppb.OpenSlotReadResponse:
+        check_job(request.job)
+        check_step(request.step)
+        return await self._parity().open_row_read(request)
+
+    @rpc
     async def ParityLookup(self, request: ppb.ParityLookupRequest, context: Any) -> ppb.ParityLookupResponse:
         check_job(request.job)
         parities = getattr(self.tier, "parities", None)

@@ -165,6 +165,7 @@ class PeerTier(RemoteTier):
             t.cancel()
         self.redundancy.cancel()
         await run_blocking(self._bulk.stop)
+        self.receiver.blobs.close()
         await self.cluster.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 

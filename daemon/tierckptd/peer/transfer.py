@@ -16,6 +16,7 @@ import queue
 import ssl
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from tierckpt.errors import CapacityError, DataLossError, UnavailableError
 
@@ -60,6 +61,15 @@ class BulkClient:
     def __init__(self, pool: cf.Executor, ssl_context: Callable[[], ssl.SSLContext] | None) -> None:
         self._pool = pool
         self._ssl = ssl_context
+
+    @property
+    def pool(self) -> cf.Executor:
+        """The worker threads transfers run on."""
+        return self._pool
+
+    def open(self, host: str, port: int, tls_name: str | None = None) -> Any:
+        """A new bulk connection (blocking), under the current TLS context if any."""
+        return bulk.connect(host, port, self._ssl() if self._ssl is not None else None, tls_name)
 
     async def run(self, peer_id: str, host: str, port: int, ticket: str, op: str, pieces: list[Piece],
                   files: Mapping[str, tuple[Opener, int]], hashers: dict[str, bulk.OrderedHasher],

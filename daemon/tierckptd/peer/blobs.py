@@ -1,0 +1,131 @@
+"""Read tickets for one file that is not a rank's shard (an XOR parity slot), served over the
+bulk channel as shard ``"slot"``: a restoring node pulls the slot and decodes the chunk itself.
+
+The ticket holds the file open from the moment it is issued, so the bytes served are those the
+slot had when its size and checksum were described (a slot replaced since is a different
+file). Like a rank's read ticket it serves each byte once and ends when every byte was served,
+or ``KNOBS.read_ticket_ttl`` after its last use; then the file is closed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierckpt.errors import FailedPreconditionError, InvalidArgumentError
+
+from ..knobs import KNOBS
+from . import bulk
+
+__all__ = ["BLOB_SHARD", "BlobTickets"]
+
+BLOB_SHARD = "slot"
+MAX_TICKETS = 4096
+"""Open blob tickets at most (each holds a descriptor): past it the oldest is dropped."""
+
+
+@dataclass(eq=False)
+class _Blob:
+    fd: int
+    size: int
+    requester: str
+    used: float = field(default_factory=time.monotonic)
+    served: list[tuple[int, int]] = field(default_factory=list)  # disjoint [start, end)
+    left: int = 0
+
+
+class BlobTickets:
+    """Blob tickets of one daemon (thread-safe: bulk threads serve them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blobs: dict[str, _Blob] = {}
+
+    def issue(self, fd: int, size: int, requester: str) -> str:
+        """A ticket for ``size`` bytes of ``fd``; the ticket owns ``fd`` from now on."""
+        ticket = secrets.token_urlsafe(18)
+        with self._lock:
+            if len(self._blobs) >= MAX_TICKETS:
+                oldest = min(self._blobs, key=lambda t: self._blobs[t].used)
+                os.close(self._blobs.pop(oldest).fd)
+            self._blobs[ticket] = _Blob(fd, size, requester, left=max(1, size))
+        return ticket
+
+    def holds(self, ticket: str) -> bool:
+        with self._lock:
+            return ticket in self._blobs
+
+    def take(self, ticket: str, shard: str, ranges: list[tuple[int, int]]) -> tuple[int, str]:
+        """Claim ``ranges`` of the ticket's file: a new descriptor of it (the caller closes it) and
+        the node the ticket was issued to.
+
+        Raises:
+            FailedPreconditionError: unknown, expired or spent ticket, or bytes served already.
+            InvalidArgumentError: not the ticket's shard name.
+        """
+        if shard != BLOB_SHARD:
+            raise InvalidArgumentError(f"shard: {shard!r} is not part of this ticket (it serves {BLOB_SHARD!r})")
+        now = time.monotonic()
+        with self._lock:
+            b = self._blobs.get(ticket)
+            if b is not None and now - b.used > KNOBS.read_ticket_ttl:
+                self._drop(ticket)
+                b = None
+            if b is None:
+                raise FailedPreconditionError("ticket: unknown, expired or spent slot ticket")
+            for start, length in ranges:
+                end = start + max(1, length)
+                if any(s < end and start < e for s, e in b.served):
+                    raise FailedPreconditionError(f"ticket: bytes of the slot at {start} were already read with "
+                                                  "this ticket")
+            b.served.extend((s, s + max(1, n)) for s, n in ranges)
+            b.left -= sum(max(1, n) for _, n in ranges)
+            b.used = now
+            fd = os.dup(b.fd)
+            if b.left <= 0:
+                self._drop(ticket)
+            return fd, b.requester
+
+    def describe(self, ticket: str) -> tuple[int, str]:
+        """(size, requester) of a live ticket (FailedPreconditionError otherwise)."""
+        with self._lock:
+            b = self._blobs.get(ticket)
+            if b is None:
+                raise FailedPreconditionError("ticket: unknown, expired or spent slot ticket")
+            return b.size, b.requester
+
+    def serve(self, sock: socket.socket, ticket: str, shard: str, piece: tuple[Any, Any, Any], buf: bytearray,
+              check_holder: Callable[[socket.socket, str], None]) -> None:
+        """Serve one bulk "get" of a blob ticket (a bulk thread): the connection must be the
+        requester's (``check_holder``), the piece must fit the file, each byte is served once."""
+        size, requester = self.describe(ticket)
+        check_holder(sock, requester)
+        bulk.check_piece(*piece, size)
+        ranges = list(bulk.runs(*piece, size))
+        fd, _ = self.take(ticket, shard, ranges)
+        with os.fdopen(fd, "rb") as fh:
+            bulk.send_msg(sock, {"ok": True, "length": sum(n for _, n in ranges)})
+            for start, length in ranges:
+                bulk.send_range(sock, fh, start, length, buf)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for t in [t for t, b in self._blobs.items() if now - b.used > KNOBS.read_ticket_ttl]:
+                self._drop(t)
+
+    def close(self) -> None:
+        with self._lock:
+            for t in list(self._blobs):
+                self._drop(t)
+
+    def _drop(self, ticket: str) -> None:
+        b = self._blobs.pop(ticket, None)
+        if b is not None:
+            os.close(b.fd)
