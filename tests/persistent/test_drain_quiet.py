@@ -73,15 +73,22 @@ def test_a_waiting_thread_takes_the_next_call_of_its_own_policy_only() -> None:
     assert pool.active == 0
 
 
-def test_chunk_workers_are_sched_idle_processes_kept_between_drains(tmp_path: Path) -> None:
+@pytest.mark.parametrize("drain_idle", [1, 0])
+def test_chunk_workers_are_sched_idle_processes_kept_between_drains(tmp_path: Path, drain_idle: int) -> None:
+    """Every thread of a child is at SCHED_IDLE and nice 19, the one numpy's imports start too,
+    even where the drain thread that started the child is not (``drain_idle = 0``)."""
     async def body() -> None:
-        with KNOBS.overridden(chunk_bytes=CHUNK, drain_processes=1, codec_threads=2):
+        with KNOBS.overridden(chunk_bytes=CHUNK, drain_processes=1, codec_threads=2, drain_idle=drain_idle):
             rig = Rig(tmp_path)
             await rig.tier.start()
             _save(rig, 1, _shards(1))
             await _drain(rig, 1)
             pids = rig.tier.content.reader.workers.pids()
-            assert 1 <= len(pids) <= 2 and all(os.sched_getscheduler(p) == os.SCHED_IDLE for p in pids)
+            assert 1 <= len(pids) <= 2
+            for pid in pids:
+                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+                assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in tids), pid
+                assert all(os.getpriority(os.PRIO_PROCESS, t) == 19 for t in tids), pid
             _save(rig, 2, _shards(2))
             await _drain(rig, 2)
             assert rig.tier.content.reader.workers.pids() == pids  # the same children: none started again

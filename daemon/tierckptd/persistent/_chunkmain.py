@@ -7,9 +7,10 @@ from __future__ import annotations
 import socket
 import sys
 
-from .chunkproc import serve
+from .chunkproc import lower_priority, serve
 from .compress import warm
 
 if __name__ == "__main__":
+    lower_priority()  # before the imports: threads they start (numpy's) inherit SCHED_IDLE and nice 19
     warm()
     serve(socket.socket(fileno=int(sys.argv[1])))

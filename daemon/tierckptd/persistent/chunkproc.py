@@ -43,7 +43,7 @@ from tierckpt.errors import DataLossError
 
 from ..knobs import KNOBS
 
-__all__ = ["ChunkWorker", "ChunkWorkers", "encode_checked", "serve"]
+__all__ = ["ChunkWorker", "ChunkWorkers", "encode_checked", "lower_priority", "serve"]
 
 _MAX_MSG = 1 << 16
 
@@ -254,9 +254,11 @@ def encode_checked(data: memoryview, digest: str, codec: str, what: str, offset:
     return encode(codec, data)
 
 
-def _lower_priority() -> None:
-    """The whole child at ``SCHED_IDLE`` (and nice 19 where that is refused): it runs only on CPUs
-    nothing else wants."""
+def lower_priority() -> None:
+    """The calling thread of the child at ``SCHED_IDLE`` and nice 19 (Linux sets both per thread;
+    threads started afterwards inherit them, so it runs before numpy's imports start any): it
+    runs only on CPUs nothing else wants. A child started by a drain thread at ``SCHED_IDLE``
+    inherits it anyway; with ``drain_idle = 0`` numpy's thread was left at the normal policy."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, 0, 19)
     with contextlib.suppress(OSError, AttributeError):
@@ -311,7 +313,7 @@ class _Child:
 def serve(sock: socket.socket) -> None:
     """Answer requests until the daemon's end closes (every error is answered, never raised:
     the daemon turns it into the drain's error)."""
-    _lower_priority()
+    lower_priority()
     child = _Child()
     while True:
         try:
