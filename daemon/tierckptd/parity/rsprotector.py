@@ -156,14 +156,19 @@ class RsProtector:
         rslayout.check_lane(lane, 1)
         slot, buf = await run_blocking(self.rstore.read_row, job, step, stripe, lane, row)
         actual = await run_blocking(checksum.digest, buf) if len(buf) == slot.size else "short"
-        if actual != slot.checksum:
-            if self.metrics:
-                self.metrics.checksum_failures.labels(tier="peer").inc()
-            msg = (f"parity row {row} of {job} step {step} (stripe {stripe}, lane {lane}) on {self.node_id} fails its "
-                   f"checksum (expected {slot.checksum}, got {actual})")
-            log.error("%s", msg)
-            raise DataLossError(msg)
+        self._check_row(job, step, stripe, lane, row, slot.checksum, actual)
         return buf
+
+    def _check_row(self, job: str, step: int, stripe: int, lane: str, row: int, expected: str, actual: str) -> None:
+        """DataLossError (counted, logged) where a row held here does not match its checksum."""
+        if actual == expected:
+            return
+        if self.metrics:
+            self.metrics.checksum_failures.labels(tier="peer").inc()
+        msg = (f"parity row {row} of {job} step {step} (stripe {stripe}, lane {lane}) on {self.node_id} fails its "
+               f"checksum (expected {expected}, got {actual})")
+        log.error("%s", msg)
+        raise DataLossError(msg)
 
     async def open_row_read(self, req: ppb.ReadParityRowRequest, receiver: Any) -> ppb.OpenSlotReadResponse:
         """A bulk ticket for a row held here, once the file behind it passed its checksum (the
@@ -171,13 +176,7 @@ class RsProtector:
         slot, fd = await run_blocking(self.rstore.open_row, req.job, req.step, req.stripe, req.lane, req.row)
         try:
             actual = await run_blocking(digest_fd, fd, slot.size) if os.fstat(fd).st_size >= slot.size else "short"
-            if actual != slot.checksum:
-                if self.metrics:
-                    self.metrics.checksum_failures.labels(tier="peer").inc()
-                msg = (f"parity row {req.row} of {req.job} step {req.step} (stripe {req.stripe}, lane {req.lane}) on "
-                       f"{self.node_id} fails its checksum (expected {slot.checksum}, got {actual})")
-                log.error("%s", msg)
-                raise DataLossError(msg)
+            self._check_row(req.job, req.step, req.stripe, req.lane, req.row, slot.checksum, actual)
             ticket = receiver.blobs.issue(fd, slot.size, req.requester)
         except BaseException:
             os.close(fd)

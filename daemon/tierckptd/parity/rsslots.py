@@ -343,13 +343,17 @@ class RsStore:
 
     def open_row(self, job: str, step: int, stripe: int, lane: str, row: int) -> tuple[Row, int]:
         """A row and a read-only fd of its data (the caller closes it; NotFoundError: not here)."""
-        name = Row(stripe, lane, row).name
+        slot = self._held(job, step, stripe, lane, row)
+        with self.fs.dir(_step_dir(job, step)) as sfd:
+            return slot, self.fs.open_regular(sfd, slot.name + ".bin", os.O_RDONLY, "parity row")
+
+    def _held(self, job: str, step: int, stripe: int, lane: str, row: int) -> Row:
+        """The record of a row held here (NotFoundError: none)."""
         with self._lock:
-            slot = self._steps.get((job, step), {}).get(name)
+            slot = self._steps.get((job, step), {}).get(Row(stripe, lane, row).name)
         if slot is None:
             raise NotFoundError(f"row {row} of lane {lane} of stripe {stripe} of {job} step {step} is not here")
-        with self.fs.dir(_step_dir(job, step)) as sfd:
-            return slot, self.fs.open_regular(sfd, name + ".bin", os.O_RDONLY, "parity row")
+        return slot
 
     def read_row(self, job: str, step: int, stripe: int, lane: str, row: int) -> tuple[Row, bytearray]:
         """A row's bytes, checked against its checksum.
@@ -358,13 +362,7 @@ class RsStore:
             NotFoundError: no such row here.
             DataLossError: it fails its checksum (from :func:`_checked`).
         """
-        name = Row(stripe, lane, row).name
-        with self._lock:
-            slot = self._steps.get((job, step), {}).get(name)
-        if slot is None:
-            raise NotFoundError(f"row {row} of lane {lane} of stripe {stripe} of {job} step {step} is not here")
-        with self.fs.dir(_step_dir(job, step)) as sfd:
-            fd = self.fs.open_regular(sfd, name + ".bin", os.O_RDONLY, "parity row")
+        slot, fd = self.open_row(job, step, stripe, lane, row)
         try:
             buf = bytearray(slot.size)
             got = os.preadv(fd, [buf], 0) if slot.size else 0
