@@ -16,6 +16,7 @@ EXPECTED = {
     "tierckpt_restored_bytes_total": ("counter", {"tier"}),
     "tierckpt_restores_total": ("counter", {"tier", "result"}),
     "tierckpt_parity_rebuild_bulk_bytes_total": ("counter", set()),
+    "tierckpt_parity_decode_bulk_bytes_total": ("counter", set()),
     "tierckpt_commit_latency_seconds": ("histogram", set()),
     "tierckpt_save_latency_seconds": ("histogram", set()),
     "tierckpt_restore_latency_seconds": ("histogram", {"tier"}),

@@ -108,7 +108,12 @@ class Metrics:
             ["tier"], registry=r)
         self.parity_rebuild_bulk_bytes = Counter(
             "tierckpt_parity_rebuild_bulk_bytes_total", "Bytes this node received over the bulk data channel while "
-            "reconstructing lost ranks from parity (slots, rows and the other members' chunks).", registry=r)
+            "reconstructing lost ranks from parity (XOR: the chunks its protectors decoded, else the slots and the "
+            "other members' chunks; Reed-Solomon: rows and data blocks).", registry=r)
+        self.parity_decode_bulk_bytes = Counter(
+            "tierckpt_parity_decode_bulk_bytes_total", "Bytes this node pulled over the bulk data channel to decode "
+            "chunks of lost ranks for the nodes restoring them (XOR parity it protects: OpenRebuiltChunk).",
+            registry=r)
         self.restores = Counter(
             "tierckpt_restores_total", "Rank restores by source tier and result.", ["tier", "result"], registry=r)
 

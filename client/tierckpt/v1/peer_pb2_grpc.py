@@ -105,6 +105,11 @@ class PeerStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
                 _registered_method=True)
+        self.OpenRebuiltChunk = channel.unary_unary(
+                '/tierckpt.v1.Peer/OpenRebuiltChunk',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
+                _registered_method=True)
         self.OpenRowRead = channel.unary_unary(
                 '/tierckpt.v1.Peer/OpenRowRead',
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.ReadParityRowRequest.SerializeToString,
@@ -242,6 +247,18 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenRebuiltChunk(self, request, context):
+        """XOR parity: decode one chunk of a protected rank here (the slot, checked against its
+        checksum, XOR the other members' chunks pulled over the bulk channel) into a private file and
+        issue a bulk "get" ticket for it (shard "slot"; size = the chunk's length; members empty). The
+        restoring node receives the chunk once. Idempotent (a fresh decode and ticket per call);
+        NOT_FOUND if this node does not protect it, DATA_LOSS if its slot is corrupt,
+        FAILED_PRECONDITION without a bulk channel (the restorer then decodes the chunk itself).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenRowRead(self, request, context):
         """Reed-Solomon: check one parity row held here against its checksum and issue a bulk "get"
         ticket for its bytes (shard "slot"; members empty). Idempotent; DATA_LOSS if it is corrupt.
@@ -341,6 +358,11 @@ def add_PeerServicer_to_server(servicer, server):
             ),
             'OpenSlotRead': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSlotRead,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.SerializeToString,
+            ),
+            'OpenRebuiltChunk': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenRebuiltChunk,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.SerializeToString,
             ),
@@ -742,6 +764,33 @@ class Peer:
             request,
             target,
             '/tierckpt.v1.Peer/OpenSlotRead',
+            tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenRebuiltChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.Peer/OpenRebuiltChunk',
             tierckpt_dot_v1_dot_peer__pb2.RebuildChunkRequest.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.OpenSlotReadResponse.FromString,
             options,

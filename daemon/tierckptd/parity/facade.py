@@ -38,6 +38,7 @@ from ..offload import run_blocking
 from ..tiers import RankCopy
 from . import layout, rslayout
 from .encoder import Encoder
+from .farside import FarDecoder
 from .protector import Protector
 from .rebuild import Rebuilder
 from .rsencoder import RsEncoder, target
@@ -78,6 +79,7 @@ class Parity:
             self.protector = Protector(self.node_id, store, self.pstore, cluster, self.size, metrics)
             self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics,
                                       transfer)
+            self.far = FarDecoder(self.node_id, self.protector, self.rebuilder.pulls, metrics)
         else:
             self.pstore = RsStore(root, fsync=fsync)
             self.encoder = RsEncoder(self.node_id, store, cluster, self.size, metrics, k=k, m=m)
@@ -112,6 +114,12 @@ class Parity:
     def read_row(self, req: ppb.ReadParityRowRequest) -> Any:
         self._check_row_request(req)
         return self.protector.read_row(req.job, req.step, req.stripe, req.lane, req.row)
+
+    async def open_rebuilt_chunk(self, req: ppb.RebuildChunkRequest) -> ppb.OpenSlotReadResponse:
+        """XOR: decode a chunk here for a restoring node and issue a bulk ticket (:mod:`.farside`)."""
+        if self.m != 1:
+            raise FailedPreconditionError(f"redundancy: parity:{self.k}+{self.m} keeps rows, not XOR slots")
+        return await self.far.open(req, self.receiver)
 
     async def open_row_read(self, req: ppb.ReadParityRowRequest) -> ppb.OpenSlotReadResponse:
         self._check_row_request(req)

@@ -1,7 +1,10 @@
 """Reconstructing a lost rank from parity: each chunk is decoded by the node holding its slot
-(:func:`.decode.decode_chunk`: the slot XOR the other members' chunks) and streamed here
-(``RebuildChunk``), all chunks at once, into a staging area; every shard is then checked
-against the rank's manifest (kept by each protector) before the copy is committed. A slot that
+(the slot XOR the other members' chunks, pulled over the bulk channel) and pulled from it here over
+the bulk channel (:mod:`.farside`, ``OpenRebuiltChunk``), all chunks at once, into a staging area.
+A holder that cannot (an older daemon) gives its slot instead and the chunk is decoded here
+(:mod:`.xorpull`), else it decodes the chunk and streams it over gRPC (``RebuildChunk``). Every
+shard is then checked against the rank's manifest (kept by each protector) before the copy is
+committed. A slot that
 fails its checksum, or a member whose owner is down too, fails the reconstruction: the restore
 moves on to the next tier (more than one node of the group lost -> the persistent tier)."""
 
@@ -27,6 +30,7 @@ from ..local.store import LocalStore
 from ..offload import run_blocking, run_owning
 from . import layout
 from .bulkdecode import Pulls
+from .farside import pull_rebuilt
 from .protector import Protector
 from .ranges import write_range
 from .xorpull import pull_chunk
@@ -129,10 +133,21 @@ class Rebuilder:
             raise
 
     async def _chunk(self, man: Manifest, chunk: int, chunks: int, holder: str, opener: Any) -> None:
-        """Chunk ``chunk`` of ``man`` into the staging files: decoded here from blocks pulled over
-        the bulk channel (:mod:`.xorpull`), else (a holder that cannot serve its slot so) by
-        ``holder`` (its slot's node) and streamed over gRPC."""
+        """Chunk ``chunk`` of ``man`` into the staging files: decoded by ``holder`` (its slot's
+        node) and pulled over the bulk channel (:mod:`.farside`); else decoded here from blocks
+        pulled over the bulk channel (:mod:`.xorpull`); else decoded by ``holder`` and streamed
+        over gRPC."""
         pulls = self.pulls()
+        if pulls is not None and holder != self.node_id:
+            try:
+                self.count_bulk(await pull_rebuilt(pulls, man, chunk, chunks, holder, opener))
+                return
+            except DataLossError:
+                raise
+            except (TierckptError, OSError) as e:
+                log.warning("chunk %d of %s step %d rank %d: %s could not decode it for us over bulk (%s); "
+                            "decoding it here", chunk, man.job, man.step, man.rank, holder, e)
+            pulls = self.pulls()  # the failed one was cut
         if pulls is not None:
             try:
                 self.count_bulk(await pull_chunk(pulls, self.protector, man, chunk, chunks, holder, opener,

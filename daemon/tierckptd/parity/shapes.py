@@ -336,6 +336,13 @@ class ParityShapes:
             raise FailedPreconditionError(f"redundancy: node {self.node_id} does not hold XOR parity slots")
         return await _first_answer(codes, lambda p: p.protector.open_slot_read(req, receiver))
 
+    async def open_rebuilt_chunk(self, req: ppb.RebuildChunkRequest) -> ppb.OpenSlotReadResponse:
+        """XOR: the chunk decoded here by whichever code's slot holds it, and a bulk ticket for it."""
+        codes = [p for p in self.codes() if p.m == 1]
+        if not codes:
+            raise FailedPreconditionError(f"redundancy: node {self.node_id} does not hold XOR parity slots")
+        return await _first_answer(codes, lambda p: p.open_rebuilt_chunk(req))
+
     async def open_row_read(self, req: ppb.ReadParityRowRequest) -> ppb.OpenSlotReadResponse:
         """Reed-Solomon: a bulk ticket for the row of whichever code holds it."""
         return await _first_answer([p for p in self.codes() if p.m > 1] or [self._requested(0, 0)],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from tierckpt.common import checksum
@@ -34,9 +35,10 @@ MAX_MEMBERS = 64
 
 
 async def pull_chunk(pulls: Pulls, protector: Any, man: Manifest, chunk: int, chunks: int, holder: str,
-                     opener: Any, metrics: Any = None) -> int:
-    """Decode chunk ``chunk`` of ``man`` into the staging files (``opener``); the bytes received
-    over the bulk channel.
+                     opener: Any, metrics: Any = None, write: Callable[[int, Any], None] | None = None) -> int:
+    """Decode chunk ``chunk`` of ``man`` into the staging files (``opener``), or, given ``write``,
+    to ``write(offset in the chunk, data)`` (a protector decoding for a restorer: :mod:`.farside`);
+    the bytes received over the bulk channel.
 
     Raises:
         DataLossError: the slot fails its checksum, or its holder described it inconsistently.
@@ -65,7 +67,8 @@ async def pull_chunk(pulls: Pulls, protector: Any, man: Manifest, chunk: int, ch
         opened = await asyncio.gather(*(pulls.member(m[0], m_off, min(m_len, length))
                                         for m, (m_off, m_len) in zip(others, spans)))  # read tickets at once
         sources.extend((src, min(m_len, length)) for src, (_, m_len) in zip(opened, spans))
-        windows = Windows(length, [n for _, n in sources], lambda at, data: write_range(opener, man, off + at, data))
+        sink = write or (lambda at, data: write_range(opener, man, off + at, data))
+        windows = Windows(length, [n for _, n in sources], sink)
         intos = [Into(windows.add) for _ in sources]
         await pulls.run([_job(src, into) for (src, _), into in zip(sources, intos)])
         actual = hasher.hexdigest()

@@ -167,6 +167,13 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
         return await self._parity().open_slot_read(request, self.tier.receiver)
 
     @rpc
+    async def OpenRebuiltChunk(self, request: ppb.RebuildChunkRequest, context: Any) -> ppb.OpenSlotReadResponse:
+        check_job(request.job)
+        check_step(request.step)
+        check_node(request.owner, "owner")
+        return await self._parity().open_rebuilt_chunk(request)
+
+    @rpc
     async def OpenRowRead(self, request: ppb.ReadParityRowRequest, context: Any) -> ppb.OpenSlotReadResponse:
         check_job(request.job)
         check_step(request.step)

@@ -1,0 +1,149 @@
+"""XOR rebuild decoded on the protector, both hops over the bulk data channel.
+
+Why: decoding a lost chunk on the restoring node (:mod:`.xorpull`) makes it receive the slot and
+the K-1 other members' chunks, K times the rank in all, through its own link; on a cluster whose
+NICs are the limit that is K times a replica fetch. Decoding on the node holding the chunk's slot
+(the older ``RebuildChunk``) has the right shape (the restorer receives the rank once, the K-1
+pulls spread over the protectors' links) but streamed its result as slow gRPC messages. Here the
+protector decodes (``OpenRebuiltChunk``: the slot, checked against its checksum, XOR the other
+members' chunks pulled over bulk, :func:`.xorpull.pull_chunk`) into a private unlinked file of its
+parity dir and issues a blob ticket (:mod:`..peer.blobs`) for it; the restorer pulls each chunk
+from its protector over bulk, all chunks at once, into its staging file (:func:`pull_rebuilt`).
+
+Bounds: a protector decodes at most ``MAX_DECODES`` chunks at once per code (each a file of one
+chunk, 1/K of a rank, on disk; memory the windows of :class:`.bulkdecode.Windows`); what it
+decodes is described by its own MAC-checked slot members, not by the request. The restorer takes
+only the chunk length its own manifest implies; the rebuilt rank is checked against that manifest
+before it is served (:class:`.rebuild.Rebuilder`), so a protector sending other bytes fails the
+restore, never corrupts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+from tierckpt.errors import DataLossError, FailedPreconditionError, NotFoundError
+from tierckpt.v1 import peer_pb2 as ppb
+
+from ..knobs import KNOBS
+from ..local.manifest import Manifest
+from ..offload import run_blocking
+from ..peer import bulk
+from . import layout
+from .bulkdecode import Pulls
+from .ranges import write_range
+from .xorpull import pull_chunk
+
+__all__ = ["FarDecoder", "MAX_DECODES", "pull_rebuilt"]
+
+MAX_DECODES = 2
+"""Chunks one code decodes at once for restoring nodes (the rest wait their turn)."""
+
+
+def _pwrite_all(fd: int, data: Any, at: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n
+
+
+class FarDecoder:
+    """The protector side: ``OpenRebuiltChunk`` of one XOR code.
+
+    Args:
+        pulls: a fresh :class:`.bulkdecode.Pulls` per decode, or None without a bulk channel.
+    """
+
+    def __init__(self, node_id: str, protector: Any, pulls: Callable[[], Pulls | None], metrics: Any = None) -> None:
+        self.node_id, self.protector, self.pulls, self.metrics = node_id, protector, pulls, metrics
+        self._decoding = asyncio.Semaphore(MAX_DECODES)
+
+    async def open(self, req: ppb.RebuildChunkRequest, receiver: Any) -> ppb.OpenSlotReadResponse:
+        """Decode the chunk here and issue a ticket for it.
+
+        Raises:
+            NotFoundError: no slot here protects that chunk.
+            DataLossError: the slot fails its checksum (or its members are inconsistent).
+            FailedPreconditionError: no bulk channel here (the restorer decodes it itself).
+            UnavailableError: another member's chunk could not be pulled.
+        """
+        pulls = self.pulls()
+        if pulls is None:
+            raise FailedPreconditionError(f"node {self.node_id} has no bulk channel to decode chunks over")
+        pstore = self.protector.pstore
+        slot = pstore.find(req.job, req.step, req.owner, req.rank, req.generation, req.chunk)
+        target = None if slot is None else next(
+            (m for m in slot.members if m.key == (req.owner, req.rank, req.generation, req.chunk)), None)
+        if target is None:
+            raise NotFoundError(f"node {self.node_id} does not protect chunk {req.chunk} of {req.job} step "
+                                f"{req.step} rank {req.rank} of {req.owner} (generation {req.generation})")
+        man = Manifest.from_json(target.manifest)  # stored MAC-checked; checked again
+        _, length = layout.chunk_span(man.nbytes, target.chunks, target.chunk)
+        async with self._decoding:
+            name, fd = await run_blocking(pstore.incoming, man.job, man.step)
+            try:
+                moved = await pull_chunk(pulls, self.protector, man, target.chunk, target.chunks, self.node_id,
+                                         None, self.metrics, write=lambda at, data: _pwrite_all(fd, data, at))
+                ticket = receiver.blobs.issue(fd, length, req.requester)  # owns fd from here
+            except BaseException:
+                os.close(fd)
+                raise
+            finally:
+                with contextlib.suppress(OSError):
+                    await run_blocking(pstore.discard, man.job, man.step, name)  # the ticket keeps it open
+        if self.metrics and moved:
+            self.metrics.parity_decode_bulk_bytes.inc(moved)
+        return ppb.OpenSlotReadResponse(ticket=ticket, bulk_port=receiver.bulk_port, size=length)
+
+
+async def pull_rebuilt(pulls: Pulls, man: Manifest, chunk: int, chunks: int, holder: str, opener: Any) -> int:
+    """Chunk ``chunk`` of ``man`` decoded by ``holder`` (its slot's node) and pulled over the bulk
+    channel into the staging files (``opener``); the bytes received.
+
+    Raises:
+        FailedPreconditionError: the holder cannot decode it so (an older daemon: UNIMPLEMENTED).
+        DataLossError: its slot is corrupt, or it offers another length than the chunk's.
+        UnavailableError / NotFoundError: it could not decode it.
+    """
+    off, length = layout.chunk_span(man.nbytes, chunks, chunk)
+    if not length:
+        return 0
+    req = ppb.RebuildChunkRequest(requester=pulls.node_id, job=man.job, step=man.step, rank=man.rank, owner=man.node,
+                                  generation=man.generation, chunk=chunk)
+    resp = await pulls.cluster.call(pulls.cluster.peers[holder], "OpenRebuiltChunk", req,
+                                    timeout=max(KNOBS.commit_timeout, KNOBS.rpc_timeout))
+    if resp.size != length:
+        raise DataLossError(f"peer {holder} decoded {resp.size} bytes of chunk {chunk} of {man.key}; it has {length}")
+    moved = [0]
+
+    def pull() -> None:
+        sock = pulls.connect(holder, resp.bulk_port)
+        try:
+            bulk.send_msg(sock, {"v": bulk.VERSION, "op": "get", "ticket": resp.ticket, "shard": "slot",
+                                 "offset": 0, "chunk": length, "stride": length})
+            reply = bulk.raise_for(bulk.recv_msg(sock) or {}, f"peer {holder} bulk get of a decoded chunk")
+            if reply.get("length") != length:
+                raise DataLossError(f"peer {holder} offers {reply.get('length')} bytes of a {length}-byte chunk")
+            buf = bytearray(min(length, bulk.BUF_BYTES))
+            view = memoryview(buf)
+            pos = 0
+            while pos < length:
+                n = min(len(buf), length - pos)
+                got = 0
+                while got < n:
+                    k = sock.recv_into(view[got:n])
+                    if not k:
+                        raise ConnectionError(f"bulk stream from {holder} ended {length - pos - got} bytes early")
+                    got += k
+                write_range(opener, man, off + pos, view[:n])
+                pos += n
+                moved[0] += n
+        finally:
+            pulls.release(sock)
+
+    await pulls.run([pull])
+    return moved[0]
