@@ -8,13 +8,19 @@ step; the bench reports
   the node's own data (the issue's target: <= 1.3x with single-loss survival);
 - commit to redundant: from the local commit (``fut.result()``) to ``fut.wait("peer")``, the
   median over the five ranks (the five are saved and waited for concurrently);
-- bytes on the network: derived from the protocol (replicas: one full copy per rank; parity:
-  each chunk, 1/K of the rank, goes to M protectors, so M ranks' worth in all; a reconstruction
-  moves K times the rank, all into the restoring node: for each of the K chunks it pulls the
-  slot (or a row) and the K-1 other data blocks of its stripe);
+- bytes on the network to protect: derived from the protocol (replicas: one full copy per rank;
+  parity: each chunk, 1/K of the rank, goes to M protectors, so M ranks' worth in all);
+- bytes on the network to restore, measured from the daemons' counters over each restore
+  (parity only; replicas: one copy, derived): into the restorer,
+  ``tierckpt_parity_rebuild_bulk_bytes_total`` of n2 (XOR: each chunk decoded on its protector
+  and received once, about 1x; Reed-Solomon: the K blocks of each chunk's stripe, about Kx), and
+  on all links that plus the survivors' ``tierckpt_parity_decode_bulk_bytes_total`` (the other
+  members' chunks the XOR protectors pulled to decode; a member held by the protector itself is
+  read locally and not counted);
 - restore after a node loss: n2 is killed (-9) and wiped, restarted, and restores its rank
-  (replicas: a full copy from its replica holder over the bulk channel; parity: every block of
-  every chunk pulled over the bulk channel from all survivors at once, decoded as it arrives);
+  (replicas: a full copy from its replica holder over the bulk channel; parity: every chunk from
+  its protector at once, XOR: decoded there from blocks it pulled over the bulk channel,
+  Reed-Solomon: decoded here from blocks pulled from all survivors, as they arrive);
   the median of ``--restores`` repeats, each one replacing n2 again (every repeat is listed too:
   a single one can be disturbed by the replaced node catching up in the background);
 - XOR encode rate against memcpy (numpy, one thread, ``--xor-mib`` MiB buffers, best of 5).
@@ -29,6 +35,7 @@ import argparse
 import shutil
 import statistics
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,7 +66,8 @@ def _all_up(c) -> bool:
 def start(root: Path, flags: tuple[str, ...]) -> dict[str, Daemon]:
     ports = {n: free_port() for n in NODES}
     peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
-    ds = {n: Daemon(root, n, port=ports[n], args=("--peers", peers, "--log-level", "WARNING", *flags))
+    ds = {n: Daemon(root, n, port=ports[n], args=("--peers", peers, "--log-level", "WARNING", "--metrics-port",
+                                                  str(free_port()), *flags))
           for n in NODES}
     try:
         for d in ds.values():
@@ -76,6 +84,19 @@ def start(root: Path, flags: tuple[str, ...]) -> dict[str, Daemon]:
             d.kill()
         raise
     return ds
+
+
+RECEIVED = "tierckpt_parity_rebuild_bulk_bytes_total"
+DECODED = "tierckpt_parity_decode_bulk_bytes_total"
+
+
+def counter(d: Daemon, name: str) -> float:
+    """A counter of the daemon's /metrics (0 if it has none yet)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.info['metrics_port']}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+    return 0.0
 
 
 def one_config(name: str, flags: tuple[str, ...], mib: int, restores: int, settle: float = 0.0) -> dict:
@@ -99,7 +120,7 @@ def one_config(name: str, flags: tuple[str, ...], mib: int, restores: int, settl
         with ThreadPoolExecutor(len(NODES)) as pool:
             to_redundant = list(pool.map(save, range(len(NODES))))
         mem = [dir_bytes(ds[n]) / nbytes for n in NODES]
-        restore_s = []
+        restore_s, into, links = [], [], []
         for _ in range(restores):
             ds["n2"].kill()
             ds["n2"].wipe()
@@ -111,15 +132,20 @@ def one_config(name: str, flags: tuple[str, ...], mib: int, restores: int, settl
                         raise RuntimeError("n2 does not see its peers after the restart")
                     time.sleep(0.2)
                 time.sleep(settle)  # let the replaced node's background catch-up (replicas, parity) run first
+                others = [ds[n] for n in NODES if n != "n2"]
+                before = sum(counter(d, DECODED) for d in others)
                 t0 = time.perf_counter()
                 ck = c.restore("bench", 2, step=1)
                 restore_s.append(time.perf_counter() - t0)
+                got_in = counter(ds["n2"], RECEIVED)
+                into.append(got_in / nbytes)
+                links.append((got_in + sum(counter(d, DECODED) for d in others) - before) / nbytes)
                 got = (checksum.digest(np.asarray(ck.shards["a"])), checksum.digest(np.asarray(ck.shards["b"])))
                 assert got == sums[2], "restored bytes differ"
                 ck = None
         return {"name": name, "mem_max": max(mem), "mem_mean": statistics.mean(mem),
                 "to_redundant": statistics.median(to_redundant), "restore": statistics.median(restore_s),
-                "restores": restore_s}
+                "restores": restore_s, "into": statistics.median(into), "links": statistics.median(links)}
     finally:
         for d in ds.values():
             d.kill()
@@ -153,14 +179,14 @@ def main() -> None:
     args = ap.parse_args()
     k, m = (int(x) for x in args.redundancy.removeprefix("parity:").split("+"))
     NODES[:] = [f"n{i}" for i in range(k + m)]
-    # x rank bytes: to protect, to restore (all links), into the restoring node
-    net = {"replicas:1": (1.0, 1.0, 1.0), args.redundancy: (float(m), float(k), float(k))}
+    # x rank bytes to protect (derived); to restore, replicas (derived; parity: measured)
+    net = {"replicas:1": (1.0, 1.0, 1.0), args.redundancy: (float(m), 0.0, 0.0)}
     ratios: dict[str, list[float]] = {"to_redundant": [], "restore": []}
     print(f"{args.mib} MiB per rank, {len(NODES)} nodes, one rank each; {args.runs} runs, the two configurations in "
           "turn")
     print("| run | redundancy | memory per node (max / mean, x own data) | commit -> redundant (median s) | network "
-          "to protect (x rank) | network to restore, all links / into the restorer (x rank) | restore after a node "
-          "loss (median s; each) |")
+          "to protect (x rank) | network to restore, all links / into the restorer (x rank; parity: measured, "
+          "median) | restore after a node loss (median s; each) |")
     print("|---|---|---|---|---|---|---|")
     mem_ok = True
     for run in range(1, args.runs + 1):
@@ -168,6 +194,8 @@ def main() -> None:
                 one_config(args.redundancy, ("--redundancy", args.redundancy), args.mib, args.restores, args.settle)]
         for r in rows:
             n = net[r["name"]]
+            if r["name"] != "replicas:1":
+                n = (n[0], r["links"], r["into"])
             print(f"| {run} | {r['name']} | {r['mem_max']:.3f} / {r['mem_mean']:.3f} | {r['to_redundant']:.3f} | "
                   f"{n[0]:.2f} | {n[1]:.2f} / {n[2]:.2f} | {r['restore']:.3f} "
                   f"({', '.join(f'{x:.2f}' for x in r['restores'])}) |", flush=True)
