@@ -129,3 +129,65 @@ def test_slot_ticket_serves_each_byte_once_and_only_its_shard(tmp_path):
     assert not tickets.holds(t)  # every byte served: spent, its file closed
     with pytest.raises(tierckpt.FailedPreconditionError):
         tickets.take(t, "slot", [(0, 1)])
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0.0
+
+    def inc(self, n: float = 1.0) -> None:
+        self.n += n
+
+
+def _rebuilder(monkeypatch, far_error: Exception | None):
+    """A Rebuilder whose two bulk paths are stand-ins: which one a chunk takes, and what it counts."""
+    import asyncio
+    import types
+
+    from tierckptd.parity import rebuild
+
+    calls: list[str] = []
+
+    async def far(pulls, man, chunk, chunks, holder, opener):
+        calls.append(f"far:{holder}")
+        if far_error is not None:
+            raise far_error
+        return 100
+
+    async def here(pulls, protector, man, chunk, chunks, holder, opener, metrics=None):
+        assert not pulls.failed  # a fresh set of connections, not the one the failed attempt cut
+        calls.append(f"here:{holder}")
+        return 400
+
+    monkeypatch.setattr(rebuild, "pull_rebuilt", far)
+    monkeypatch.setattr(rebuild, "pull_chunk", here)
+    metrics = types.SimpleNamespace(parity_rebuild_bulk_bytes=_Counter())
+    rb = rebuild.Rebuilder("n0", None, None, 5, None, None, metrics, transfer=object())
+    man = types.SimpleNamespace(job="j", step=1, rank=2)
+
+    def run(holder: str) -> None:
+        asyncio.run(rb._chunk(man, 0, 4, holder, None))
+    return rb, calls, metrics.parity_rebuild_bulk_bytes, run
+
+
+def test_chunk_is_decoded_by_its_protector_first(monkeypatch):
+    _, calls, moved, run = _rebuilder(monkeypatch, None)
+    run("n3")
+    assert calls == ["far:n3"] and moved.n == 100
+    run("n0")  # the slot is here: decoded here (nothing to ask another node)
+    assert calls == ["far:n3", "here:n0"] and moved.n == 500
+
+
+@pytest.mark.parametrize("err", [tierckpt.FailedPreconditionError("UNIMPLEMENTED: an older daemon"),
+                                 tierckpt.UnavailableError("a member's owner is down")])
+def test_an_older_protector_gives_its_slot_and_the_chunk_is_decoded_here(monkeypatch, err):
+    _, calls, moved, run = _rebuilder(monkeypatch, err)
+    run("n3")
+    assert calls == ["far:n3", "here:n3"] and moved.n == 400
+
+
+def test_a_corrupt_slot_on_the_protector_is_not_retried_here(monkeypatch):
+    _, calls, moved, run = _rebuilder(monkeypatch, tierckpt.DataLossError("slot fails its checksum"))
+    with pytest.raises(tierckpt.DataLossError):
+        run("n3")
+    assert calls == ["far:n3"] and moved.n == 0
