@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from tierckpt.common.fileio import pwrite_all
 from tierckpt.errors import DataLossError, FailedPreconditionError, NotFoundError
 from tierckpt.v1 import peer_pb2 as ppb
 
@@ -42,13 +43,6 @@ __all__ = ["FarDecoder", "MAX_DECODES", "pull_rebuilt"]
 
 MAX_DECODES = 2
 """Chunks one code decodes at once for restoring nodes (the rest wait their turn)."""
-
-
-def _pwrite_all(fd: int, data: Any, at: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, at)
-        view, at = view[n:], at + n
 
 
 class FarDecoder:
@@ -87,7 +81,8 @@ class FarDecoder:
             name, fd = await run_blocking(pstore.incoming, man.job, man.step)
             try:
                 moved = await pull_chunk(pulls, self.protector, man, target.chunk, target.chunks, self.node_id,
-                                         None, self.metrics, write=lambda at, data: _pwrite_all(fd, data, at))
+                                         None, self.metrics,
+                                         write=lambda at, data: pwrite_all(fd, memoryview(data), at))
                 ticket = receiver.blobs.issue(fd, length, req.requester)  # owns fd from here
             except BaseException:
                 os.close(fd)
