@@ -228,12 +228,16 @@ class ParityShapes:
         found = {(r.parity_k, r.parity_m) for _, resp in answers for r in resp.ranks if r.parity_k and r.parity_m}
         return sorted(found)
 
+    def _known(self, job: str) -> list[Parity]:
+        """The codes held here, the job's first."""
+        out = [p for p in [self.of_job(job)] if p is not None]
+        return out + [p for p in self.codes() if p not in out]
+
     async def candidates(self, job: str, step: int | None, rank: int | None,
                          nodes: set[str] | None) -> list[Parity]:
         """The codes that may protect ``job``'s ranks: the job's, those held here, those the peers
         answer for (created here: the rebuild runs in the code the rank was protected under)."""
-        out = [p for p in [self.of_job(job)] if p is not None]
-        out += [p for p in self.codes() if p not in out]
+        out = self._known(job)
         try:
             shapes = await self.discover(job, step, rank, nodes)
         except TierckptError as e:
@@ -259,21 +263,37 @@ class ParityShapes:
 
     async def fetch(self, job: str, step: int, rank: int, job_owner: str | None, otherwise: TierckptError) -> Manifest:
         """The rank rebuilt from the first code whose protectors hold it; ``otherwise`` (the full
-        copy's failure) where no code is held here or found on the peers."""
-        missing: NotFoundError | None = None
-        err: TierckptError | None = None  # found, but not rebuildable in that code
-        codes = await self.candidates(job, step, rank, None)
-        if not codes:
-            raise otherwise
+        copy's failure) where no code is held here or found on the peers.
+
+        The codes held here (the job's, the daemon's own) are tried first, each asking its group
+        only; every peer is asked which K+M protects the rank (``ParityLookup``, O(N)) only where
+        none of them has it: a node that lost the job's policy with its local dir."""
+        known = self._known(job)
+        errors: list[TierckptError] = []
+        man = await self._rebuilt(known, job, step, rank, job_owner, errors)
+        if man is None:
+            found = [p for p in await self.candidates(job, step, rank, None) if p not in known]
+            if not known and not found:
+                raise otherwise
+            man = await self._rebuilt(found, job, step, rank, job_owner, errors)
+        if man is not None:
+            return man
+        # found but not rebuildable in some code comes before "not found"
+        raise next((e for e in errors if not isinstance(e, NotFoundError)), None) or (
+            errors[0] if errors else NotFoundError(f"{job} step {step} rank {rank} is not protected by parity on "
+                                                   "any live peer"))
+
+    @staticmethod
+    async def _rebuilt(codes: list[Parity], job: str, step: int, rank: int, job_owner: str | None,
+                       errors: list[TierckptError]) -> Manifest | None:
+        """The rank rebuilt by the first of ``codes`` whose protectors hold it; None (each
+        failure added to ``errors``) where none does."""
         for p in codes:
             try:
                 return await p.rebuilder.fetch(job, step, rank, job_owner)
-            except NotFoundError as e:
-                missing = missing or e
             except TierckptError as e:
-                err = err or e
-        raise err or missing or NotFoundError(f"{job} step {step} rank {rank} is not protected by parity on any "
-                                              "live peer")
+                errors.append(e)
+        return None
 
     # ------------------------------------------------------------------------------ holder side
 
