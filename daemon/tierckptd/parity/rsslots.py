@@ -69,6 +69,33 @@ class Row:
                    members), bool(d.get("pending"))
 
 
+def _apply(fs: LocalDir, fsync: bool, sfd: int, name: str, old: Row, codec: Codec,
+           deltas: Sequence[tuple[int, int, int]]) -> tuple[int, str]:
+    """Update a private copy of linked file ``name`` (checked against ``old``'s checksum
+    first) by ``deltas``; returns its new size and checksum. Adding a chunk's share twice
+    cancels it (GF(2^8) addition is XOR): old and new chunk together replace one by the other."""
+    fd = fs.open_regular(sfd, name, os.O_RDWR, "parity row")
+    try:
+        fd = unshare(fd, sfd, name)
+        if (digest_fd(fd, old.size) if old.size else checksum.digest(b"")) != old.checksum:
+            raise DataLossError(f"parity row {name} fails its checksum: not updated by delta")
+        size = max([old.size, *(n for _, n, _ in deltas)])
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        for src, length, position in deltas:
+            if length:
+                with mmap.mmap(fd, length, flags=mmap.MAP_SHARED) as dm, \
+                        mmap.mmap(src, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as sm:
+                    dst, data = np.frombuffer(dm, dtype=np.uint8), np.frombuffer(sm, dtype=np.uint8)
+                    codec.update([old.row], [dst], position, data)
+                    del dst, data  # the maps close only once no array views them
+        if fsync:
+            os.fsync(fd)
+        return size, (digest_fd(fd, size) if size else checksum.digest(b""))
+    finally:
+        os.close(fd)
+
+
 def _step_dir(job: str, step: int) -> tuple[str, str, str]:
     return (RS_DIR, job, f"{step:020d}")
 
@@ -219,7 +246,7 @@ class RsStore:
                     link_file(self.fs, bfd, sfd, name + ".bin")
                     if deltas:
                         assert codec is not None
-                        slot.size, slot.checksum = self._apply(sfd, name + ".bin", old, codec, deltas)
+                        slot.size, slot.checksum = _apply(self.fs, self.fsync, sfd, name + ".bin", old, codec, deltas)
                 except BaseException:
                     self.fs.unlink(sfd, name + ".bin")
                     self.fs.unlink(sfd, name + ".json")
@@ -229,32 +256,6 @@ class RsStore:
             with self._lock:
                 self._steps.setdefault((job, step), {})[name] = slot
             return slot
-
-    def _apply(self, sfd: int, name: str, old: Row, codec: Codec,
-               deltas: Sequence[tuple[int, int, int]]) -> tuple[int, str]:
-        """Update a private copy of linked file ``name`` (checked against ``old``'s checksum
-        first) by ``deltas``; returns its new size and checksum. Adding a chunk's share twice
-        cancels it (GF(2^8) addition is XOR): old and new chunk together replace one by the other."""
-        fd = self.fs.open_regular(sfd, name, os.O_RDWR, "parity row")
-        try:
-            fd = unshare(fd, sfd, name)
-            if (digest_fd(fd, old.size) if old.size else checksum.digest(b"")) != old.checksum:
-                raise DataLossError(f"parity row {name} fails its checksum: not updated by delta")
-            size = max([old.size, *(n for _, n, _ in deltas)])
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-            for src, length, position in deltas:
-                if length:
-                    with mmap.mmap(fd, length, flags=mmap.MAP_SHARED) as dm, \
-                            mmap.mmap(src, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as sm:
-                        dst, data = np.frombuffer(dm, dtype=np.uint8), np.frombuffer(sm, dtype=np.uint8)
-                        codec.update([old.row], [dst], position, data)
-                        del dst, data  # the maps close only once no array views them
-            if self.fsync:
-                os.fsync(fd)
-            return size, (digest_fd(fd, size) if size else checksum.digest(b""))
-        finally:
-            os.close(fd)
 
     # ------------------------------------------------------------------------------ adding a chunk
 

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from tierckpt.errors import (
@@ -42,6 +42,7 @@ from ..local.store import Eviction, LocalStore
 from ..offload import run_blocking
 from ..tiers import RankCopy
 from .facade import Parity
+from .holding import HeldRequests
 from .takeover import ParityTakeOver
 
 __all__ = ["ParityShapes", "MAX_CODES"]
@@ -81,6 +82,7 @@ class ParityShapes:
         self._codes: dict[Shape, Parity] = {}
         self.takeovers: dict[Shape, ParityTakeOver] = {}
         self._started = False
+        self.held = HeldRequests(self)  # the holder side of the peer RPCs, routed to the right code
         if self.own is not None:
             self._add(self.own, None)
         store.external_charge = self.nbytes  # parity counts against local_capacity (retention evicts for it)
@@ -295,79 +297,6 @@ class ParityShapes:
                 errors.append(e)
         return None
 
-    # ------------------------------------------------------------------------------ holder side
-
-    def _requested(self, k: int, m: int) -> Parity:
-        """The code a holder-side request names (0/0: the daemon's own)."""
-        if not k and not m:
-            p = self.get(self.own)
-            if p is None:
-                raise FailedPreconditionError(f"redundancy: node {self.node_id} does not use parity")
-            return p
-        return self.obtain((k, m), "parity_k/parity_m")
-
-    async def protect(self, req: ppb.ProtectRankRequest) -> ppb.ProtectRankResponse:
-        return await self._requested(req.parity_k, req.parity_m).protect(req)
-
-    def lookup(self, req: ppb.ParityLookupRequest) -> ppb.ParityLookupResponse:
-        step = req.step if req.has_step else None
-        rank = req.rank if req.has_rank else None
-        if req.all_shapes:
-            codes = self.codes()
-        else:
-            p = self.get(self.own) if not req.parity_k and not req.parity_m else self.get((req.parity_k,
-                                                                                          req.parity_m))
-            codes = [p] if p is not None else []
-        out = ppb.ParityLookupResponse()
-        for p in codes:
-            for r in p.protector.lookup(req.job, step, rank).ranks:
-                r.parity_k, r.parity_m = p.k, p.m
-                out.ranks.append(r)
-        return out
-
-    def read_rank_range(self, req: ppb.ReadRankRangeRequest) -> AsyncIterator[ppb.DataPiece]:
-        """The owner side of a pull: the same whatever the code (any one serves it)."""
-        codes = self.codes()
-        if not codes:
-            raise FailedPreconditionError(f"redundancy: node {self.node_id} does not use parity")
-        return codes[0].protector.read_rank_range(req.job, req.step, req.rank, req.generation, req.offset,
-                                                  req.length)
-
-    async def rebuild_chunk(self, req: ppb.RebuildChunkRequest) -> AsyncIterator[ppb.DataPiece]:
-        """XOR: the chunk decoded from whichever code's slot holds it (the request does not say)."""
-        def open_(p: Parity) -> AsyncIterator[ppb.DataPiece]:
-            return p.protector.rebuild_chunk(req.job, req.step, req.owner, req.rank, req.generation, req.chunk)
-
-        async for piece in _first_holding([p for p in self.codes() if p.m == 1] or [self._requested(0, 0)], open_):
-            yield piece
-
-    async def read_row(self, req: ppb.ReadParityRowRequest) -> AsyncIterator[ppb.DataPiece]:
-        """Reed-Solomon: the row from whichever code holds it."""
-        def open_(p: Parity) -> AsyncIterator[ppb.DataPiece]:
-            return p.read_row(req)
-
-        async for piece in _first_holding([p for p in self.codes() if p.m > 1] or [self._requested(0, 0)], open_):
-            yield piece
-
-    async def open_slot_read(self, req: ppb.RebuildChunkRequest, receiver: Any) -> ppb.OpenSlotReadResponse:
-        """XOR: a bulk ticket for the slot of whichever code holds it (the request does not say)."""
-        codes = [p for p in self.codes() if p.m == 1]
-        if not codes:
-            raise FailedPreconditionError(f"redundancy: node {self.node_id} does not hold XOR parity slots")
-        return await _first_answer(codes, lambda p: p.protector.open_slot_read(req, receiver))
-
-    async def open_rebuilt_chunk(self, req: ppb.RebuildChunkRequest) -> ppb.OpenSlotReadResponse:
-        """XOR: the chunk decoded here by whichever code's slot holds it, and a bulk ticket for it."""
-        codes = [p for p in self.codes() if p.m == 1]
-        if not codes:
-            raise FailedPreconditionError(f"redundancy: node {self.node_id} does not hold XOR parity slots")
-        return await _first_answer(codes, lambda p: p.open_rebuilt_chunk(req))
-
-    async def open_row_read(self, req: ppb.ReadParityRowRequest) -> ppb.OpenSlotReadResponse:
-        """Reed-Solomon: a bulk ticket for the row of whichever code holds it."""
-        return await _first_answer([p for p in self.codes() if p.m > 1] or [self._requested(0, 0)],
-                                   lambda p: p.open_row_read(req))
-
     async def drop_local(self, job: str, step: int) -> int:
         return sum([await p.drop_local(job, step) for p in self.codes()])
 
@@ -382,38 +311,3 @@ class ParityShapes:
             out["parity_bytes"] = self.nbytes()
         return out
 
-
-async def _first_holding(codes: list[Parity], open_: Callable[[Parity], AsyncIterator[ppb.DataPiece]]
-                         ) -> AsyncIterator[ppb.DataPiece]:
-    """The pieces of the first code's stream that does not fail NOT_FOUND / INVALID_ARGUMENT /
-    FAILED_PRECONDITION before its first piece (else the first code's error)."""
-    err: TierckptError | None = None
-    for p in codes:
-        it = open_(p)
-        try:
-            first = await it.__anext__()
-        except StopAsyncIteration:
-            return
-        except (NotFoundError, InvalidArgumentError, FailedPreconditionError) as e:
-            err = err or e
-            continue
-        yield first
-        async for piece in it:
-            yield piece
-        return
-    assert err is not None
-    raise err
-
-
-async def _first_answer(codes: list[Parity], call: Callable[[Parity], Awaitable[ppb.OpenSlotReadResponse]]
-                        ) -> ppb.OpenSlotReadResponse:
-    """The answer of the first code that does not fail NOT_FOUND / INVALID_ARGUMENT /
-    FAILED_PRECONDITION (else the first code's error)."""
-    err: TierckptError | None = None
-    for p in codes:
-        try:
-            return await call(p)
-        except (NotFoundError, InvalidArgumentError, FailedPreconditionError) as e:
-            err = err or e
-    assert err is not None
-    raise err

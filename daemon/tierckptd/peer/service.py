@@ -136,7 +136,7 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
         parities = getattr(self.tier, "parities", None)
         if parities is None:
             raise FailedPreconditionError(f"redundancy: node {self.tier.node_id} does not use parity")
-        return parities
+        return parities.held
 
     @rpc
     async def ProtectRank(self, request: ppb.ProtectRankRequest, context: Any) -> ppb.ProtectRankResponse:
@@ -185,7 +185,7 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
         parities = getattr(self.tier, "parities", None)
         if parities is None:
             return ppb.ParityLookupResponse()
-        return parities.lookup(request)
+        return parities.held.lookup(request)
 
     @rpc_stream
     async def ReadParityRow(self, request: ppb.ReadParityRowRequest, context: Any):
@@ -198,4 +198,4 @@ class PeerServicer(ppb_grpc.PeerServicer, Authorizing):
     async def DropParity(self, request: ppb.DropParityRequest, context: Any) -> ppb.DropParityResponse:
         check_job(request.job)
         check_step(request.step)
-        return ppb.DropParityResponse(removed=await self._parity().drop_local(request.job, request.step))
+        return ppb.DropParityResponse(removed=await self._parity().shapes.drop_local(request.job, request.step))
