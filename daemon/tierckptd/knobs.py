@@ -136,7 +136,8 @@ class Knobs:
     first, and only chunks begun before a save run alongside it (bench/save_during_drain.py); 0
     (the default): the drain never waits. With the drain's work in child processes
     (``drain_processes``), 2.0 gave saves a median 1.16x instead of 1.31x of their no-drain blocking
-    on a loaded 2-core machine (bench/README.md; better in 4 of 6 paired runs). Off by default: a
+    on a loaded 2-core machine (bench/README.md; better in 4 of 6 paired runs), and 1.15-1.73x
+    against the default's 1.35-1.78x in four quiet pairs of 2026-12-07 (within the noise). Off by default: a
     node whose ranks keep saves open most of the time would drain one chunk per ``drain_yield``."""
     switch_interval: float = 0.0
     """Seconds a Python thread holding the GIL keeps it while another waits for it
