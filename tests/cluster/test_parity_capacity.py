@@ -10,6 +10,7 @@ import os
 import numpy as np
 from tierckpt.common import checksum
 from tierckptd.local.store import LocalStore
+from tierckptd.parity.slots import Slot, growth_of
 
 from ..harness import free_port, wait_until
 
@@ -50,6 +51,68 @@ def test_a_full_protector_evicts_an_old_safe_step_to_make_room_for_parity(daemon
         st = c.status()
         assert parity <= st.used_bytes <= CAPACITY  # charged, within the capacity
     assert "no room here" not in d["n0"].log_tail(400) + d["n2"].log_tail(400)
+
+
+def test_a_delta_update_of_a_shared_slot_makes_room_for_its_private_copy(daemon_factory):
+    """parity:4+1: n1 protects one slot (a quarter of each other node's rank) per step. Step 2
+    changes one of its four members, so n1's slot of step 2 is a private copy of step 1's updated
+    by that member's delta (:mod:`tierckptd.parity.share`): a whole new file, charged in full. n1
+    is nearly full, so room is made first (its oldest safe step evicted), as for a chunk encoded
+    anew; the copy never takes the local tier past local_capacity."""
+    ids = [f"n{i}" for i in range(5)]
+    ports = {n: free_port() for n in ids}
+    common = ("--peers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "--replicas", "0",
+              "--redundancy", "parity:4+1", "--keep-local", "5", "--knobs", "refresh_interval=0.2")
+    capacity, s_old, s_big = 290_000, 100_000, 200_000
+    d = {n: daemon_factory(n, port=ports[n], args=(*common, *(("--local-capacity", str(capacity)) if n == "n1"
+                                                               else ()))) for n in ids}
+    others = [n for n in ids if n != "n1"]
+    with d["n1"].client() as c:
+        wait_until(lambda: {p.node_id for p in c.status().peers if p.up} == set(others), 30, "n1 sees its group")
+        for step in (1, 2):
+            c.save("old", step, 0, 1, {"w": _arr(step, s_old)}).wait("peer", timeout=60)
+
+    def save_big(step: int, changed: str) -> None:  # all at once: the members of a slot are shared together
+        clients = {n: d[n].client() for n in others}
+        try:
+            futs = [c.save("big", step, rank, len(others),
+                           {"w": _arr(100 * step + rank if n == changed else 100 + rank, s_big)},
+                           unchanged=() if n == changed or step == 1 else ["w"])
+                    for rank, (n, c) in enumerate(clients.items())]
+            for fut in futs:
+                fut.wait("peer", timeout=60)
+        finally:
+            for c in clients.values():
+                c.close()
+
+    save_big(1, "")
+    slot1 = list((d["n1"].local_dir / "parity" / "big" / f"{1:020d}").glob("slot-*.bin"))
+    assert len(slot1) == 1 and slot1[0].stat().st_size == s_big // 4
+    with d["n1"].client() as c:
+        before = c.status().used_bytes
+        assert before + s_big // 4 > capacity  # the copy does not fit without an eviction
+        assert {i.step for i in c.list("old")} == {1, 2}
+    save_big(2, "n0")
+    slot2 = list((d["n1"].local_dir / "parity" / "big" / f"{2:020d}").glob("slot-*.bin"))
+    assert len(slot2) == 1 and slot2[0].stat().st_ino != slot1[0].stat().st_ino  # updated by delta: a copy
+    with d["n1"].client() as c:
+        held = {i.step for i in c.list("old") if any("n1" in r.nodes for r in i.ranks)}
+        assert held == {2}  # the oldest safe step made room for the copy
+        assert c.status().used_bytes <= capacity
+    assert "no room here" not in "".join(d[n].log_tail(400) for n in others)
+
+
+def test_growth_of_a_linked_slot_is_its_whole_copy():
+    """Adding a chunk to a slot whose file is linked into another step copies the file first
+    (:func:`tierckptd.parity.share.unshare`): the charge grows by the whole copy, not by the
+    chunk's excess over the slot."""
+    linked, alone = Slot(0, 1000, ino=(1, 7)), Slot(1, 1000, ino=(1, 8))
+    steps = {("j", 1): {0: Slot(0, 1000, ino=(1, 7))}, ("j", 2): {0: linked, 1: alone}}
+    assert growth_of(linked, 400, steps) == 1000
+    assert growth_of(linked, 1500, steps) == 1500
+    assert growth_of(alone, 400, steps) == 0
+    assert growth_of(alone, 1500, steps) == 500
+    assert growth_of(None, 400, steps) == 400
 
 
 def test_external_charge_counts_and_make_room_evicts(tmp_path):

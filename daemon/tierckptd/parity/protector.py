@@ -98,9 +98,10 @@ class Protector:
             return await run_blocking(self.pstore.link, job, step, base_step, n, members)
         if not worth_delta(len(changed), len(members)):
             return None
+        base_size = await run_blocking(self.pstore.held_size, job, base_step, n)
         async with self._pulling:
             async with pulled_deltas(self.pstore, self.store, self.cluster, self.node_id, changed,
-                                     self.metrics) as files:
+                                     self.metrics, base_size) as files:
                 return await run_blocking(self.pstore.link, job, step, base_step, n, members,
                                           [(fd, length) for fd, length, _ in files])
 
@@ -166,11 +167,23 @@ class Protector:
 
 @contextlib.asynccontextmanager
 async def pulled_deltas(pstore: Any, store: LocalStore, cluster: Membership, node_id: str, changed: list,
-                        metrics: Any = None) -> AsyncIterator[list[tuple[int, int, int]]]:
+                        metrics: Any = None, base_size: int = 0) -> AsyncIterator[list[tuple[int, int, int]]]:
     """The old and new chunk of each changed member (``(member, its manifest in the base step)``)
     pulled from their owners into temporary files of ``pstore``: (fd, length, position) each,
-    removed on exit (a delta update of a base slot or row, :mod:`.share`)."""
+    removed on exit (a delta update of a base slot or row, :mod:`.share`).
+
+    The update writes a private copy of the ``base_size``-byte base file (grown to the longest new
+    chunk), charged in full against local_capacity, so room for it is made before anything is
+    pulled, as for a chunk encoded anew (:func:`pull_incoming`); the pulled chunks are temporary
+    (two per changed member, fewer than half the members) and, like an encode's, not charged.
+
+    Raises:
+        CapacityError: no room here for the copy, even after evicting what may be evicted.
+    """
     files: list[tuple[Manifest, str, int, int, int]] = []
+    longest = max((layout.chunk_span(Manifest.from_json(m.manifest).nbytes, m.chunks, m.chunk)[1]
+                   for m, _ in changed), default=0)
+    await make_room(store, max(base_size, longest), changed[0][0].manifest if changed else "", pstore)
     try:
         for m, old_json in changed:
             for man in (Manifest.from_json(old_json), Manifest.from_json(m.manifest)):
@@ -193,12 +206,7 @@ async def pull_incoming(pstore: Any, store: LocalStore, cluster: Membership, nod
     ``pstore`` (XOR slots or Reed-Solomon rows): its name and open descriptor. Parity is charged
     against local_capacity (the facade's external_charge), so ``need`` bytes of room are made
     first; a failed pull leaves no file behind."""
-    try:
-        if need:
-            await run_blocking(store.make_room, need, man.job)
-    except CapacityError as e:
-        raise CapacityError(f"local_capacity: no room here for a {length}-byte parity chunk of {man.key} "
-                            f"({pstore.nbytes()} bytes of parity held): {e}") from None
+    await make_room(store, need, man, pstore, length)
     name, fd = await run_blocking(pstore.incoming, man.job, man.step)
     try:
         async def sink(pos: int, data: bytes) -> None:
@@ -211,3 +219,22 @@ async def pull_incoming(pstore: Any, store: LocalStore, cluster: Membership, nod
             await run_blocking(pstore.discard, man.job, man.step, name)
         raise
     return name, fd
+
+
+async def make_room(store: LocalStore, need: int, man: Manifest | str, pstore: Any, length: int = 0) -> None:
+    """Room for ``need`` more bytes of parity (``man``'s, as a Manifest or its JSON), evicting
+    what a save of its job may evict (:meth:`LocalStore.make_room`).
+
+    Raises:
+        CapacityError: naming the chunk and the parity held, when it does not fit.
+    """
+    if not need:
+        return
+    if isinstance(man, str):
+        man = Manifest.from_json(man)
+    try:
+        await run_blocking(store.make_room, need, man.job)
+    except CapacityError as e:
+        what = f"a {length}-byte parity chunk" if length else f"a {need}-byte parity update"
+        raise CapacityError(f"local_capacity: no room here for {what} of {man.key} "
+                            f"({pstore.nbytes()} bytes of parity held): {e}") from None

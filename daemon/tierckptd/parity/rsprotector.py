@@ -124,9 +124,10 @@ class RsProtector:
             return await run_blocking(self.rstore.link, job, step, base_step, stripe, lane, row, members)
         if not worth_delta(len(changed), len(members)):
             return None
+        base_size = await run_blocking(self.rstore.held_size, job, base_step, stripe, lane, row)
         async with self._pulling:
             async with pulled_deltas(self.rstore, self.store, self.cluster, self.node_id, changed,
-                                     self.metrics) as files:
+                                     self.metrics, base_size) as files:
                 return await run_blocking(self.rstore.link, job, step, base_step, stripe, lane, row, members,
                                           self.codec(k), files)
 

@@ -31,7 +31,7 @@ from ..local.localfs import FILE_MODE, LocalDir, check_regular, digest_fd
 from ..local.manifest import Manifest
 from .rs import Codec
 from .share import link_file, member_key, unshare
-from .slots import Member, charged, data_ino, same_state, step_dirs
+from .slots import Member, charged, data_ino, growth_of, same_state, step_dirs
 
 __all__ = ["RsStore", "Row", "RS_DIR"]
 
@@ -163,7 +163,13 @@ class RsStore:
             if not lane:
                 lane = self._lane_locked(job, step, stripe, member_key(*owner, chunk))
             slot = rows.get(Row(stripe, lane, row).name) if lane else None
-            return max(0, length - (slot.size if slot else 0))
+            return growth_of(slot, length, self._steps)
+
+    def held_size(self, job: str, step: int, stripe: int, lane: str, row: int) -> int:
+        """Bytes of that row of ``step`` (0: none): what a delta update's private copy of it costs."""
+        with self._lock:
+            held = self._steps.get((job, step), {}).get(Row(stripe, lane, row).name)
+            return held.size if held else 0
 
     def manifests(self) -> set[str]:
         """The owners' manifests (JSON) of every member protected here (parity take-over)."""

@@ -80,6 +80,18 @@ def charged(parts) -> int:
     return total
 
 
+def growth_of(slot, length: int, steps) -> int:
+    """Bytes that XORing a ``length``-byte chunk into ``slot`` (a :class:`Slot` or Reed-Solomon
+    row, None: a new one) adds to the charge of ``steps`` (step -> its slots or rows). A file
+    linked into another step is first copied whole (:func:`.share.unshare`), so the new copy is
+    charged in full while the other step keeps the old one."""
+    if slot is None:
+        return length
+    if slot.ino is not None and sum(s.ino == slot.ino for parts in steps.values() for s in parts.values()) > 1:
+        return max(slot.size, length)
+    return max(0, length - slot.size)
+
+
 @dataclass
 class Member:
     node: str
@@ -177,7 +189,13 @@ class ParityStore:
         parity (in the slot :meth:`add` would pick): charged before the pull."""
         with self._lock:
             slot = self._steps.get((job, step), {}).get(self._place_locked(job, step, (node, rank, chunk)))
-            return max(0, length - (slot.size if slot else 0))
+            return growth_of(slot, length, self._steps)
+
+    def held_size(self, job: str, step: int, n: int) -> int:
+        """Bytes of slot ``n`` of ``step`` (0: none): what a delta update's private copy of it costs."""
+        with self._lock:
+            slot = self._steps.get((job, step), {}).get(n)
+            return slot.size if slot else 0
 
     def manifests(self) -> set[str]:
         """The owners' manifests (JSON) of every member protected here (parity take-over)."""
