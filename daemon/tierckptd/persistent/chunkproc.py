@@ -265,12 +265,28 @@ def lower_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
+_PIECE = 1 << 18
+"""Bytes a child reads at a time: each piece is hashed while it is still in the core's cache
+(L2), so a chunk is read from memory once, not once per pass (issue 28 item 3)."""
+
+
 class _Child:
-    """The child's state: its read buffer and the shard checksum of the hash pass in progress."""
+    """The child's state: its read buffer, its mapping of the daemon's output buffer and the
+    shard checksum of the hash pass in progress.
+
+    Bytes touched per chunk (issue 28 item 3: the drain's memory traffic is what slows a save
+    on the same node): the hash pass reads the chunk from the page cache once, a piece at a
+    time into a buffer that stays in cache, and both hashes (the shard's checksum and the
+    chunk's) take each piece there; the encode pass reads it once more into the chunk buffer,
+    hashing each piece as it lands, and the codec writes its stored form straight into the
+    daemon's shared buffer (:func:`.compress.encode_into`: no joined copy, no second copy).
+    """
 
     def __init__(self) -> None:
         self.buf: mmap.mmap | None = None
         self.hasher: Any = None
+        self.out: mmap.mmap | None = None
+        self.out_id: tuple[int, int, int] | None = None
 
     def view(self, size: int) -> memoryview:
         if self.buf is None or len(self.buf) < size:
@@ -279,35 +295,60 @@ class _Child:
             self.buf = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return memoryview(self.buf)[:size]
 
-    def read(self, fd: int, offset: int, size: int, what: str) -> memoryview:
-        data = self.view(size)
-        got = os.preadv(fd, [data], offset)
-        if got != size:
-            raise DataLossError(f"{what}: the local file ends at {offset + got} (a chunk of {size} at {offset})")
+    def read(self, fd: int, offset: int, size: int, what: str, hashers: list[Any], keep: bool) -> memoryview:
+        """Read ``size`` bytes at ``offset`` a piece at a time, each piece given to every hasher
+        right after it is read (still in cache). ``keep``: into the chunk buffer, returned
+        whole; else every piece into the same small buffer (only the hashes are wanted)."""
+        data = self.view(size if keep else min(size, _PIECE))
+        pos = 0
+        while pos < size:
+            n = min(_PIECE, size - pos)
+            piece = data[pos:pos + n] if keep else data[:n]
+            got = os.preadv(fd, [piece], offset + pos)
+            if got <= 0:
+                raise DataLossError(f"{what}: the local file ends at {offset + pos} (a chunk of {size} at {offset})")
+            for h in hashers:
+                h.update(piece[:got])
+            pos += got
         return data
 
     def hash(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         import xxhash
         from tierckpt.common import checksum as _checksum
 
-        data = self.read(fds[0], int(req["offset"]), int(req["size"]), str(req["what"]))
         if req["first"] or self.hasher is None:
             self.hasher = _checksum.new()
-        self.hasher.update(data)
+        digest = xxhash.xxh3_128()  # the same digest as xxh3_128_hexdigest of the whole chunk
+        self.read(fds[0], int(req["offset"]), int(req["size"]), str(req["what"]), [self.hasher, digest], keep=False)
         if req["checksum"] is not None and self.hasher.hexdigest() != req["checksum"]:
             raise DataLossError(f"{req['what']}: the local copy does not match its checksum while uploading "
                                 f"(expected {req['checksum']}, read {self.hasher.hexdigest()}); not published")
-        return {"digest": xxhash.xxh3_128_hexdigest(data)}
+        return {"digest": digest.hexdigest()}
+
+    def output(self, fd: int) -> mmap.mmap:
+        """The daemon's output buffer (its memfd, sent with each request), mapped once and kept
+        while it is the same file of the same size (no new mapping to fault in per chunk)."""
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino, st.st_size)
+        if self.out is None or self.out_id != ident:
+            if self.out is not None:
+                self.out.close()
+            self.out, self.out_id = None, None
+            self.out = mmap.mmap(fd, 0)
+            self.out_id = ident
+        return self.out
 
     def encode(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        size = int(req["size"])
-        data = self.read(fds[0], int(req["offset"]), size, str(req["what"]))
-        stored = encode_checked(data, str(req["digest"]), str(req["codec"]), str(req["what"]), int(req["offset"]))
-        with mmap.mmap(fds[1], 0) as out:
-            if len(stored) > len(out):
-                raise ValueError(f"{len(stored)} stored bytes do not fit the {len(out)}-byte buffer")
-            out[:len(stored)] = stored
-        return {"stored": len(stored)}
+        import xxhash
+
+        from .compress import encode_into
+
+        size, what, offset = int(req["size"]), str(req["what"]), int(req["offset"])
+        digest = xxhash.xxh3_128()
+        data = self.read(fds[0], offset, size, what, [digest], keep=True)
+        if digest.hexdigest() != str(req["digest"]):  # the bytes encoded are the bytes just hashed
+            raise DataLossError(f"{what}: the local copy changed while uploading (chunk at {offset}); not published")
+        return {"stored": encode_into(str(req["codec"]), data, self.output(fds[1]))}
 
 
 def serve(sock: socket.socket) -> None:
