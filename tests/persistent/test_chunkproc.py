@@ -14,8 +14,9 @@ import pytest
 import xxhash
 from tierckpt.common import checksum
 from tierckpt.errors import DataLossError
-from tierckptd.persistent import compress
+from tierckptd.persistent import byteshuffle, compress
 from tierckptd.persistent.chunkproc import _PIECE, ChunkWorker
+from tierckptd.persistent.planeout import WIDTHS, PlaneWriter, slack
 
 _CODECS = ["raw", "zstd", "bp2-zstd", "bp4-zstd", "bg2-zstd", "bg4-zstd"]
 
@@ -58,6 +59,40 @@ def test_a_packed_chunk_does_not_change_when_the_thread_packs_the_next() -> None
     assert first == kept and bytes(compress.decode("bp4-zstd", first, len(a))) == a
 
 
+@pytest.mark.parametrize("codec", sorted(WIDTHS))
+@pytest.mark.parametrize("kind", ["weights", "noise", "zeros"])
+@pytest.mark.parametrize("size,piece", [(1, 4), (7, 4), (4099, 1024), (3 * 65536 + 5, 65536), (1 << 20, 1 << 18)])
+def test_planes_split_piece_by_piece_store_exactly_what_encode_returns(codec: str, kind: str, size: int,
+                                                                        piece: int) -> None:
+    if byteshuffle.native() is None:
+        pytest.skip("libblosc2 is not installed")
+    data = _data(kind, size)
+    out = bytearray(b"\xee" * (size + 1 + slack(WIDTHS[codec]) + 3))
+    writer = PlaneWriter(WIDTHS[codec], size, out)
+    for at in range(0, size, piece):
+        writer.put(memoryview(bytearray(data[at:at + piece])))  # a buffer reused by the reader
+    n = writer.finish()
+    assert bytes(out[:n]) == compress.encode(codec, data)
+    assert out[-3:] == b"\xee" * 3  # nothing written past the buffer it was given
+    assert bytes(compress.decode(codec, bytes(out[:n]), size)) == data
+
+
+def test_planes_refuse_a_short_buffer_a_misaligned_piece_and_a_missing_one() -> None:
+    if byteshuffle.native() is None:
+        pytest.skip("libblosc2 is not installed")
+    with pytest.raises(ValueError, match="output buffer"):
+        PlaneWriter(4, 1000, bytearray(1000 + slack(4)))
+    writer = PlaneWriter(4, 1000, bytearray(1001 + slack(4)))
+    with pytest.raises(ValueError, match="piece"):
+        writer.put(b"\x01" * 6)  # not whole elements, and not the chunk's end
+    writer = PlaneWriter(4, 1000, bytearray(1001 + slack(4)))
+    writer.put(b"\x01" * 996)
+    with pytest.raises(ValueError, match="were put"):
+        writer.finish()
+    with pytest.raises(ValueError, match="piece"):
+        writer.put(b"\x01" * 8)  # past the chunk's end
+
+
 @pytest.fixture()
 def shard(tmp_path: Path):
     size = 3 * _PIECE + 12345  # several pieces and a partial one
@@ -73,7 +108,7 @@ def shard(tmp_path: Path):
         worker.close()
 
 
-@pytest.mark.parametrize("codec", ["bp4-zstd", "zstd", "raw"])
+@pytest.mark.parametrize("codec", ["bp4-zstd", "bp2-zstd", "zstd", "raw"])
 def test_a_chunk_worker_returns_the_encoded_chunk_byte_exact(shard, codec: str) -> None:
     worker, fd, data, _ = shard
     digest = worker.hash(fd, 0, len(data), True, checksum.digest(data), "shard")
@@ -104,8 +139,9 @@ def test_a_chunk_worker_refuses_bytes_that_changed_since_they_were_hashed(shard)
     changed = bytearray(data)
     changed[2 * _PIECE + 3] ^= 1  # in a later piece
     path.write_bytes(bytes(changed))
-    with pytest.raises(DataLossError, match="changed while uploading"):
-        worker.encode(fd, 0, len(data), digest, "bp4-zstd", "shard")
+    for codec in ("bp4-zstd", "zstd"):
+        with pytest.raises(DataLossError, match="changed while uploading"):
+            worker.encode(fd, 0, len(data), digest, codec, "shard")
 
 
 def test_a_chunk_worker_finds_a_local_file_cut_short(shard) -> None:
@@ -113,8 +149,9 @@ def test_a_chunk_worker_finds_a_local_file_cut_short(shard) -> None:
     os.truncate(path, len(data) - 100)
     with pytest.raises(DataLossError, match="ends at"):
         worker.hash(fd, 0, len(data), True, None, "shard")
-    with pytest.raises(DataLossError, match="ends at"):
-        worker.encode(fd, 0, len(data), xxhash.xxh3_128_hexdigest(data), "zstd", "shard")
+    for codec in ("bp4-zstd", "zstd"):
+        with pytest.raises(DataLossError, match="ends at"):
+            worker.encode(fd, 0, len(data), xxhash.xxh3_128_hexdigest(data), codec, "shard")
 
 
 @pytest.mark.parametrize("stored", [0, -1, "size + 2", "huge"])
