@@ -11,7 +11,8 @@ and encode 8 MiB chunks of a float32 file in /dev/shm (bench/drain_workers.py's 
 each stored chunk to a new file in /dev/shm as the ``file://`` store does. Windows of --secs
 seconds: no driver, then each tree's, in turn, --rounds times (so the node's other load falls on
 all alike). Printed per window kind: median copy time, its ratio to the no-drain windows, and
-the drain MB/s (plain bytes hashed and encoded per second).
+the drain MB/s (plain bytes hashed and encoded per second) and the worker's CPU seconds per GB
+drained (its work per byte, memory stalls included: the least sensitive to the node's other load).
 
 Command: PYTHONPATH=client:daemon .venv/bin/python bench/drain_membw.py --trees OLD NEW
 """
@@ -40,9 +41,12 @@ fd = os.open(path, os.O_RDONLY)
 total = os.fstat(fd).st_size
 w = ChunkWorker(size)
 w.hash(fd, 0, size, True, None, "x")
+def cpu():
+    fields = open(f"/proc/{w.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 print("ready", flush=True)
 sys.stdin.readline()
-t0, n, off, k = time.perf_counter(), 0, 0, 0
+t0, n, off, k, c0 = time.perf_counter(), 0, 0, 0, cpu()
 while time.perf_counter() - t0 < secs:
     d = w.hash(fd, off, size, True, None, "x")
     v = w.encode(fd, off, size, d, codec, "x")
@@ -53,12 +57,12 @@ while time.perf_counter() - t0 < secs:
     if k:
         os.unlink(os.path.join(out, str(k - 1)))
     n, off, k = n + size, (off + size) % total, k + 1
-print(n / (time.perf_counter() - t0), flush=True)
+print(n / (time.perf_counter() - t0), (cpu() - c0) / max(n, 1) * 1e9, flush=True)
 w.close()
 """
 
 
-def _window(tree: str | None, args: argparse.Namespace, data: Path, out: Path) -> tuple[list[float], float]:
+def _window(tree: str | None, args: argparse.Namespace, data: Path, out: Path) -> tuple[list[float], float, float]:
     src = np.random.default_rng(0).integers(0, 255, args.copy_mib << 20, np.uint8)
     dst = np.empty_like(src)
     proc = None
@@ -87,14 +91,14 @@ def _window(tree: str | None, args: argparse.Namespace, data: Path, out: Path) -
             np.copyto(dst, src)
         times.append(time.perf_counter() - t)
         time.sleep(args.gap)
-    rate = 0.0
+    rate = cpu = 0.0
     if proc is not None:
         assert proc.stdout is not None
-        rate = float(proc.stdout.readline())
+        rate, cpu = map(float, proc.stdout.readline().split())
         proc.wait(30)
     for f in out.iterdir():
         f.unlink()
-    return times, rate
+    return times, rate, cpu
 
 
 def main() -> int:
@@ -119,13 +123,16 @@ def main() -> int:
         kinds: list[str | None] = [None, *args.trees]
         copies: dict[str | None, list[float]] = {k: [] for k in kinds}
         rates: dict[str | None, list[float]] = {k: [] for k in kinds}
+        cpus: dict[str | None, list[float]] = {k: [] for k in kinds}
         for r in range(args.rounds):
             for k in (kinds if r % 2 == 0 else [None, *reversed(args.trees)]):
-                times, rate = _window(k, args, data, out)
+                times, rate, cpu = _window(k, args, data, out)
                 copies[k] += times
                 rates[k].append(rate)
+                cpus[k].append(cpu)
                 print(f"round {r + 1} {k or 'no drain'}: copy median {statistics.median(times) * 1e3:.2f} ms "
-                      f"({len(times)} copies), drain {rate / 1e6:.0f} MB/s, load {os.getloadavg()[0]:.1f}", flush=True)
+                      f"({len(times)} copies), drain {rate / 1e6:.0f} MB/s, worker {cpu:.2f} CPU s/GB, "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     idle = statistics.median(copies[None])
@@ -134,7 +141,9 @@ def main() -> int:
     for k in args.trees:
         med = statistics.median(copies[k])
         print(f"  {k}: copy median {med * 1e3:.2f} ms, {med / idle:.2f}x no drain; drain median "
-              f"{statistics.median(rates[k]) / 1e6:.0f} MB/s (per window {[round(x / 1e6) for x in rates[k]]})")
+              f"{statistics.median(rates[k]) / 1e6:.0f} MB/s (per window {[round(x / 1e6) for x in rates[k]]}); the "
+              f"worker's CPU per GB drained {statistics.median(cpus[k]):.2f} s "
+              f"(per window {[round(x, 2) for x in cpus[k]]})")
     print(f"  load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     return 0
 
