@@ -12,7 +12,9 @@ only sends a request and waits for the answer (the GIL released).
 
 What crosses: descriptors, never paths (the daemon opens every shard through the local store's
 no-follow checks and passes the descriptor with ``SCM_RIGHTS``); the encoded chunk comes back
-in a shared ``memfd`` buffer owned by the daemon (no copy through a pipe, none under the GIL);
+in a shared ``memfd`` buffer owned by the daemon (no copy through a pipe, none under the GIL;
+the child writes the stored form there directly, and the daemon accepts no length beyond
+``size + 1``);
 requests and answers are small JSON messages on a ``SOCK_SEQPACKET`` socket pair. One request
 at a time per child; a drain thread holds a child from the request until it is done with the
 answer (an encoded chunk: until it is uploaded). A child that dies is replaced; its request
@@ -46,6 +48,7 @@ from ..knobs import KNOBS
 __all__ = ["ChunkWorker", "ChunkWorkers", "encode_checked", "lower_priority", "serve"]
 
 _MAX_MSG = 1 << 16
+_SLACK = 32  # output bytes beyond a stored chunk's most (size + 1): at least .planeout.slack(4)
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +79,15 @@ class ChunkWorker:
         self.can_lift = True  # false once the kernel refused a change of policy
 
     def _fit(self, size: int) -> None:
-        """The output buffer holds any stored chunk of ``size`` plain bytes (at most size + 1)."""
-        if self.out_size >= size + 1:
+        """The output buffer holds any stored chunk of ``size`` plain bytes (at most size + 1),
+        and the raw layout of its byte planes while the child codes them (:mod:`.planeout`)."""
+        need = size + 1 + _SLACK
+        if self.out_size >= need:
             return
         if self.out is not None:
             self.out.close()
-        os.ftruncate(self.out_fd, size + 1)
-        self.out_size = size + 1
+        os.ftruncate(self.out_fd, need)
+        self.out_size = need
         self.out = mmap.mmap(self.out_fd, self.out_size)
 
     def call(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
@@ -265,12 +270,31 @@ def lower_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
+_PIECE = 1 << 18
+"""Bytes a child reads at a time: each piece is hashed while it is still in the core's cache
+(L2), so a chunk is read from memory once, not once per pass (issue 28 item 3)."""
+
+
 class _Child:
-    """The child's state: its read buffer and the shard checksum of the hash pass in progress."""
+    """The child's state: its read buffer, its mapping of the daemon's output buffer and the
+    shard checksum of the hash pass in progress.
+
+    Bytes touched per chunk (issue 28 item 3: the drain's memory traffic is what slows a save
+    on the same node): the hash pass reads the chunk from the page cache once, a piece at a
+    time into a buffer that stays in cache, and both hashes (the shard's checksum and the
+    chunk's) take each piece there; the encode pass reads it once more into the chunk buffer,
+    hashing each piece as it lands, and the codec writes its stored form straight into the
+    daemon's shared buffer (:func:`.compress.encode_into`: no joined copy, no second copy). A
+    ``bp*`` chunk (the float codecs) is not even gathered: each piece, still in cache, is split
+    into its byte planes where they lie in the stored form (:mod:`.planeout`), so its bytes go
+    through memory once on the way in and once on the way out, plus the coder's pass.
+    """
 
     def __init__(self) -> None:
         self.buf: mmap.mmap | None = None
         self.hasher: Any = None
+        self.out: mmap.mmap | None = None
+        self.out_id: tuple[int, int, int] | None = None
 
     def view(self, size: int) -> memoryview:
         if self.buf is None or len(self.buf) < size:
@@ -279,35 +303,95 @@ class _Child:
             self.buf = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return memoryview(self.buf)[:size]
 
-    def read(self, fd: int, offset: int, size: int, what: str) -> memoryview:
-        data = self.view(size)
-        got = os.preadv(fd, [data], offset)
-        if got != size:
-            raise DataLossError(f"{what}: the local file ends at {offset + got} (a chunk of {size} at {offset})")
-        return data
+    def pieces(self, fd: int, offset: int, size: int, what: str, keep: bool) -> Iterator[memoryview]:
+        """The ``size`` bytes at ``offset``, read a whole piece (``_PIECE`` bytes, the last one
+        shorter) at a time. ``keep``: each piece where it lies in the chunk buffer; else every
+        piece in the same small buffer (used before the next is read)."""
+        data = self.view(size if keep else min(size, _PIECE))
+        pos = 0
+        while pos < size:
+            n = min(_PIECE, size - pos)
+            piece, filled = (data[pos:pos + n] if keep else data[:n]), 0
+            while filled < n:
+                got = os.preadv(fd, [piece[filled:]], offset + pos + filled)
+                if got <= 0:
+                    raise DataLossError(f"{what}: the local file ends at {offset + pos + filled} (a chunk of "
+                                        f"{size} at {offset})")
+                filled += got
+            yield piece
+            pos += n
+
+    def read(self, fd: int, offset: int, size: int, what: str, hashers: list[Any], keep: bool) -> memoryview:
+        """Read ``size`` bytes at ``offset`` (:meth:`pieces`), each piece given to every hasher
+        right after it is read (still in cache); ``keep``: returned whole, from the chunk buffer."""
+        for piece in self.pieces(fd, offset, size, what, keep):
+            for h in hashers:
+                h.update(piece)
+        return self.view(size) if keep else memoryview(b"")
 
     def hash(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         import xxhash
         from tierckpt.common import checksum as _checksum
 
-        data = self.read(fds[0], int(req["offset"]), int(req["size"]), str(req["what"]))
         if req["first"] or self.hasher is None:
             self.hasher = _checksum.new()
-        self.hasher.update(data)
+        digest = xxhash.xxh3_128()  # the same digest as xxh3_128_hexdigest of the whole chunk
+        self.read(fds[0], int(req["offset"]), int(req["size"]), str(req["what"]), [self.hasher, digest], keep=False)
         if req["checksum"] is not None and self.hasher.hexdigest() != req["checksum"]:
             raise DataLossError(f"{req['what']}: the local copy does not match its checksum while uploading "
                                 f"(expected {req['checksum']}, read {self.hasher.hexdigest()}); not published")
-        return {"digest": xxhash.xxh3_128_hexdigest(data)}
+        return {"digest": digest.hexdigest()}
+
+    def output(self, fd: int) -> mmap.mmap:
+        """The daemon's output buffer (its memfd, sent with each request), mapped once and kept
+        while it is the same file of the same size (no new mapping to fault in per chunk)."""
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino, st.st_size)
+        if self.out is None or self.out_id != ident:
+            if self.out is not None:
+                with contextlib.suppress(BufferError):  # a view still held: unmapped when collected
+                    self.out.close()
+            self.out, self.out_id = None, None
+            self.out = mmap.mmap(fd, 0)
+            self.out_id = ident
+        return self.out
 
     def encode(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        size = int(req["size"])
-        data = self.read(fds[0], int(req["offset"]), size, str(req["what"]))
-        stored = encode_checked(data, str(req["digest"]), str(req["codec"]), str(req["what"]), int(req["offset"]))
-        with mmap.mmap(fds[1], 0) as out:
-            if len(stored) > len(out):
-                raise ValueError(f"{len(stored)} stored bytes do not fit the {len(out)}-byte buffer")
-            out[:len(stored)] = stored
-        return {"stored": len(stored)}
+        import xxhash
+
+        from .compress import encode_into
+
+        size, what, offset, codec = int(req["size"]), str(req["what"]), int(req["offset"]), str(req["codec"])
+        digest, out = xxhash.xxh3_128(), self.output(fds[1])
+        writer = _plane_writer(codec, size, out)
+        if writer is not None:  # each piece split into its planes while in cache (:mod:`.planeout`)
+            for piece in self.pieces(fds[0], offset, size, what, keep=False):
+                digest.update(piece)
+                writer.put(piece)
+            _check(digest, req)
+            return {"stored": writer.finish()}
+        data = self.read(fds[0], offset, size, what, [digest], keep=True)
+        _check(digest, req)  # the bytes encoded are the bytes just hashed
+        return {"stored": encode_into(codec, data, out)}
+
+
+def _plane_writer(codec: str, size: int, out: mmap.mmap) -> Any:
+    """A :class:`.planeout.PlaneWriter` for a ``bp*`` chunk, or None (another codec, or no libblosc2)."""
+    from .planeout import WIDTHS, PlaneWriter
+
+    width = WIDTHS.get(codec)
+    if width is None:
+        return None
+    try:
+        return PlaneWriter(width, size, out)
+    except ValueError:
+        return None
+
+
+def _check(digest: Any, req: dict[str, Any]) -> None:
+    if digest.hexdigest() != str(req["digest"]):
+        raise DataLossError(f"{req['what']}: the local copy changed while uploading (chunk at {req['offset']}); "
+                            "not published")
 
 
 def serve(sock: socket.socket) -> None:

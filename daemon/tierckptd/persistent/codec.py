@@ -101,7 +101,10 @@ class ChunkCodec(abc.ABC):
     @abc.abstractmethod
     def pack(self, data: bytes | bytearray | memoryview, consume: bool) -> list[bytes] | None:
         """The coded body of ``data`` as parts to join, or None when this codec cannot code it.
-        ``consume``: ``data`` is a bytearray the caller is done with (it may be overwritten)."""
+        ``consume``: ``data`` is a bytearray the caller is done with (it may be overwritten).
+        A part may be a view of a buffer the calling thread keeps (the byte planes): it is valid
+        until this thread's next :meth:`pack` (:func:`.compress.encode` joins the parts and
+        :func:`.compress.encode_into` writes them out before returning)."""
 
     @abc.abstractmethod
     def unpack(self, body: memoryview, size: int) -> bytes | bytearray:

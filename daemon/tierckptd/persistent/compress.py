@@ -62,7 +62,7 @@ from . import byteshuffle, zstdlib
 from .codec import ChunkCodec, chunk_codec, register_codec
 from .zipnn import ZIPNN, ZipNNCodec
 
-__all__ = ["CODECS", "SETTINGS", "PLANES", "ZIPNN", "choose", "encode", "decode", "warm", "LEVEL"]
+__all__ = ["CODECS", "SETTINGS", "PLANES", "ZIPNN", "choose", "encode", "encode_into", "decode", "warm", "LEVEL"]
 
 LEVEL = 3
 """zstd level of the ``zstd`` codec (zstd's default)."""
@@ -229,9 +229,25 @@ def _pack_bp(data: bytes | bytearray | memoryview, width: int) -> list[Any]:
     """The ``bp*`` body of a chunk (module docstring) as parts to join: its byte planes in one
     compiled pass (:mod:`.byteshuffle`), each coded by :func:`_pack_plane`, then the tail."""
     count = len(data) // width
-    planes = memoryview(byteshuffle.split(data, width))  # plane k: byte k of every element; then the tail
+    # plane k: byte k of every element; then the tail. Into this thread's kept buffer: parts are
+    # views of it, used (joined or written out) before this thread packs again
+    planes = memoryview(byteshuffle.split(data, width, _split_buffer(len(data))))
     parts = [part for k in range(width) for part in _pack_plane(planes[k * count:(k + 1) * count])]
     return [*parts, bytes(planes[count * width:])]
+
+
+def _split_buffer(size: int) -> Any:
+    """This thread's buffer of byte planes for :func:`_pack_bp`, ``size`` bytes: kept between
+    chunks (up to ``_KEEP``), so a drain's encode does not map, fault in and zero a fresh 8 MiB
+    array per chunk (issue 28 item 3: the drain's memory traffic competes with saves)."""
+    import numpy as np
+
+    held = getattr(_local, "split", None)
+    if held is None or len(held) < size:
+        held = np.empty(max(size, 1), np.uint8)
+        if size <= _KEEP:
+            _local.split = held
+    return held[:size]
 
 
 def _unzstd_plane(frame: memoryview, count: int, slot: int) -> Any:
@@ -357,6 +373,33 @@ def encode(codec: str, data: bytes | bytearray | memoryview, *, consume: bool = 
             return _RAW + bytes(coder.unpack(memoryview(b"".join(parts)), len(data)))  # the output has it
         return _RAW + bytes(data)
     return b"".join([_PACKED, *parts])
+
+
+def encode_into(codec: str, data: bytes | bytearray | memoryview, out: Any) -> int:
+    """:func:`encode` written straight into ``out`` (a writable buffer of at least ``len(data) +
+    1`` bytes: a drain worker's shared output buffer); returns the stored length. The same stored
+    bytes as :func:`encode`, without joining the codec's parts into a new object first (one pass
+    over the stored bytes fewer, and no fresh allocation per chunk: issue 28 item 3).
+
+    Raises:
+        DataLossError: no chunk codec of that name is registered.
+        ValueError: ``out`` is shorter than ``len(data) + 1`` (nothing is written).
+    """
+    dst = memoryview(out).cast("B")
+    size = len(data)
+    if len(dst) < size + 1:
+        raise ValueError(f"an output buffer of {len(dst)} bytes for a chunk of {size}")
+    parts = chunk_codec(codec).pack(data, False)
+    if parts is None or sum(map(len, parts)) >= size:
+        dst[0:1] = _RAW
+        dst[1:size + 1] = memoryview(data).cast("B")
+        return size + 1
+    dst[0:1], pos = _PACKED, 1
+    for part in parts:
+        view = memoryview(part).cast("B")
+        dst[pos:pos + len(view)] = view
+        pos += len(view)
+    return pos
 
 
 def decode(codec: str, stored: bytes, size: int) -> bytes | bytearray:
