@@ -200,6 +200,34 @@ def test_a_warm_file_taken_by_an_inbound_copy_is_only_finished_where_it_lacks_pa
             store.close()
 
 
+def test_a_hinted_file_taken_before_it_is_warm_is_not_warmed_again(scratch) -> None:
+    """The copy a hint announced can arrive before the pool thread has warmed its file (a 1 GiB
+    file takes seconds to touch; the trainer's copy, which the hint races, a fraction of that):
+    the copy takes the file as it is and its writer finishes it. The hint is then served: the
+    pool must not warm a second file of that size, which nothing would take (the copy's next
+    step recycles this one's files) and whose allocation would compete with the transfers."""
+    with KNOBS.overridden(warm_hint=2, warm_ahead=2, warm_chunk=MIB, warm_idle_poll=30.0):
+        store = _open(scratch, 64 * MIB)
+        try:
+            trainer = store.begin("other", 1, 0, 1, [("x", 2 * MIB, "", ())])  # busy: the pool thread holds
+            assert store.warm.expect("j", 0, [16 * MIB]) == 16 * MIB
+            assert _wait(lambda: store.usage().warm == 16 * MIB)  # the hinted file exists, not warmed yet
+            copy = store.begin("j", 1, 0, 1, [("w", 16 * MIB, "", ())], prefault=True)
+            assert copy.files["w"].recycled and store.warm.counters()["warm_taken"] == 1
+            store.abort(trainer.save_id)
+            _settle(store)
+            assert store.usage().warm == 0  # no second file for the same hint
+            assert store.warm.counters()["warmed_bytes"] == 0
+            store.abort(copy.save_id)
+            # A new hint for the same size is served again.
+            assert store.warm.expect("j", 2, [16 * MIB]) == 16 * MIB
+            assert _wait(lambda: store.warm.counters()["warmed_bytes"] == 16 * MIB)
+            _settle(store)
+            assert store.usage().warm == 16 * MIB
+        finally:
+            store.close()
+
+
 def test_hints_are_ignored_when_off(scratch) -> None:
     with KNOBS.overridden(warm_hint=0):
         store = _open(scratch, 64 * MIB)

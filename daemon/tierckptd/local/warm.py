@@ -110,16 +110,21 @@ def accept_hint(sizes: list[int], free: int) -> dict[int, int]:
     return want
 
 
-def hinted_pool_size(hints: dict[int, int], have: dict[int, int], free: int) -> int | None:
+def hinted_pool_size(hints: dict[int, int], have: dict[int, int], free: int,
+                     made: dict[int, int] | None = None) -> int | None:
     """The next pool file a hint asks for: the largest hinted size of which the pool holds fewer
-    files than wanted, if it fits in ``free``. Sizes the pool already covers are dropped from
-    ``hints`` (a hint is served once)."""
+    files than wanted and fewer were made for the hints than wanted (``made``: size -> files made),
+    if it fits in ``free``. Sizes served are dropped from ``hints`` and ``made`` (a hint is served
+    once: a copy that takes a hinted file before it is warm does not make the pool warm another)."""
+    made = {} if made is None else made
     for size in sorted(hints, reverse=True):
-        if have.get(size, 0) >= hints[size]:
+        if have.get(size, 0) >= hints[size] or made.get(size, 0) >= hints[size]:
             del hints[size]
+            made.pop(size, None)
         elif charge_file(size) <= free:
             return size
     return None
+
 
 log = logging.getLogger(__name__)
 
@@ -475,6 +480,7 @@ class WarmPages:
         self.warmer = Warmer(self._next_warm, recycle.is_warm, self._busy, lambda: touching(self.tmpfs),
                              self._filled)
         self._hints: dict[int, int] = {}  # hinted pool files still to warm: size -> files wanted
+        self._hints_made: dict[int, int] = {}  # of those, size -> pool files made for them so far
         self.hints_off = False  # the store holds a reserve (see .reserve): a first copy takes that instead
 
     @contextlib.contextmanager
@@ -540,7 +546,7 @@ class WarmPages:
                 return 0
             if any(rank in ranks for ranks in self._catalog.steps(job).values()):
                 return 0
-            pending = sum(charge_file(size) * n for size, n in self._hints.items())
+            pending = sum(charge_file(size) * (n - self._hints_made.get(size, 0)) for size, n in self._hints.items())
             want = accept_hint(sizes, self._room_locked() - pending)
             for size, n in want.items():
                 self._hints[size] = self._hints.get(size, 0) + n
@@ -555,12 +561,16 @@ class WarmPages:
         in the pool. None when there is none (pending hints are then dropped)."""
         with self._lock:
             free, have = self._room_locked(), self._recycle.counts()
-            size = hinted_pool_size(self._hints, have, free) if self._hints else None
-            if size is None:
+            size = hinted_pool_size(self._hints, have, free, self._hints_made) if self._hints else None
+            hinted = size is not None
+            if not hinted:
                 self._hints.clear()
+                self._hints_made.clear()
                 if self.warming(KNOBS.warm_pool):
                     size = next_pool_size(self._catalog, have, free, self._saving_locked(), self._keep_local)
             if size is None:
                 return None
             fd, name = self._recycle.add_warm(size)
+            if hinted:
+                self._hints_made[size] = self._hints_made.get(size, 0) + 1
             return fd, name, size
