@@ -482,10 +482,12 @@ class WarmPages:
         self._hints: dict[int, int] = {}  # hinted pool files still to warm: size -> files wanted
         self._hints_made: dict[int, int] = {}  # of those, size -> pool files made for them so far
         self.hints_off = False  # the store holds a reserve (see .reserve): a first copy takes that instead
+        self.on_idle: Callable[[], None] = lambda: None  # the store's other background work to wake (the reserve)
 
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:
-        """A peer transfer reads from the store while the block runs: the pool thread waits."""
+        """A peer transfer reads from the store while the block runs: the pool thread waits (and the
+        reserve's refill, see :meth:`busy`)."""
         with self._lock:
             self._sending += 1
         try:
@@ -494,6 +496,12 @@ class WarmPages:
             with self._lock:
                 self._sending -= 1
             self.warmer.poke()
+            self.on_idle()
+
+    def busy(self) -> bool:
+        """A save open or committing, or a peer transfer reading (see :meth:`sending`): what
+        background page work (pool warming, the reserve's refill) waits for."""
+        return self._busy()
 
     def _room_locked(self) -> int:
         """What warming may take: the store's free capacity, within the machine's headroom."""
