@@ -177,6 +177,7 @@ class LocalStore(StoreRetention):
                               lambda tmpfs: machine_headroom(self._fs.fd, tmpfs))
         self.warm.hints_off = bool(reserve)  # the reserve holds what hinted pool files would add
         self.warm.on_idle = self.reserve.poke
+        self.warm.node_id = self.node_id
         self._committer = Committer(self._lock, self._saves, self._layout, self._catalog, self._recycle,
                                     self._retain_locked, max_metadata_bytes)
 

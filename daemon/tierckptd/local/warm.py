@@ -72,7 +72,7 @@ __all__ = ["WarmPages", "Warmer", "accept_hint", "fallocate_keep_size", "free_pa
 
 
 def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collection[str] = (),
-                   keep_local: Callable[[str], int] = lambda job: 1) -> int | None:
+                   keep_local: Callable[[str], int] = lambda job: 1, node_id: str | None = None) -> int | None:
     """The pool's sizing rule: the largest shard size that the coming saves of a job held here
     need (its newest step's ranks on this node, shards of at least ``KNOBS.warm_min_bytes``; not
     those whose file that step shares with another, unchanged shards the next save will likely
@@ -81,6 +81,10 @@ def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collec
     A job holding ``h`` steps here with ``keep_local`` k needs new files for its next k + 1 - h
     saves (nothing is evicted, so nothing recycled, until it holds k + 1): that many files of
     each size, at least one. The pool never holds more than the job's steady state will.
+    A rank held here as a copy (its manifest names another node than ``node_id``) needs new
+    files for its next k - h copies only, possibly none: its owner drops the copy of the step
+    it evicts before it pushes the next one (see tierckptd.peer.redundancy), so the next copy
+    recycles the dropped one's files; its first copy is the owner's hint's (:mod:`tierckptd.peer.hints`).
     Jobs in ``saving`` (a save is open) are skipped: that save took its files already, and its
     commit evicts a step whose files come back to the pool; the commit asks again."""
     want: dict[int, int] = {}
@@ -90,8 +94,11 @@ def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collec
         steps = catalog.steps(job)
         if not steps:
             continue
-        saves = max(1, keep_local(job) + 1 - len(steps))
         for man in steps[max(steps)].values():
+            copy = node_id is not None and man.node != node_id
+            saves = max(0, keep_local(job) - len(steps)) if copy else max(1, keep_local(job) + 1 - len(steps))
+            if not saves:
+                continue
             for s in man.shards:
                 if s.size >= max(1, KNOBS.warm_min_bytes) and not catalog.is_shared(man, s):
                     want[s.size] = want.get(s.size, 0) + saves
@@ -483,6 +490,7 @@ class WarmPages:
         self._hints_made: dict[int, int] = {}  # of those, size -> pool files made for them so far
         self.hints_off = False  # the store holds a reserve (see .reserve): a first copy takes that instead
         self.on_idle: Callable[[], None] = lambda: None  # the store's other background work to wake (the reserve)
+        self.node_id: str | None = None  # this node (set by the store): ranks of other owners are copies
 
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:
@@ -575,7 +583,8 @@ class WarmPages:
                 self._hints.clear()
                 self._hints_made.clear()
                 if self.warming(KNOBS.warm_pool):
-                    size = next_pool_size(self._catalog, have, free, self._saving_locked(), self._keep_local)
+                    size = next_pool_size(self._catalog, have, free, self._saving_locked(), self._keep_local,
+                                          self.node_id)
             if size is None:
                 return None
             fd, name = self._recycle.add_warm(size)
