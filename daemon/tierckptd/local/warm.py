@@ -11,7 +11,8 @@ by allocating a file's pages ahead of its writer without changing its bytes (how
   or a restore's, or a peer transfer reading from here): after every commit the store
   works out the shard sizes the coming saves of each job held here will need (those of its newest
   step's ranks on this node, once per save until the job holds keep_local + 1 steps and starts
-  recycling; not for a job with a save open, whose commit will hand the pool
+  recycling, and for ranks held as copies until they hold keep_local, since the owner drops a
+  copy before it pushes the next; not for a job with a save open, whose commit will hand the pool
   the files of the step it evicts) and adds pre-allocated files of the missing sizes to the recycle
   pool, but only into free capacity: warming never evicts anything, and warm files are pool files
   (charged like them, dropped first when a save needs room, released after the idle timeout).
