@@ -65,6 +65,14 @@ def one_run(args: argparse.Namespace, run: int) -> tuple[list[float], list[float
         with ds["n0"].client() as c:
             while not all(p.up for p in c.status().peers):
                 time.sleep(0.05)
+            if args.reserve:  # held from start-up: filled (touched) before the job saves, as local_tier.py waits
+                t0 = time.perf_counter()
+                for d in ds.values():
+                    with d.client() as dc:
+                        while dc.status().reserve_ready_bytes < int(args.reserve * (1 << 30)):
+                            time.sleep(0.1)
+                print(f"run {run}: reserves filled {time.perf_counter() - t0:.1f} s after the peers were up",
+                      flush=True)
             for step in range(1, args.rounds + 1):
                 data[:8] = step  # a new checkpoint each round
                 fut = c.save("bench", step, 0, 1, {"w": data})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -117,6 +118,27 @@ def test_evicted_files_refill_the_reserve_then_the_recycle_pool(scratch):
         s.abort(st.save_id)
     finally:
         s.close()
+
+
+def test_the_refill_waits_while_a_peer_transfer_reads_from_the_store(scratch):
+    """A commit kicks the refill, and the same commit starts that step's replication, which reads
+    the step's files from here: touching pages then (1-2 s of CPU per GiB in a VM) competed with
+    the transfer (replication round 1 took 5.6 s instead of 2 s with a reserve). The refill waits
+    like pool warming does, and the end of the transfer lets it go at once (not at the next poll)."""
+    with KNOBS.overridden(warm_idle_poll=30.0):  # only a wake-up can let it go within the test
+        s = _open(scratch / "d", 8 * MIB)
+        try:
+            before = s.reserve.touched_bytes
+            with s.warm.sending():  # the step's replication, pushed from here
+                _save(s, 1, {"a": b"1" * (4 * MIB)})  # takes a reserve file; the commit kicks the refill
+                # Not a wait: a window in which a refill that ignored the transfer would touch
+                # (a loaded machine can make it miss such a bug, never fail a correct daemon).
+                time.sleep(0.3)
+                assert s.reserve.touched_bytes == before and s.usage().reserve_ready == 4 * MIB
+            wait_until(lambda: s.usage().reserve_ready == 8 * MIB, 20, "the reserve refilled", 0.02)
+            assert s.reserve.touched_bytes == before + 4 * MIB
+        finally:
+            s.close()
 
 
 def test_restart_keeps_reserve_files_and_removes_anything_else(scratch):

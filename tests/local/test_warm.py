@@ -200,6 +200,34 @@ def test_a_warm_file_taken_by_an_inbound_copy_is_only_finished_where_it_lacks_pa
             store.close()
 
 
+def test_a_hinted_file_taken_before_it_is_warm_is_not_warmed_again(scratch) -> None:
+    """The copy a hint announced can arrive before the pool thread has warmed its file (a 1 GiB
+    file takes seconds to touch; the trainer's copy, which the hint races, a fraction of that):
+    the copy takes the file as it is and its writer finishes it. The hint is then served: the
+    pool must not warm a second file of that size, which nothing would take (the copy's next
+    step recycles this one's files) and whose allocation would compete with the transfers."""
+    with KNOBS.overridden(warm_hint=2, warm_ahead=2, warm_chunk=MIB, warm_idle_poll=30.0):
+        store = _open(scratch, 64 * MIB)
+        try:
+            trainer = store.begin("other", 1, 0, 1, [("x", 2 * MIB, "", ())])  # busy: the pool thread holds
+            assert store.warm.expect("j", 0, [16 * MIB]) == 16 * MIB
+            assert _wait(lambda: store.usage().warm == 16 * MIB)  # the hinted file exists, not warmed yet
+            copy = store.begin("j", 1, 0, 1, [("w", 16 * MIB, "", ())], prefault=True)
+            assert copy.files["w"].recycled and store.warm.counters()["warm_taken"] == 1
+            store.abort(trainer.save_id)
+            _settle(store)
+            assert store.usage().warm == 0  # no second file for the same hint
+            assert store.warm.counters()["warmed_bytes"] == 0
+            store.abort(copy.save_id)
+            # A new hint for the same size is served again.
+            assert store.warm.expect("j", 2, [16 * MIB]) == 16 * MIB
+            assert _wait(lambda: store.warm.counters()["warmed_bytes"] == 16 * MIB)
+            _settle(store)
+            assert store.usage().warm == 16 * MIB
+        finally:
+            store.close()
+
+
 def test_hints_are_ignored_when_off(scratch) -> None:
     with KNOBS.overridden(warm_hint=0):
         store = _open(scratch, 64 * MIB)
@@ -276,6 +304,45 @@ def test_the_pool_warms_for_every_save_before_the_job_starts_recycling(scratch, 
         assert store.complete_steps("j") == [2, 3, 4]
         u = store.usage()
         assert u.warm == 0 and u.recycle == 2 * MIB  # step 1's file, for save 5
+    finally:
+        store.close()
+
+
+def _save_copy(store: LocalStore, job: str, step: int, data: dict[str, bytes], owner: str = "n9"):
+    """Commit a copy of ``owner``'s rank 0 (what an inbound replica commits)."""
+    st = store.begin(job, step, 0, 1, [(n, len(b), "", ()) for n, b in data.items()], prefault=True)
+    for n, b in data.items():
+        with open(st.files[n].path, "r+b") as fh:
+            fh.write(b)
+    store.commit(st.save_id, {n: _checksum.digest(b) for n, b in data.items()}, node=owner)
+
+
+def test_the_pool_warms_for_copies_only_until_their_owner_drops_one(scratch, warm_on) -> None:
+    """A rank held here as a copy gets its next copy's files from the copy its owner drops first
+    (the owner evicts, drops, then pushes): with keep_local k, copies 2..k need new files, copy
+    k+1 and later recycle. Measured before this rule (keep_local 1): every receiver touched a
+    1 GiB pool file after its first copy (1.1-2.2 s of CPU at nice 19, during the next rounds'
+    transfers), which nothing took and which held the memory until the pool's idle timeout."""
+    store = _open(scratch, 64 * MIB, keep_local=1)
+    try:
+        _save_copy(store, "j", 1, {"w": b"1" * (2 * MIB)})
+        _settle(store)
+        assert store.usage().warm == 0 and store.warm.counters()["warmed_bytes"] == 0
+        _save(store, "mine", 1, {"w": b"1" * (4 * MIB)})  # this node's own rank: its next save needs files
+        assert _wait(lambda: store.usage().warm == 4 * MIB)
+        _settle(store)
+        assert store.usage().warm == 4 * MIB
+    finally:
+        store.close()
+    store = _open(scratch / "k2", 64 * MIB, keep_local=2)
+    try:
+        _save_copy(store, "j", 1, {"w": b"1" * (2 * MIB)})
+        assert _wait(lambda: store.usage().warm == 2 * MIB)  # copy 2 comes before any drop
+        _settle(store)
+        assert store.usage().warm == 2 * MIB
+        _save_copy(store, "j", 2, {"w": b"2" * (2 * MIB)})
+        _settle(store)
+        assert store.warm.counters()["warm_taken"] == 1 and store.usage().warm == 0  # copy 3 recycles
     finally:
         store.close()
 

@@ -87,7 +87,8 @@ class Reserve:
         lock: the store's lock.
         target: ``local_reserve`` bytes (0: no reserve).
         room_locked: free capacity in bytes (called with ``lock`` held).
-        busy: whether a save is open or committing (refills after start-up wait while it is).
+        busy: whether a save is open or committing, or a peer transfer reads from the store
+            (refills after start-up wait while it is; :meth:`poke` when that may have ended).
     """
 
     def __init__(self, fs: LocalDir, lock: threading.RLock, target: int, room_locked: Callable[[], int],
@@ -264,6 +265,11 @@ class Reserve:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="tck-reserve", daemon=True)
                 self._thread.start()
+            self._cv.notify_all()
+
+    def poke(self) -> None:
+        """The node may have become idle (a save or transfer ended): re-check a waiting refill."""
+        with self._cv:
             self._cv.notify_all()
 
     def stop(self, timeout: float = 5.0) -> None:

@@ -150,8 +150,10 @@ class LocalStore(StoreRetention):
         self._fs = LocalDir(self.root)
         self._catalog = Catalog(is_complete)
         self._recycle = RecyclePool(self._fs, charge_file)
+        # The refill waits for saves and for peer transfers reading from here (a step's replication
+        # right after its commit, which kicks the refill): self.warm knows both (made below).
         self.reserve = Reserve(self._fs, self._lock, reserve, lambda: self.capacity - self._used_locked(),
-                               lambda: self._saves.busy())  # noqa: PLW0108 (made below)
+                               lambda: self.warm.busy())  # noqa: PLW0108 (made below)
         self._recycle.sink = self.reserve.adopt_locked if reserve else None
         self._layout = StoreLayout(self._fs, self._recycle, self.reserve if reserve else None)
         self.counters: dict[str, int] = {"staging_reclaimed": 0, "evictions_capacity_undrained": 0,
@@ -174,6 +176,8 @@ class LocalStore(StoreRetention):
                               self._saves.busy, self._saves.open_jobs_locked, self.policies.keep_local,
                               lambda tmpfs: machine_headroom(self._fs.fd, tmpfs))
         self.warm.hints_off = bool(reserve)  # the reserve holds what hinted pool files would add
+        self.warm.on_idle = self.reserve.poke
+        self.warm.node_id = self.node_id
         self._committer = Committer(self._lock, self._saves, self._layout, self._catalog, self._recycle,
                                     self._retain_locked, max_metadata_bytes)
 
@@ -324,6 +328,7 @@ class LocalStore(StoreRetention):
         """Drop an open save and its staging files. Idempotent."""
         self._saves.abort(save_id)
         self.warm.warmer.poke()
+        self.reserve.poke()
 
     def is_open(self, save_id: str) -> bool:
         """Whether ``save_id`` is an open save (begun, not yet committed, aborted or reclaimed)."""
@@ -338,6 +343,7 @@ class LocalStore(StoreRetention):
         n = self._saves.reclaim_expired(timeout)
         if n:
             self.warm.warmer.poke()
+            self.reserve.poke()
         return n
 
     def open_saves(self) -> int:

@@ -11,7 +11,8 @@ by allocating a file's pages ahead of its writer without changing its bytes (how
   or a restore's, or a peer transfer reading from here): after every commit the store
   works out the shard sizes the coming saves of each job held here will need (those of its newest
   step's ranks on this node, once per save until the job holds keep_local + 1 steps and starts
-  recycling; not for a job with a save open, whose commit will hand the pool
+  recycling, and for ranks held as copies until they hold keep_local, since the owner drops a
+  copy before it pushes the next; not for a job with a save open, whose commit will hand the pool
   the files of the step it evicts) and adds pre-allocated files of the missing sizes to the recycle
   pool, but only into free capacity: warming never evicts anything, and warm files are pool files
   (charged like them, dropped first when a save needs room, released after the idle timeout).
@@ -72,7 +73,7 @@ __all__ = ["WarmPages", "Warmer", "accept_hint", "fallocate_keep_size", "free_pa
 
 
 def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collection[str] = (),
-                   keep_local: Callable[[str], int] = lambda job: 1) -> int | None:
+                   keep_local: Callable[[str], int] = lambda job: 1, node_id: str | None = None) -> int | None:
     """The pool's sizing rule: the largest shard size that the coming saves of a job held here
     need (its newest step's ranks on this node, shards of at least ``KNOBS.warm_min_bytes``; not
     those whose file that step shares with another, unchanged shards the next save will likely
@@ -81,6 +82,10 @@ def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collec
     A job holding ``h`` steps here with ``keep_local`` k needs new files for its next k + 1 - h
     saves (nothing is evicted, so nothing recycled, until it holds k + 1): that many files of
     each size, at least one. The pool never holds more than the job's steady state will.
+    A rank held here as a copy (its manifest names another node than ``node_id``) needs new
+    files for its next k - h copies only, possibly none: its owner drops the copy of the step
+    it evicts before it pushes the next one (see tierckptd.peer.redundancy), so the next copy
+    recycles the dropped one's files; its first copy is the owner's hint's (:mod:`tierckptd.peer.hints`).
     Jobs in ``saving`` (a save is open) are skipped: that save took its files already, and its
     commit evicts a step whose files come back to the pool; the commit asks again."""
     want: dict[int, int] = {}
@@ -90,8 +95,11 @@ def next_pool_size(catalog: Any, have: dict[int, int], free: int, saving: Collec
         steps = catalog.steps(job)
         if not steps:
             continue
-        saves = max(1, keep_local(job) + 1 - len(steps))
         for man in steps[max(steps)].values():
+            copy = node_id is not None and man.node != node_id
+            saves = max(0, keep_local(job) - len(steps)) if copy else max(1, keep_local(job) + 1 - len(steps))
+            if not saves:
+                continue
             for s in man.shards:
                 if s.size >= max(1, KNOBS.warm_min_bytes) and not catalog.is_shared(man, s):
                     want[s.size] = want.get(s.size, 0) + saves
@@ -110,16 +118,21 @@ def accept_hint(sizes: list[int], free: int) -> dict[int, int]:
     return want
 
 
-def hinted_pool_size(hints: dict[int, int], have: dict[int, int], free: int) -> int | None:
+def hinted_pool_size(hints: dict[int, int], have: dict[int, int], free: int,
+                     made: dict[int, int] | None = None) -> int | None:
     """The next pool file a hint asks for: the largest hinted size of which the pool holds fewer
-    files than wanted, if it fits in ``free``. Sizes the pool already covers are dropped from
-    ``hints`` (a hint is served once)."""
+    files than wanted and fewer were made for the hints than wanted (``made``: size -> files made),
+    if it fits in ``free``. Sizes served are dropped from ``hints`` and ``made`` (a hint is served
+    once: a copy that takes a hinted file before it is warm does not make the pool warm another)."""
+    made = {} if made is None else made
     for size in sorted(hints, reverse=True):
-        if have.get(size, 0) >= hints[size]:
+        if have.get(size, 0) >= hints[size] or made.get(size, 0) >= hints[size]:
             del hints[size]
+            made.pop(size, None)
         elif charge_file(size) <= free:
             return size
     return None
+
 
 log = logging.getLogger(__name__)
 
@@ -475,11 +488,15 @@ class WarmPages:
         self.warmer = Warmer(self._next_warm, recycle.is_warm, self._busy, lambda: touching(self.tmpfs),
                              self._filled)
         self._hints: dict[int, int] = {}  # hinted pool files still to warm: size -> files wanted
+        self._hints_made: dict[int, int] = {}  # of those, size -> pool files made for them so far
         self.hints_off = False  # the store holds a reserve (see .reserve): a first copy takes that instead
+        self.on_idle: Callable[[], None] = lambda: None  # the store's other background work to wake (the reserve)
+        self.node_id: str | None = None  # this node (set by the store): ranks of other owners are copies
 
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:
-        """A peer transfer reads from the store while the block runs: the pool thread waits."""
+        """A peer transfer reads from the store while the block runs: the pool thread waits (and the
+        reserve's refill, see :meth:`busy`)."""
         with self._lock:
             self._sending += 1
         try:
@@ -488,6 +505,12 @@ class WarmPages:
             with self._lock:
                 self._sending -= 1
             self.warmer.poke()
+            self.on_idle()
+
+    def busy(self) -> bool:
+        """A save open or committing, or a peer transfer reading (see :meth:`sending`): what
+        background page work (pool warming, the reserve's refill) waits for."""
+        return self._busy()
 
     def _room_locked(self) -> int:
         """What warming may take: the store's free capacity, within the machine's headroom."""
@@ -540,7 +563,7 @@ class WarmPages:
                 return 0
             if any(rank in ranks for ranks in self._catalog.steps(job).values()):
                 return 0
-            pending = sum(charge_file(size) * n for size, n in self._hints.items())
+            pending = sum(charge_file(size) * (n - self._hints_made.get(size, 0)) for size, n in self._hints.items())
             want = accept_hint(sizes, self._room_locked() - pending)
             for size, n in want.items():
                 self._hints[size] = self._hints.get(size, 0) + n
@@ -555,12 +578,17 @@ class WarmPages:
         in the pool. None when there is none (pending hints are then dropped)."""
         with self._lock:
             free, have = self._room_locked(), self._recycle.counts()
-            size = hinted_pool_size(self._hints, have, free) if self._hints else None
-            if size is None:
+            size = hinted_pool_size(self._hints, have, free, self._hints_made) if self._hints else None
+            hinted = size is not None
+            if not hinted:
                 self._hints.clear()
+                self._hints_made.clear()
                 if self.warming(KNOBS.warm_pool):
-                    size = next_pool_size(self._catalog, have, free, self._saving_locked(), self._keep_local)
+                    size = next_pool_size(self._catalog, have, free, self._saving_locked(), self._keep_local,
+                                          self.node_id)
             if size is None:
                 return None
             fd, name = self._recycle.add_warm(size)
+            if hinted:
+                self._hints_made[size] = self._hints_made.get(size, 0) + 1
             return fd, name, size

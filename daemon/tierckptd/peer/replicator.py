@@ -83,32 +83,41 @@ class Pusher:
     async def push(self, man: Manifest, p: PeerInfo) -> None:
         t0 = time.perf_counter()
         await self.drops_sent(p.node_id, man.job)
-        prep = await self.cluster.call(p, "PrepareReplica", ppb.PrepareReplicaRequest(
-            sender=self.node_id, manifest_json=man.to_json().decode(), skips_linked=True))
-        if prep.already_committed:
+        # From the peer's prepare to its commit, background page work here (pool warming, the
+        # reserve's refill, both kicked by the commit that started this push) waits: see
+        # tierckptd.local.warm. Touching pages costs 1-2 s of CPU per GiB in a VM.
+        with self.store.warm.sending():
+            sent = await self._push(man, p)
+        if sent is None:
             return
-        try:
-            linked = set(prep.linked)  # the peer holds these bytes already (linked them): not sent
-            send = [s for s in man.shards if s.name not in linked]
-            files = {s.name: (functools.partial(self.store.open_shard, man, s.name), s.size) for s in send}
-            pieces = plan_pieces([(s.name, s.size) for s in send])
-            with self.store.warm.sending():  # pool warming waits (see tierckptd.local.warm)
-                await self.transfer.run(p.node_id, p.host, prep.bulk_port, prep.ticket, "put", pieces, files, {},
-                                        p.tls_name)
-            await self.cluster.call(p, "CommitReplica",
-                                    ppb.CommitReplicaRequest(ticket=prep.ticket, sender=self.node_id),
-                                    KNOBS.commit_timeout)
-        except BaseException:
-            self._spawn(self._abort_remote(p, prep.ticket))
-            raise
         elapsed = time.perf_counter() - t0
-        sent = sum(s.size for s in send)
         log.info("replicated %s step %d rank %d to %s: %d bytes in %.3fs (%.2f GB/s; %d bytes linked there)",
                  man.job, man.step, man.rank, p.node_id, sent, elapsed, sent / max(elapsed, 1e-9) / 1e9,
                  man.nbytes - sent)
         if self.metrics:
             self.metrics.saves.labels(tier="peer", result="ok").inc()
             self.metrics.saved_bytes.labels(tier="peer").inc(man.nbytes)
+
+    async def _push(self, man: Manifest, p: PeerInfo) -> int | None:
+        """Prepare, transfer and commit one copy; the bytes sent (None: the peer had it already)."""
+        prep = await self.cluster.call(p, "PrepareReplica", ppb.PrepareReplicaRequest(
+            sender=self.node_id, manifest_json=man.to_json().decode(), skips_linked=True))
+        if prep.already_committed:
+            return None
+        try:
+            linked = set(prep.linked)  # the peer holds these bytes already (linked them): not sent
+            send = [s for s in man.shards if s.name not in linked]
+            files = {s.name: (functools.partial(self.store.open_shard, man, s.name), s.size) for s in send}
+            pieces = plan_pieces([(s.name, s.size) for s in send])
+            await self.transfer.run(p.node_id, p.host, prep.bulk_port, prep.ticket, "put", pieces, files, {},
+                                    p.tls_name)
+            await self.cluster.call(p, "CommitReplica",
+                                    ppb.CommitReplicaRequest(ticket=prep.ticket, sender=self.node_id),
+                                    KNOBS.commit_timeout)
+        except BaseException:
+            self._spawn(self._abort_remote(p, prep.ticket))
+            raise
+        return sum(s.size for s in send)
 
     async def push_all(self, man: Manifest, targets: list[str]) -> list[BaseException | None]:
         """Push to every target at once; one outcome (None = done) per target."""
