@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 MAX_DECODES = 2
 """Chunks one code decodes at once for restoring nodes (the rest wait their turn)."""
 
+WINDOW = 1 << 20
+"""Decode window here: the restorer's stream trails the slowest source by about one window (the
+default 4 MiB is a fifth of a link-time for a 64 MiB rank's 16 MiB chunk at 1/4 of a link)."""
+
 
 class FarDecoder:
     """The protector side: ``OpenRebuiltChunk`` of one XOR code.
@@ -98,7 +102,7 @@ class FarDecoder:
             progress = Progress(length)
             try:
                 decode = await open_chunk(pulls, self.protector, man, target.chunk, target.chunks, self.node_id,
-                                          None, self.metrics, write=_writer(fd, progress))
+                                          None, self.metrics, write=_writer(fd, progress), window=WINDOW)
                 try:
                     ticket = receiver.blobs.issue(os.dup(fd), length, req.requester, progress)  # owns the dup
                 except BaseException:

@@ -24,7 +24,7 @@ from tierckpt.v1 import peer_pb2 as ppb
 from ..local.manifest import Manifest
 from ..offload import run_blocking
 from . import layout
-from .bulkdecode import Into, Pulls, Source, Windows, fd_recv
+from .bulkdecode import Into, Pulls, Source, W, Windows, fd_recv
 from .ranges import write_range
 
 __all__ = ["MAX_MEMBERS", "ChunkDecode", "open_chunk", "pull_chunk"]
@@ -66,7 +66,7 @@ class ChunkDecode:
             UnavailableError / NotFoundError / FailedPreconditionError: a block could not be read.
         """
         try:
-            intos = [Into(self.windows.add) for _ in self.sources]
+            intos = [Into(self.windows.add, window=self.windows.w) for _ in self.sources]
             await self.pulls.run([_job(src, into) for (src, _), into in zip(self.sources, intos)])
             actual = self.hasher.hexdigest()
             if actual != self.expected:
@@ -87,9 +87,10 @@ class ChunkDecode:
 
 
 async def open_chunk(pulls: Pulls, protector: Any, man: Manifest, chunk: int, chunks: int, holder: str,
-                     opener: Any, metrics: Any = None, write: Callable[[int, Any], None] | None = None) -> ChunkDecode:
+                     opener: Any, metrics: Any = None, write: Callable[[int, Any], None] | None = None,
+                     window: int = W) -> ChunkDecode:
     """The slot's description checked and every source opened (read tickets) for
-    :func:`pull_chunk`; nothing pulled yet.
+    :func:`pull_chunk`; nothing pulled yet. ``window``: see :class:`.bulkdecode.Windows`.
 
     Raises:
         DataLossError: the slot's holder described it inconsistently.
@@ -119,7 +120,7 @@ async def open_chunk(pulls: Pulls, protector: Any, man: Manifest, chunk: int, ch
                                         for m, (m_off, m_len) in zip(others, spans)))  # read tickets at once
         sources.extend((src, min(m_len, length)) for src, (_, m_len) in zip(opened, spans))
         sink = write or (lambda at, data: write_range(opener, man, off + at, data))
-        windows = Windows(length, [n for _, n in sources], sink)
+        windows = Windows(length, [n for _, n in sources], sink, window)
     except BaseException:
         if fd >= 0:
             os.close(fd)

@@ -37,7 +37,7 @@ MAX_TICKETS = 4096
 """Open blob tickets at most (each holds a descriptor): past it the oldest is dropped."""
 
 
-HOLD_BACK = 1 << 20
+HOLD_BACK = 256 << 10
 """Bytes at the end of a blob being written that are served only once it is complete."""
 
 
