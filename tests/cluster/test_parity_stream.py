@@ -223,3 +223,27 @@ def test_a_corrupt_member_never_yields_wrong_bytes_it_falls_back(daemon_factory,
     log = cl.d["n0"].log_tail(400)
     assert "reconstructed from parity fails its checksum" in log or "fails its checksum" in log
 
+
+
+def test_a_replaced_nodes_protector_pulls_give_way_to_its_restore_bounded():
+    import time
+
+    from tierckptd.parity.protector import Protector
+
+    prot = Protector("n2", None, None, None, 5)
+    state = {"restoring": 1}
+    prot.restoring = lambda: state["restoring"]
+
+    async def scenario() -> None:
+        t0 = time.monotonic()
+        waiter = asyncio.ensure_future(prot._give_way(t0 + 30))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()  # held while the restore runs
+        state["restoring"] = 0
+        await asyncio.wait_for(waiter, 2)
+        state["restoring"] = 1
+        t1 = time.monotonic()
+        await prot._give_way(t1 + 0.2)  # the budget runs out: pulled regardless
+        assert 0.15 <= time.monotonic() - t1 < 2
+
+    asyncio.run(scenario())
