@@ -25,13 +25,19 @@ step; the bench reports
   a single one can be disturbed by the replaced node catching up in the background);
 - XOR encode rate against memcpy (numpy, one thread, ``--xor-mib`` MiB buffers, best of 5).
 
+Network-bound mode (``--link-mbit N``, root only): every daemon in its own network namespace behind
+a link shaped to N Mbit/s each way (:mod:`netlink`), as on a cluster whose NICs are the limit
+rather than loopback's memory bandwidth; the raw rate of one such link, measured with a plain
+TCP copy, is printed first.
+
 Usage: PYTHONPATH=client:daemon .venv/bin/python bench/parity.py [--mib 64] [--restores 3] [--runs 3] [--xor-mib 256]
-       [--redundancy parity:4+2]
+       [--redundancy parity:4+2] [--link-mbit 800]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import statistics
 import time
@@ -40,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from netlink import NetLab
 from tierckpt.common import checksum
 from tierckptd.parity.xor import xor_into
 from tierckptd.testing import Daemon, free_port, scratch_dir
@@ -63,12 +70,17 @@ def _all_up(c) -> bool:
     return bool(peers) and all(p.up for p in peers)
 
 
-def start(root: Path, flags: tuple[str, ...]) -> dict[str, Daemon]:
-    ports = {n: free_port() for n in NODES}
-    peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
-    ds = {n: Daemon(root, n, port=ports[n], args=("--peers", peers, "--log-level", "WARNING", "--metrics-port",
-                                                  str(free_port()), *flags))
-          for n in NODES}
+def start(root: Path, flags: tuple[str, ...], lab: NetLab | None = None) -> dict[str, Daemon]:
+    """The K+M daemons on loopback, or each in its namespace of ``lab``."""
+    if lab is not None:
+        ds = {n: lab.daemon(root, n, ("--peers", lab.peers_flag(), "--log-level", "WARNING", *flags))
+              for n in NODES}
+    else:
+        ports = {n: free_port() for n in NODES}
+        peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
+        ds = {n: Daemon(root, n, port=ports[n], args=("--peers", peers, "--log-level", "WARNING", "--metrics-port",
+                                                      str(free_port()), *flags))
+              for n in NODES}
     try:
         for d in ds.values():
             d.start()
@@ -92,16 +104,18 @@ DECODED = "tierckpt_parity_decode_bulk_bytes_total"
 
 def counter(d: Daemon, name: str) -> float:
     """A counter of the daemon's /metrics (0 if it has none yet)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{d.info['metrics_port']}/metrics", timeout=10) as resp:
+    host = getattr(d, "host", "127.0.0.1")  # a namespaced daemon serves /metrics on its own address
+    with urllib.request.urlopen(f"http://{host}:{d.info['metrics_port']}/metrics", timeout=10) as resp:
         for line in resp.read().decode().splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[-1])
     return 0.0
 
 
-def one_config(name: str, flags: tuple[str, ...], mib: int, restores: int, settle: float = 0.0) -> dict:
+def one_config(name: str, flags: tuple[str, ...], mib: int, restores: int, settle: float = 0.0,
+               lab: NetLab | None = None) -> dict:
     root = scratch_dir("tck-parity-")
-    ds = start(root, flags)
+    ds = start(root, flags, lab)
     nbytes = mib << 20
     half = nbytes // 2
     rng = np.random.default_rng(1)
@@ -176,12 +190,28 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=0.0, help="seconds between the replaced node seeing its "
                     "peers and its restore (0: at once, as a replacement's trainer would)")
     ap.add_argument("--redundancy", default="parity:4+1", help="parity:K+M (M >= 2: Reed-Solomon on K+M nodes)")
+    ap.add_argument("--link-mbit", type=float, default=0.0, help="network-bound: each daemon in its own network "
+                    "namespace behind a link of this many Mbit/s each way (root only; 0: loopback)")
     args = ap.parse_args()
     k, m = (int(x) for x in args.redundancy.removeprefix("parity:").split("+"))
     NODES[:] = [f"n{i}" for i in range(k + m)]
-    # x rank bytes to protect (derived); to restore, replicas (derived; parity: measured)
+    with contextlib.ExitStack() as stack:
+        lab = stack.enter_context(NetLab(NODES, args.link_mbit)) if args.link_mbit else None
+        run_all(args, m, k, lab)
+    x, c = xor_rate(args.xor_mib)
+    print(f"XOR encode {x:.2f} GB/s vs memcpy {c:.2f} GB/s ({x / c:.2f}x), one thread, {args.xor_mib} MiB")
+
+
+def run_all(args: argparse.Namespace, m: int, k: int, lab: NetLab | None) -> None:
     net = {"replicas:1": (1.0, 1.0, 1.0), args.redundancy: (float(m), 0.0, 0.0)}
     ratios: dict[str, list[float]] = {"to_redundant": [], "restore": []}
+    if lab is not None:
+        one = lab.raw_rate(NODES[0], NODES[1])
+        print(f"network-bound: each node in its own namespace, links shaped to {lab.mbit:g} Mbit/s each way; raw TCP "
+              f"copy n0 -> n1 measured {one * 8 / 1e6:.0f} Mbit/s ({one / 1e6:.1f} MB/s): one {args.mib} MiB rank "
+              f"takes {(args.mib << 20) / one:.2f} s over one link")
+    else:
+        print("loopback (no --link-mbit)")
     print(f"{args.mib} MiB per rank, {len(NODES)} nodes, one rank each; {args.runs} runs, the two configurations in "
           "turn")
     print("| run | redundancy | memory per node (max / mean, x own data) | commit -> redundant (median s) | network "
@@ -190,8 +220,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     mem_ok = True
     for run in range(1, args.runs + 1):
-        rows = [one_config("replicas:1", ("--replicas", "1"), args.mib, args.restores, args.settle),
-                one_config(args.redundancy, ("--redundancy", args.redundancy), args.mib, args.restores, args.settle)]
+        rows = [one_config("replicas:1", ("--replicas", "1"), args.mib, args.restores, args.settle, lab),
+                one_config(args.redundancy, ("--redundancy", args.redundancy), args.mib, args.restores, args.settle,
+                           lab)]
         for r in rows:
             n = net[r["name"]]
             if r["name"] != "replicas:1":
@@ -209,8 +240,6 @@ def main() -> None:
           f"target <= 1.5x: {'met' if statistics.median(ratios['restore']) <= 1.5 else 'NOT met'}; every run: "
           f"{'met' if max(ratios['restore']) <= 1.5 else 'NOT met'}); memory <= {1.3 + (m - 1) / k:.2f}x "
           f"of own data with {m}-loss survival: {'met' if mem_ok else 'NOT met'}")
-    x, c = xor_rate(args.xor_mib)
-    print(f"XOR encode {x:.2f} GB/s vs memcpy {c:.2f} GB/s ({x / c:.2f}x), one thread, {args.xor_mib} MiB")
 
 
 if __name__ == "__main__":

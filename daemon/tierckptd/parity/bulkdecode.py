@@ -55,17 +55,21 @@ class Windows:
 
     ``covers[i]``: how many leading bytes of the chunk source i contributes. A window is complete
     once every source covering it added its bytes; it is then handed to ``write(offset, data)``
-    and freed, so memory holds only the windows still waiting for a slower source."""
+    and freed, so memory holds only the windows still waiting for a slower source.
 
-    def __init__(self, length: int, covers: list[int], write: Callable[[int, Any], None]) -> None:
-        self.length, self.write = length, write
-        self.need = [sum(1 for c in covers if c > w * W) for w in range(-(-length // W))]
+    ``window``: bytes per window (``W`` unless given). A protector decoding for a restorer that
+    pulls the result as it is written (:mod:`.farside`) uses smaller ones: the restorer's stream
+    trails the slowest source by about one window."""
+
+    def __init__(self, length: int, covers: list[int], write: Callable[[int, Any], None], window: int = W) -> None:
+        self.length, self.write, self.w = length, write, window
+        self.need = [sum(1 for c in covers if c > w * window) for w in range(-(-length // window))]
         self.done = 0
         self._lock = threading.Lock()
         self._acc: dict[int, tuple[bytearray, list[int], threading.Lock]] = {}
 
     def add(self, w: int, data: memoryview) -> None:
-        if not 0 <= w < len(self.need) or len(data) > min(W, self.length - w * W):
+        if not 0 <= w < len(self.need) or len(data) > min(self.w, self.length - w * self.w):
             raise DataLossError(f"window {w} of a {self.length}-byte chunk got {len(data)} bytes")
         with self._lock:
             entry = self._acc.get(w)
@@ -75,8 +79,8 @@ class Windows:
         with lock:
             if not acc:  # the first to arrive: copied (no zero fill unless it is short)
                 acc.extend(data)
-                if len(acc) < min(W, self.length - w * W):
-                    acc.extend(bytes(min(W, self.length - w * W) - len(acc)))
+                if len(acc) < min(self.w, self.length - w * self.w):
+                    acc.extend(bytes(min(self.w, self.length - w * self.w) - len(acc)))
             else:
                 xor_into(acc, data)
             count[0] += 1
@@ -84,7 +88,7 @@ class Windows:
         if complete:
             with self._lock:
                 del self._acc[w]
-            self.write(w * W, acc)
+            self.write(w * self.w, acc)
             with self._lock:
                 self.done += 1
 
@@ -99,24 +103,24 @@ class Into:
     """One source's bytes, in order: the first ``useful`` go to ``add(window, data)`` (whole
     windows), any after them to ``tail`` (the rest of a slot, to hash) or nowhere."""
 
-    def __init__(self, add: Callable[[int, memoryview], None], hasher: Any = None) -> None:
-        self.add, self.hasher = add, hasher
+    def __init__(self, add: Callable[[int, memoryview], None], hasher: Any = None, window: int = W) -> None:
+        self.add, self.hasher, self.w = add, hasher, window
         self.pos = 0
         self.fill = 0
-        self.buf = bytearray(W)
+        self.buf = bytearray(window)
         self.moved = 0  # bytes received over the network
 
     def useful(self, recv: Callable[[memoryview], None], n: int) -> None:
         view = memoryview(self.buf)
         while n > 0:
-            k = min(n, W - self.fill)
+            k = min(n, self.w - self.fill)
             part = view[self.fill:self.fill + k]
             recv(part)
             if self.hasher is not None:
                 self.hasher.update(part)
             self.fill += k
             n -= k
-            if self.fill == W:
+            if self.fill == self.w:
                 self.flush()
 
     def extra(self, recv: Callable[[memoryview], None], n: int) -> None:
@@ -131,7 +135,7 @@ class Into:
 
     def flush(self) -> None:
         if self.fill:
-            self.add(self.pos // W, memoryview(self.buf)[:self.fill])
+            self.add(self.pos // self.w, memoryview(self.buf)[:self.fill])
             self.pos += self.fill
             self.fill = 0
 

@@ -77,6 +77,8 @@ class Parity:
             self.pstore = ParityStore(root, fsync=fsync)
             self.encoder = Encoder(self.node_id, store, cluster, self.size, metrics)
             self.protector = Protector(self.node_id, store, self.pstore, cluster, self.size, metrics)
+            if receiver is not None:
+                self.protector.restoring = receiver.restoring
             self.rebuilder = Rebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics,
                                       transfer)
             self.far = FarDecoder(self.node_id, self.protector, self.rebuilder.pulls, metrics)

@@ -6,9 +6,17 @@ NICs are the limit that is K times a replica fetch. Decoding on the node holding
 (the older ``RebuildChunk``) has the right shape (the restorer receives the rank once, the K-1
 pulls spread over the protectors' links) but streamed its result as slow gRPC messages. Here the
 protector decodes (``OpenRebuiltChunk``: the slot, checked against its checksum, XOR the other
-members' chunks pulled over bulk, :func:`.xorpull.pull_chunk`) into a private unlinked file of its
-parity dir and issues a blob ticket (:mod:`..peer.blobs`) for it; the restorer pulls each chunk
-from its protector over bulk, all chunks at once, into its staging file (:func:`pull_rebuilt`).
+members' chunks pulled over bulk, :mod:`.xorpull`) into a private unlinked file of its parity
+dir and issues a blob ticket (:mod:`..peer.blobs`) for it; the restorer pulls each chunk from its
+protector over bulk, all chunks at once, into its staging file (:func:`pull_rebuilt`).
+
+Pipelined: the ticket is issued as soon as every source of the decode is opened and checked (the
+slot's members, the other members' read tickets), and serves the decoded bytes as they are
+written (:class:`..peer.blobs.Progress`), so the restorer's pull overlaps the protector's. On
+links that are the limit, the two used to follow each other (the K-1 members' chunks, then the
+decoded chunk: about 1.75 link-times for 4+1); overlapped, about one. The end of the chunk is
+held back until the decode has passed its checks (the slot's checksum, every window written); a
+decode that fails cuts the restorer's stream short, and it decodes the chunk itself.
 
 Bounds: a protector decodes at most ``MAX_DECODES`` chunks at once per code (each a file of one
 chunk, 1/K of a rank, on disk; memory the windows of :class:`.bulkdecode.Windows`); what it
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -34,15 +43,22 @@ from ..knobs import KNOBS
 from ..local.manifest import Manifest
 from ..offload import run_blocking
 from ..peer import bulk
+from ..peer.blobs import Progress
 from . import layout
 from .bulkdecode import Pulls
 from .ranges import write_range
-from .xorpull import pull_chunk
+from .xorpull import ChunkDecode, open_chunk
 
 __all__ = ["FarDecoder", "MAX_DECODES", "pull_rebuilt"]
 
+log = logging.getLogger(__name__)
+
 MAX_DECODES = 2
 """Chunks one code decodes at once for restoring nodes (the rest wait their turn)."""
+
+WINDOW = 1 << 20
+"""Decode window here: the restorer's stream trails the slowest source by about one window (the
+default 4 MiB is a fifth of a link-time for a 64 MiB rank's 16 MiB chunk at 1/4 of a link)."""
 
 
 class FarDecoder:
@@ -55,13 +71,15 @@ class FarDecoder:
     def __init__(self, node_id: str, protector: Any, pulls: Callable[[], Pulls | None], metrics: Any = None) -> None:
         self.node_id, self.protector, self.pulls, self.metrics = node_id, protector, pulls, metrics
         self._decoding = asyncio.Semaphore(MAX_DECODES)
+        self._tasks: set[asyncio.Task] = set()  # decodes running behind the tickets they serve
 
     async def open(self, req: ppb.RebuildChunkRequest, receiver: Any) -> ppb.OpenSlotReadResponse:
         """Decode the chunk here and issue a ticket for it.
 
         Raises:
             NotFoundError: no slot here protects that chunk.
-            DataLossError: the slot fails its checksum (or its members are inconsistent).
+            DataLossError: the slot's members are inconsistent (a slot failing its checksum is found
+                while it is decoded: the restorer's stream is then cut short).
             FailedPreconditionError: no bulk channel here (the restorer decodes it itself).
             UnavailableError: another member's chunk could not be pulled.
         """
@@ -77,22 +95,57 @@ class FarDecoder:
                                 f"{req.step} rank {req.rank} of {req.owner} (generation {req.generation})")
         man = Manifest.from_json(target.manifest)  # stored MAC-checked; checked again
         _, length = layout.chunk_span(man.nbytes, target.chunks, target.chunk)
-        async with self._decoding:
+        await self._decoding.acquire()  # held by the decode until it ends (below, or _decode)
+        fd = -1
+        try:
             name, fd = await run_blocking(pstore.incoming, man.job, man.step)
+            progress = Progress(length)
             try:
-                moved = await pull_chunk(pulls, self.protector, man, target.chunk, target.chunks, self.node_id,
-                                         None, self.metrics,
-                                         write=lambda at, data: pwrite_all(fd, memoryview(data), at))
-                ticket = receiver.blobs.issue(fd, length, req.requester)  # owns fd from here
-            except BaseException:
-                os.close(fd)
-                raise
+                decode = await open_chunk(pulls, self.protector, man, target.chunk, target.chunks, self.node_id,
+                                          None, self.metrics, write=_writer(fd, progress), window=WINDOW)
+                try:
+                    ticket = receiver.blobs.issue(os.dup(fd), length, req.requester, progress)  # owns the dup
+                except BaseException:
+                    decode.close()
+                    raise
             finally:
                 with contextlib.suppress(OSError):
-                    await run_blocking(pstore.discard, man.job, man.step, name)  # the ticket keeps it open
-        if self.metrics and moved:
-            self.metrics.parity_decode_bulk_bytes.inc(moved)
+                    await run_blocking(pstore.discard, man.job, man.step, name)  # the fds keep it
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            self._decoding.release()
+            raise
+        task = asyncio.ensure_future(self._decode(decode, progress, fd, man, target.chunk))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return ppb.OpenSlotReadResponse(ticket=ticket, bulk_port=receiver.bulk_port, size=length)
+
+    async def _decode(self, decode: ChunkDecode, progress: Progress, fd: int, man: Manifest, chunk: int) -> None:
+        """Decode into ``fd`` while the ticket serves what is written: on success the held-back
+        end is released; on failure (a slot failing its checksum, a member that cannot be pulled)
+        the restorer's stream is cut short, and it decodes the chunk itself (:mod:`.rebuild`)."""
+        try:
+            moved = await decode.run()
+            if self.metrics and moved:
+                self.metrics.parity_decode_bulk_bytes.inc(moved)
+            progress.finish()
+        except BaseException as e:
+            progress.fail(str(e) or type(e).__name__)
+            if not isinstance(e, Exception):
+                raise
+            log.warning("chunk %d of %s step %d rank %d could not be decoded for a restoring node: %s", chunk,
+                        man.job, man.step, man.rank, e)
+        finally:
+            os.close(fd)
+            self._decoding.release()
+
+
+def _writer(fd: int, progress: Progress) -> Callable[[int, Any], None]:
+    def write(at: int, data: Any) -> None:
+        pwrite_all(fd, memoryview(data), at)
+        progress.wrote(at, len(data))
+    return write
 
 
 async def pull_rebuilt(pulls: Pulls, man: Manifest, chunk: int, chunks: int, holder: str, opener: Any) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from tierckpt.errors import (
@@ -34,6 +35,9 @@ from .slots import Member, ParityStore
 
 __all__ = ["Protector"]
 
+GIVE_WAY_S = 20.0
+"""Longest a chunk to protect waits for this node's restores (then it is pulled regardless)."""
+
 
 class Protector:
     """Parity slots held here for the other members of this node's group."""
@@ -44,6 +48,9 @@ class Protector:
         self.metrics = metrics
         self._inflight: dict[tuple[str, int, int, str, int], asyncio.Lock] = {}
         self.board = ShareBoard()
+        self.restoring: Callable[[], int] | None = None
+        """Restores in progress here (set by the facade): a chunk is pulled only once they are over
+        (:meth:`_give_way`)."""
         self._pulling = asyncio.Semaphore(1)
         """One chunk pulled at a time: the chunk waits in a temporary file (1/K of a rank) until it
         is XORed in, so at most one such file exists and the memory stays ~1 + 1/K. A holder
@@ -67,12 +74,27 @@ class Protector:
                     return ppb.ProtectRankResponse(already=True, parity_bytes=slot.size)
                 slot = await self._share(man, chunk, chunks)
                 if slot is None:
+                    until = time.monotonic() + GIVE_WAY_S  # one budget for the whole pull
+                    await self._give_way(until)
                     async with self._pulling:
-                        slot = await self._pull_and_add(man, chunk, chunks)
+                        slot = await self._pull_and_add(man, chunk, chunks, until)
                 return ppb.ProtectRankResponse(already=False, parity_bytes=slot.size)
         finally:
             if not lock.locked() and self._inflight.get(key) is lock:
                 del self._inflight[key]
+
+    async def _give_way(self, until: float) -> None:
+        """Wait while this node restores a rank, at most until ``until`` (``GIVE_WAY_S`` in all per
+        chunk, well within the sender's ProtectRank timeout and the pull's stream timeout).
+
+        Why: a replaced node is the protector of its group's chunks and is asked for them again as
+        soon as it is back, by every member at once: pulled then, they would share its link with
+        its own restore (a rank's worth into it, as much as the rank itself), as inbound replicas
+        would if they did not give way too (:mod:`..peer.receiver`)."""
+        if self.restoring is None:
+            return
+        while self.restoring() and time.monotonic() < until:
+            await asyncio.sleep(0.05)
 
     async def _share(self, man: Manifest, chunk: int, chunks: int) -> Any:
         """The slot of this step linked from the base step's (:mod:`.share`), or None: pull."""
@@ -105,10 +127,11 @@ class Protector:
                 return await run_blocking(self.pstore.link, job, step, base_step, n, members,
                                           [(fd, length) for fd, length, _ in files])
 
-    async def _pull_and_add(self, man: Manifest, chunk: int, chunks: int) -> Any:
+    async def _pull_and_add(self, man: Manifest, chunk: int, chunks: int, until: float = 0.0) -> Any:
         off, length = layout.chunk_span(man.nbytes, chunks, chunk)
         name, fd = await pull_incoming(self.pstore, self.store, self.cluster, self.node_id, man, off, length,
-                                        self.pstore.growth(man.job, man.step, man.node, length, man.rank, chunk))
+                                        self.pstore.growth(man.job, man.step, man.node, length, man.rank, chunk),
+                                        lambda: self._give_way(until))
         if self.metrics:
             self.metrics.parity_pulled_bytes.inc(length)
         return await run_blocking(self.pstore.add, man, chunk, chunks, name, fd, length)
@@ -201,15 +224,20 @@ async def pulled_deltas(pstore: Any, store: LocalStore, cluster: Membership, nod
 
 
 async def pull_incoming(pstore: Any, store: LocalStore, cluster: Membership, node_id: str, man: Manifest, off: int,
-                        length: int, need: int) -> tuple[str, int]:
+                        length: int, need: int, give_way: Callable[[], Awaitable[None]] | None = None
+                        ) -> tuple[str, int]:
     """Pull ``length`` bytes at ``off`` of the owner's rank into a new temporary file of
     ``pstore`` (XOR slots or Reed-Solomon rows): its name and open descriptor. Parity is charged
     against local_capacity (the facade's external_charge), so ``need`` bytes of room are made
-    first; a failed pull leaves no file behind."""
+    first; a failed pull leaves no file behind. ``give_way`` is awaited before each piece is
+    written (a pull under way pauses while this node restores: the stream's flow control holds
+    the sender)."""
     await make_room(store, need, man, pstore, length)
     name, fd = await run_blocking(pstore.incoming, man.job, man.step)
     try:
         async def sink(pos: int, data: bytes) -> None:
+            if give_way is not None:
+                await give_way()
             await run_blocking(os.pwrite, fd, data, pos)
 
         await pull_range(cluster, man.node, node_id, man, off, length, sink)

@@ -24,10 +24,10 @@ from tierckpt.v1 import peer_pb2 as ppb
 from ..local.manifest import Manifest
 from ..offload import run_blocking
 from . import layout
-from .bulkdecode import Into, Pulls, Source, Windows, fd_recv
+from .bulkdecode import Into, Pulls, Source, W, Windows, fd_recv
 from .ranges import write_range
 
-__all__ = ["MAX_MEMBERS", "pull_chunk"]
+__all__ = ["MAX_MEMBERS", "ChunkDecode", "open_chunk", "pull_chunk"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,58 @@ async def pull_chunk(pulls: Pulls, protector: Any, man: Manifest, chunk: int, ch
     Raises:
         DataLossError: the slot fails its checksum, or its holder described it inconsistently.
         UnavailableError / NotFoundError / FailedPreconditionError: a block could not be read.
+    """
+    decode = await open_chunk(pulls, protector, man, chunk, chunks, holder, opener, metrics, write)
+    return await decode.run()
+
+
+class ChunkDecode:
+    """One chunk's decode, its sources opened and checked (:func:`open_chunk`): :meth:`run` pulls
+    and XORs them (once), else :meth:`close` gives up. Split so that a protector answers a restorer
+    (the ticket) as soon as every source is known good, and decodes while the restorer pulls."""
+
+    def __init__(self, pulls: Pulls, sources: list[tuple[Source, int]], windows: Windows, hasher: Any,
+                 expected: str, where: str, metrics: Any, fd: int) -> None:
+        self.pulls, self.sources, self.windows, self.hasher = pulls, sources, windows, hasher
+        self.expected, self.where, self.metrics, self.fd = expected, where, metrics, fd
+
+    async def run(self) -> int:
+        """Pull every source and XOR them window by window; the bytes received over the network.
+
+        Raises:
+            DataLossError: the slot fails its checksum.
+            UnavailableError / NotFoundError / FailedPreconditionError: a block could not be read.
+        """
+        try:
+            intos = [Into(self.windows.add, window=self.windows.w) for _ in self.sources]
+            await self.pulls.run([_job(src, into) for (src, _), into in zip(self.sources, intos)])
+            actual = self.hasher.hexdigest()
+            if actual != self.expected:
+                if self.metrics:
+                    self.metrics.checksum_failures.labels(tier="peer").inc()
+                msg = f"{self.where} fails its checksum (expected {self.expected}, got {actual})"
+                log.error("%s", msg)
+                raise DataLossError(msg)
+            self.windows.check()
+            return sum(i.moved for i in intos)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+async def open_chunk(pulls: Pulls, protector: Any, man: Manifest, chunk: int, chunks: int, holder: str,
+                     opener: Any, metrics: Any = None, write: Callable[[int, Any], None] | None = None,
+                     window: int = W) -> ChunkDecode:
+    """The slot's description checked and every source opened (read tickets) for
+    :func:`pull_chunk`; nothing pulled yet. ``window``: see :class:`.bulkdecode.Windows`.
+
+    Raises:
+        DataLossError: the slot's holder described it inconsistently.
+        UnavailableError / NotFoundError / FailedPreconditionError: a block cannot be read.
     """
     off, length = layout.chunk_span(man.nbytes, chunks, chunk)
     req = ppb.RebuildChunkRequest(requester=pulls.node_id, job=man.job, step=man.step, rank=man.rank, owner=man.node,
@@ -68,22 +120,13 @@ async def pull_chunk(pulls: Pulls, protector: Any, man: Manifest, chunk: int, ch
                                         for m, (m_off, m_len) in zip(others, spans)))  # read tickets at once
         sources.extend((src, min(m_len, length)) for src, (_, m_len) in zip(opened, spans))
         sink = write or (lambda at, data: write_range(opener, man, off + at, data))
-        windows = Windows(length, [n for _, n in sources], sink)
-        intos = [Into(windows.add) for _ in sources]
-        await pulls.run([_job(src, into) for (src, _), into in zip(sources, intos)])
-        actual = hasher.hexdigest()
-        if actual != resp.checksum:
-            if metrics:
-                metrics.checksum_failures.labels(tier="peer").inc()
-            msg = (f"parity slot of {man.job} step {man.step} on {holder} fails its checksum (expected "
-                   f"{resp.checksum}, got {actual})")
-            log.error("%s", msg)
-            raise DataLossError(msg)
-        windows.check()
-        return sum(i.moved for i in intos)
-    finally:
+        windows = Windows(length, [n for _, n in sources], sink, window)
+    except BaseException:
         if fd >= 0:
             os.close(fd)
+        raise
+    return ChunkDecode(pulls, sources, windows, hasher, resp.checksum,
+                       f"parity slot of {man.job} step {man.step} on {holder}", metrics, fd)
 
 
 def _job(src: Source, into: Into) -> Any:

@@ -295,6 +295,11 @@ class Receiver:
             self._restoring += delta
             self._restore_cv.notify_all()
 
+    def restoring(self) -> int:
+        """Restores in progress on this node (other inbound transfers give way to them)."""
+        with self._restore_cv:
+            return self._restoring
+
     def _yield_to_restores(self) -> None:
         """Inbound replicas pause while this node restores. Bounded, so the sender never times out."""
         with self._restore_cv:
