@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import mmap
 import os
 import secrets
@@ -31,14 +30,11 @@ from ..local.localfs import FILE_MODE, LocalDir, check_regular, digest_fd
 from ..local.manifest import Manifest
 from .rs import Codec
 from .share import link_file, member_key, unshare
-from .slots import Member, charged, data_ino, growth_of, same_state, step_dirs
+from .slots import Member, charged, data_ino, growth_of, load_step, same_state, step_dirs
 
 __all__ = ["RsStore", "Row", "RS_DIR"]
 
-log = logging.getLogger(__name__)
-
 RS_DIR = "parity-rs"
-_MAX_META = 64 << 20
 
 
 @dataclass
@@ -118,24 +114,9 @@ class RsStore:
             self._load_step(job, step)
 
     def _load_step(self, job: str, step: int) -> None:
-        with self.fs.dir(_step_dir(job, step)) as sfd:
-            for name, kind in self.fs.entries(sfd):
-                if name.startswith("."):
-                    self.fs.unlink(sfd, name)
-                elif kind == "file" and name.endswith(".json"):
-                    try:
-                        row, pending = Row.from_json(self.fs.read_small(sfd, name, _MAX_META))
-                    except (OSError, ValueError, KeyError, TypeError) as e:
-                        log.warning("parity row %s of %s step %d unreadable, dropped: %s", name, job, step, e)
-                        row, pending = None, True
-                    if pending or row is None or row.name + ".json" != name:
-                        self.fs.unlink(sfd, name)
-                        self.fs.unlink(sfd, name[:-5] + ".bin")
-                        log.warning("parity row %s of %s step %d was being written at a crash: dropped", name, job,
-                                    step)
-                        continue
-                    row.ino = data_ino(self.fs, sfd, row.name + ".bin")
-                    self._steps.setdefault((job, step), {})[row.name] = row
+        for row in load_step(self.fs, _step_dir(job, step), Row.from_json, lambda r: r.name + ".bin", "row",
+                             f"{job} step {step}"):
+            self._steps.setdefault((job, step), {})[row.name] = row
 
     # ------------------------------------------------------------------------------ queries
 

@@ -18,9 +18,10 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tierckpt.common import checksum
 from tierckpt.errors import DataLossError, NotFoundError, TierckptError
@@ -48,6 +49,34 @@ def step_dirs(fs: LocalDir, root: str) -> list[tuple[str, int]]:
                     found += [(job, int(step)) for step, skind in fs.entries(jfd) if skind == "dir" and step.isdigit()]
     return found
 _MAX_META = 64 << 20
+
+
+def load_step(fs: LocalDir, step_dir: tuple[str, ...], parse: Callable[[bytes], tuple[Any, bool]],
+              data_name: Callable[[Any], str], what: str, where: str) -> list[Any]:
+    """The records (XOR slots, Reed-Solomon rows) of one step's dir at start-up, each with the
+    inode of its data file: ``parse(json) -> (record, pending)``, ``data_name(record)`` its data
+    file (``X.bin`` beside ``X.json``). Stray temporaries (dot names) are removed, and so is a
+    record that was being written at a crash, cannot be read, or is not named as its content
+    says, with its data file; nothing is followed as a symlink."""
+    found = []
+    with fs.dir(step_dir) as sfd:
+        for name, kind in fs.entries(sfd):
+            if name.startswith("."):
+                fs.unlink(sfd, name)
+            elif kind == "file" and name.endswith(".json"):
+                try:
+                    rec, pending = parse(fs.read_small(sfd, name, _MAX_META))
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    log.warning("parity %s %s of %s unreadable, dropped: %s", what, name, where, e)
+                    rec, pending = None, True
+                if pending or rec is None or data_name(rec)[:-4] + ".json" != name:
+                    fs.unlink(sfd, name)
+                    fs.unlink(sfd, name[:-5] + ".bin")
+                    log.warning("parity %s %s of %s was being written at a crash: dropped", what, name, where)
+                    continue
+                rec.ino = data_ino(fs, sfd, data_name(rec))
+                found.append(rec)
+    return found
 
 
 def data_ino(fs: LocalDir, dir_fd: int, name: str) -> tuple[int, int] | None:
@@ -150,24 +179,9 @@ class ParityStore:
             self._load_step(job, step)
 
     def _load_step(self, job: str, step: int) -> None:
-        with self.fs.dir(_step_dir(job, step)) as sfd:
-            for name, kind in self.fs.entries(sfd):
-                if name.startswith("."):
-                    self.fs.unlink(sfd, name)
-                elif kind == "file" and name.endswith(".json"):
-                    try:
-                        slot, pending = Slot.from_json(self.fs.read_small(sfd, name, _MAX_META))
-                    except (OSError, ValueError, KeyError, TypeError) as e:
-                        log.warning("parity slot %s of %s step %d unreadable, dropped: %s", name, job, step, e)
-                        pending, slot = True, Slot(-1)
-                    if pending:
-                        self.fs.unlink(sfd, name)
-                        self.fs.unlink(sfd, name[:-5] + ".bin")
-                        log.warning("parity slot %s of %s step %d was being written at a crash: dropped", name,
-                                    job, step)
-                        continue
-                    slot.ino = data_ino(self.fs, sfd, self._name(slot.n, "bin"))
-                    self._steps.setdefault((job, step), {})[slot.n] = slot
+        for slot in load_step(self.fs, _step_dir(job, step), Slot.from_json, lambda sl: self._name(sl.n, "bin"),
+                              "slot", f"{job} step {step}"):
+            self._steps.setdefault((job, step), {})[slot.n] = slot
 
     # ------------------------------------------------------------------------------ queries
 
