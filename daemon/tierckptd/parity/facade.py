@@ -88,6 +88,8 @@ class Parity:
             self.pstore = RsStore(root, fsync=fsync)
             self.encoder = RsEncoder(self.node_id, store, cluster, self.size, metrics, k=k, m=m)
             self.protector = RsProtector(self.node_id, store, self.pstore, cluster, k, m, metrics)
+            if receiver is not None:
+                self.protector.restoring = receiver.restoring
             self.rebuilder = RsRebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics,
                                         transfer)
             self.far = RsFarDecoder(self.node_id, self.protector, self.rebuilder.pulls, metrics, self.rebuilder)
