@@ -17,26 +17,31 @@ serving as XOR's (:class:`.farside.FarDecoder`: ``MAX_DECODES``, a private unlin
 held back until the decode is done, a failed decode cuts the stream and the restorer decodes the
 chunk itself). The restorer checks the rebuilt rank against its manifest before serving it.
 
-Pipelining is coarser than XOR's: the lane is solved once its blocks are in (rows and members are
-pulled at once, each over its own link), then written in windows that are served as they are
-written; the restorer's pull overlaps the decode's output, not its input.
+Pipelined as XOR's: the lost chunk is a fixed combination of the blocks chosen, so each is scaled
+and XORed in as it arrives (:mod:`.rsstream`) and the restorer's pull overlaps the decoder's. Where
+those blocks cannot all be opened (a row lost or corrupt here, too few rows), the lane is solved
+once its blocks are in, rows and lanes tried in turn as the restorer would, and written in windows.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any
 
-from tierckpt.errors import NotFoundError
+from tierckpt.errors import NotFoundError, TierckptError
 from tierckpt.v1 import peer_pb2 as ppb
 
 from ..local.manifest import Manifest
 from ..offload import run_blocking
 from .bulkdecode import Pulls
 from .farside import WINDOW, FarDecoder
+from .rsstream import open_streamed
 
 __all__ = ["RsFarDecoder"]
+
+log = logging.getLogger(__name__)
 
 
 class RsFarDecoder(FarDecoder):
@@ -79,8 +84,15 @@ class RsFarDecoder(FarDecoder):
         return man, req.chunk, total, mine
 
     async def start(self, pulls: Pulls, man: Manifest, chunk: int, chunks: int, found: Any,
-                    write: Callable[[int, Any], None]) -> _RsDecode:
-        """The lane's blocks are pulled when it runs (the rebuilder opens its own connections)."""
+                    write: Callable[[int, Any], None]) -> Any:
+        """Decoded as its blocks arrive (:mod:`.rsstream`) in the first lane whose sources open;
+        else solved once they are all in, trying rows and lanes in turn (the restorer's own decode)."""
+        for plan in found:
+            try:
+                return await open_streamed(self.rebuilder, pulls, man, chunk, chunks, plan, write, WINDOW)
+            except (TierckptError, OSError) as e:
+                log.info("chunk %d of %s step %d rank %d: lane %s cannot be decoded as it arrives (%s)", chunk,
+                         man.job, man.step, man.rank, plan.lane[1], e)
         return _RsDecode(self.rebuilder, man, chunk, chunks, found, write)
 
 
