@@ -139,3 +139,51 @@ def test_a_corrupt_row_on_a_decoding_survivor_never_yields_wrong_bytes(daemon_fa
         tier = _restored(c, job, 0, 4, sums)
     assert tier == ("peer" if where == "one" else "persistent")
     assert any("fails its checksum" in cl.d[n].log_tail(800) for n in [*hit, "n0"])
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0.0
+
+    def inc(self, n: float) -> None:
+        self.n += n
+
+
+@pytest.mark.parametrize("err", [None, "FailedPreconditionError", "UnavailableError", "DataLossError"])
+def test_a_chunk_a_survivor_cannot_decode_is_decoded_here(monkeypatch, err):
+    """An older row holder (UNIMPLEMENTED / FAILED_PRECONDITION), one that cannot reach a block, or
+    one whose decode failed its checks: the restorer solves the chunk itself, as before (stand-ins
+    for the bulk paths)."""
+    import asyncio
+    import types
+
+    import tierckpt
+    from tierckptd.parity import rsrebuild
+
+    calls: list[str] = []
+
+    async def far(pulls, man, chunk, chunks, holder, opener):
+        calls.append(f"far:{holder}")
+        if err is not None:
+            raise getattr(tierckpt, err)("stand-in")
+        return 100
+
+    async def solve(man, chunk, chunks, plans):
+        calls.append("here")
+        return b"x" * 10
+
+    wrote: list[tuple[int, bytes]] = []
+    monkeypatch.setattr(rsrebuild, "pull_rebuilt", far)
+    monkeypatch.setattr(rsrebuild, "write_range", lambda opener, man, off, data: wrote.append((off, bytes(data))))
+    metrics = types.SimpleNamespace(parity_rebuild_bulk_bytes=_Counter())
+    rb = rsrebuild.RsRebuilder("n0", None, None, 6, None, None, metrics, transfer=object())
+    rb.solve_chunk = solve  # type: ignore[method-assign]
+    man = types.SimpleNamespace(job="j", step=1, rank=2, nbytes=40)
+    asyncio.run(rb._chunk(man, 1, 4, (["plan"], "n3"), None))
+    if err is None:
+        assert calls == ["far:n3"] and metrics.parity_rebuild_bulk_bytes.n == 100 and not wrote
+    else:
+        assert calls == ["far:n3", "here"] and wrote == [(10, b"x" * 10)]
+    calls.clear()
+    asyncio.run(rb._chunk(man, 1, 4, (["plan"], None), None))  # no other row holder: here at once
+    assert calls == ["here"]
