@@ -112,7 +112,8 @@ class Metrics:
             "other members' chunks; Reed-Solomon: rows and data blocks).", registry=r)
         self.parity_decode_bulk_bytes = Counter(
             "tierckpt_parity_decode_bulk_bytes_total", "Bytes this node pulled over the bulk data channel to decode "
-            "chunks of lost ranks for the nodes restoring them (XOR parity it protects: OpenRebuiltChunk).",
+            "chunks of lost ranks for the nodes restoring them (OpenRebuiltChunk: XOR slots and Reed-Solomon rows it "
+            "holds).",
             registry=r)
         self.restores = Counter(
             "tierckpt_restores_total", "Rank restores by source tier and result.", ["tier", "result"], registry=r)

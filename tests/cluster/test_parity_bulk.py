@@ -1,7 +1,7 @@
 """Reconstruction from parity moves its blocks over the bulk data channel (as replica fetches
 do), decoding as they arrive: observed on real daemons through the
-``tierckpt_parity_rebuild_bulk_bytes_total`` counter of the restoring node (XOR: each chunk
-decoded on its protector, ``tierckpt_parity_decode_bulk_bytes_total`` there, and received once); plus the pieces a
+``tierckpt_parity_rebuild_bulk_bytes_total`` counter of the restoring node (each chunk
+decoded on a protector, ``tierckpt_parity_decode_bulk_bytes_total`` there, and received once); plus the pieces a
 hostile or confused peer meets (the window accumulator, slot tickets served once)."""
 
 from __future__ import annotations
@@ -58,16 +58,13 @@ def test_a_lost_rank_is_rebuilt_over_the_bulk_channel(daemon_factory, redundancy
         assert {n: _checksum.digest(np.asarray(ck.shards[n])) for n in ("a", "b")} == sums[2]
     moved = scrape(port)[BULK]
     rank_bytes = sizes[2] + 333 + 2
-    if redundancy == "parity:4+1":
-        # each chunk decoded on its protector and received once: the rank's bytes, not four times them
-        assert 0.99 * rank_bytes <= moved <= 1.05 * rank_bytes, (moved, rank_bytes)
-        pulled = sum(scrape(cl.d[n].info["metrics_port"]).get(DECODE, 0.0) for n in cl.ids if n != victim)
-        # the protectors pulled the other three members of each chunk (or read them locally)
-        assert pulled >= 0.9 * rank_bytes, pulled
-        assert scrape(port).get(DECODE, 0.0) == 0.0
-    else:
-        # per chunk, a row and the three other data blocks: four ranks' worth
-        assert moved >= 0.9 * sizes[2] * 4, moved
+    # each chunk decoded on a protector (XOR: its slot's; Reed-Solomon: a row holder of its lane)
+    # and received once: the rank's bytes, not four times them
+    assert 0.99 * rank_bytes <= moved <= 1.05 * rank_bytes, (moved, rank_bytes)
+    pulled = sum(scrape(cl.d[n].info["metrics_port"]).get(DECODE, 0.0) for n in cl.ids if n != victim)
+    # the protectors pulled the other three blocks of each chunk (or read them locally)
+    assert pulled >= 0.9 * rank_bytes, pulled
+    assert scrape(port).get(DECODE, 0.0) == 0.0
     log = cl.d[victim].log_tail(400)
     assert f"reconstructed {job} step 3 rank 2 from parity" in log
     assert "bulk rebuild failed" not in log and "bulk pull failed" not in log

@@ -42,6 +42,7 @@ from .farside import FarDecoder
 from .protector import Protector
 from .rebuild import Rebuilder
 from .rsencoder import RsEncoder, target
+from .rsfar import RsFarDecoder
 from .rsprotector import RsProtector, check_row
 from .rsrebuild import RsRebuilder
 from .rsslots import RsStore
@@ -73,6 +74,7 @@ class Parity:
         self.encoder: Any
         self.protector: Any
         self.rebuilder: Any
+        self.far: FarDecoder
         if m == 1:
             self.pstore = ParityStore(root, fsync=fsync)
             self.encoder = Encoder(self.node_id, store, cluster, self.size, metrics)
@@ -86,8 +88,11 @@ class Parity:
             self.pstore = RsStore(root, fsync=fsync)
             self.encoder = RsEncoder(self.node_id, store, cluster, self.size, metrics, k=k, m=m)
             self.protector = RsProtector(self.node_id, store, self.pstore, cluster, k, m, metrics)
+            if receiver is not None:
+                self.protector.restoring = receiver.restoring
             self.rebuilder = RsRebuilder(self.node_id, store, cluster, self.size, receiver, self.protector, metrics,
                                         transfer)
+            self.far = RsFarDecoder(self.node_id, self.protector, self.rebuilder.pulls, metrics, self.rebuilder)
 
     def group(self) -> list[str]:
         return self.group_of(self.node_id)
@@ -118,9 +123,8 @@ class Parity:
         return self.protector.read_row(req.job, req.step, req.stripe, req.lane, req.row)
 
     async def open_rebuilt_chunk(self, req: ppb.RebuildChunkRequest) -> ppb.OpenSlotReadResponse:
-        """XOR: decode a chunk here for a restoring node and issue a bulk ticket (:mod:`.farside`)."""
-        if self.m != 1:
-            raise FailedPreconditionError(f"redundancy: parity:{self.k}+{self.m} keeps rows, not XOR slots")
+        """Decode a chunk here for a restoring node and issue a bulk ticket (:mod:`.farside`; Reed-Solomon:
+        :mod:`.rsfar`)."""
         return await self.far.open(req, self.receiver)
 
     async def open_row_read(self, req: ppb.ReadParityRowRequest) -> ppb.OpenSlotReadResponse:

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from tierckpt.common.fileio import pwrite_all
 from tierckpt.errors import DataLossError, FailedPreconditionError, NotFoundError
@@ -47,9 +47,9 @@ from ..peer.blobs import Progress
 from . import layout
 from .bulkdecode import Pulls
 from .ranges import write_range
-from .xorpull import ChunkDecode, open_chunk
+from .xorpull import open_chunk
 
-__all__ = ["FarDecoder", "MAX_DECODES", "pull_rebuilt"]
+__all__ = ["Decode", "FarDecoder", "MAX_DECODES", "WINDOW", "pull_rebuilt"]
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,19 @@ WINDOW = 1 << 20
 default 4 MiB is a fifth of a link-time for a 64 MiB rank's 16 MiB chunk at 1/4 of a link)."""
 
 
+class Decode(Protocol):
+    """One chunk's decode for a restoring node, its sources opened (:meth:`FarDecoder.start`)."""
+
+    async def run(self) -> int:
+        """Decode, writing through the ``write`` given; the bytes pulled over the network."""
+
+    def close(self) -> None:
+        """Give up before :meth:`run`."""
+
+
 class FarDecoder:
-    """The protector side: ``OpenRebuiltChunk`` of one XOR code.
+    """The protector side: ``OpenRebuiltChunk`` of one XOR code (:class:`.rsfar.RsFarDecoder`: of a
+    Reed-Solomon code; :meth:`find` and :meth:`start` are what differ).
 
     Args:
         pulls: a fresh :class:`.bulkdecode.Pulls` per decode, or None without a bulk channel.
@@ -86,23 +97,16 @@ class FarDecoder:
         pulls = self.pulls()
         if pulls is None:
             raise FailedPreconditionError(f"node {self.node_id} has no bulk channel to decode chunks over")
-        pstore = self.protector.pstore
-        slot = pstore.find(req.job, req.step, req.owner, req.rank, req.generation, req.chunk)
-        target = None if slot is None else next(
-            (m for m in slot.members if m.key == (req.owner, req.rank, req.generation, req.chunk)), None)
-        if target is None:
-            raise NotFoundError(f"node {self.node_id} does not protect chunk {req.chunk} of {req.job} step "
-                                f"{req.step} rank {req.rank} of {req.owner} (generation {req.generation})")
-        man = Manifest.from_json(target.manifest)  # stored MAC-checked; checked again
-        _, length = layout.chunk_span(man.nbytes, target.chunks, target.chunk)
+        man, chunk, chunks, found = await self.find(req)
+        _, length = layout.chunk_span(man.nbytes, chunks, chunk)
+        pstore = self.scratch()
         await self._decoding.acquire()  # held by the decode until it ends (below, or _decode)
         fd = -1
         try:
             name, fd = await run_blocking(pstore.incoming, man.job, man.step)
             progress = Progress(length)
             try:
-                decode = await open_chunk(pulls, self.protector, man, target.chunk, target.chunks, self.node_id,
-                                          None, self.metrics, write=_writer(fd, progress), window=WINDOW)
+                decode = await self.start(pulls, man, chunk, chunks, found, _writer(fd, progress))
                 try:
                     ticket = receiver.blobs.issue(os.dup(fd), length, req.requester, progress)  # owns the dup
                 except BaseException:
@@ -116,12 +120,34 @@ class FarDecoder:
                 os.close(fd)
             self._decoding.release()
             raise
-        task = asyncio.ensure_future(self._decode(decode, progress, fd, man, target.chunk))
+        task = asyncio.ensure_future(self._decode(decode, progress, fd, man, chunk))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return ppb.OpenSlotReadResponse(ticket=ticket, bulk_port=receiver.bulk_port, size=length)
 
-    async def _decode(self, decode: ChunkDecode, progress: Progress, fd: int, man: Manifest, chunk: int) -> None:
+    def scratch(self) -> Any:
+        """The parity store whose step dirs hold the decoded files (``incoming`` / ``discard``)."""
+        return self.protector.pstore
+
+    async def find(self, req: ppb.RebuildChunkRequest) -> tuple[Manifest, int, int, Any]:
+        """What to decode for ``req``, from this node's own MAC-checked records (never from the
+        request): (the rank's manifest, chunk, chunks, what :meth:`start` needs). XOR: the slot."""
+        slot = self.protector.pstore.find(req.job, req.step, req.owner, req.rank, req.generation, req.chunk)
+        target = None if slot is None else next(
+            (m for m in slot.members if m.key == (req.owner, req.rank, req.generation, req.chunk)), None)
+        if target is None:
+            raise NotFoundError(f"node {self.node_id} does not protect chunk {req.chunk} of {req.job} step "
+                                f"{req.step} rank {req.rank} of {req.owner} (generation {req.generation})")
+        man = Manifest.from_json(target.manifest)  # stored MAC-checked; checked again
+        return man, target.chunk, target.chunks, None
+
+    async def start(self, pulls: Pulls, man: Manifest, chunk: int, chunks: int, found: Any,
+                    write: Callable[[int, Any], None]) -> Decode:
+        """The decode, its sources opened and checked, not yet run. XOR: :func:`.xorpull.open_chunk`."""
+        return await open_chunk(pulls, self.protector, man, chunk, chunks, self.node_id, None, self.metrics,
+                                write=write, window=WINDOW)
+
+    async def _decode(self, decode: Decode, progress: Progress, fd: int, man: Manifest, chunk: int) -> None:
         """Decode into ``fd`` while the ticket serves what is written: on success the held-back
         end is released; on failure (a slot failing its checksum, a member that cannot be pulled)
         the restorer's stream is cut short, and it decodes the chunk itself (:mod:`.rebuild`)."""

@@ -95,8 +95,13 @@ class HeldRequests:
         return await _first_answer(self._xor_codes(), lambda p: p.protector.open_slot_read(req, receiver))
 
     async def open_rebuilt_chunk(self, req: ppb.RebuildChunkRequest) -> ppb.OpenSlotReadResponse:
-        """XOR: the chunk decoded here by whichever code's slot holds it, and a bulk ticket for it."""
-        return await _first_answer(self._xor_codes(), lambda p: p.open_rebuilt_chunk(req))
+        """The chunk decoded here by whichever code protects it (XOR: its slot; Reed-Solomon: a row of
+        its lane), and a bulk ticket for it. An older daemon answered FAILED_PRECONDITION for
+        Reed-Solomon codes; the restorer then decodes the chunk itself."""
+        codes = sorted(self.shapes.codes(), key=lambda p: p.m)  # XOR first: the request does not say
+        if not codes:
+            raise FailedPreconditionError(f"redundancy: node {self.shapes.node_id} does not use parity")
+        return await _first_answer(codes, lambda p: p.open_rebuilt_chunk(req))
 
     async def open_row_read(self, req: ppb.ReadParityRowRequest) -> ppb.OpenSlotReadResponse:
         """Reed-Solomon: a bulk ticket for the row of whichever code holds it."""

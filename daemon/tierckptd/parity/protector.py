@@ -33,7 +33,7 @@ from .ranges import PIECE, read_range
 from .share import ShareBoard, member_key, share, worth_delta
 from .slots import Member, ParityStore
 
-__all__ = ["Protector"]
+__all__ = ["GIVE_WAY_S", "Protector", "give_way"]
 
 GIVE_WAY_S = 20.0
 """Longest a chunk to protect waits for this node's restores (then it is pulled regardless)."""
@@ -84,17 +84,7 @@ class Protector:
                 del self._inflight[key]
 
     async def _give_way(self, until: float) -> None:
-        """Wait while this node restores a rank, at most until ``until`` (``GIVE_WAY_S`` in all per
-        chunk, well within the sender's ProtectRank timeout and the pull's stream timeout).
-
-        Why: a replaced node is the protector of its group's chunks and is asked for them again as
-        soon as it is back, by every member at once: pulled then, they would share its link with
-        its own restore (a rank's worth into it, as much as the rank itself), as inbound replicas
-        would if they did not give way too (:mod:`..peer.receiver`)."""
-        if self.restoring is None:
-            return
-        while self.restoring() and time.monotonic() < until:
-            await asyncio.sleep(0.05)
+        await give_way(self.restoring, until)
 
     async def _share(self, man: Manifest, chunk: int, chunks: int) -> Any:
         """The slot of this step linked from the base step's (:mod:`.share`), or None: pull."""
@@ -266,3 +256,18 @@ async def make_room(store: LocalStore, need: int, man: Manifest | str, pstore: A
         what = f"a {length}-byte parity chunk" if length else f"a {need}-byte parity update"
         raise CapacityError(f"local_capacity: no room here for {what} of {man.key} "
                             f"({pstore.nbytes()} bytes of parity held): {e}") from None
+
+
+async def give_way(restoring: Callable[[], int] | None, until: float) -> None:
+    """Wait while this node restores a rank (``restoring()``), at most until ``until``
+    (``GIVE_WAY_S`` in all per chunk, well within the sender's ProtectRank timeout and the pull's
+    stream timeout).
+
+    Why: a replaced node is the protector of its group's chunks (XOR slots, Reed-Solomon rows) and
+    is asked for them again as soon as it is back, by every member at once: pulled then, they would
+    share its link with its own restore (a rank's worth into it, as much as the rank itself), as
+    inbound replicas would if they did not give way too (:mod:`..peer.receiver`)."""
+    if restoring is None:
+        return
+    while restoring() and time.monotonic() < until:
+        await asyncio.sleep(0.05)

@@ -14,7 +14,8 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tierckpt.common import checksum
@@ -32,7 +33,7 @@ from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from ..offload import run_blocking
 from . import layout, rslayout
-from .protector import Protector, pull_incoming, pulled_deltas
+from .protector import GIVE_WAY_S, Protector, give_way, pull_incoming, pulled_deltas
 from .ranges import PIECE
 from .rs import Codec
 from .rsslots import RsStore
@@ -59,6 +60,9 @@ class RsProtector:
         self._inflight: dict[tuple, asyncio.Lock] = {}
         self._pulling = asyncio.Semaphore(1)  # one chunk waits in a temporary file at a time
         self.board = ShareBoard()
+        self.restoring: Callable[[], int] | None = None
+        """Restores in progress here (set by the facade): a chunk is pulled once they are over, or
+        after ``GIVE_WAY_S`` (:func:`.protector.give_way`; why: there)."""
 
     @functools.cache  # noqa: B019 (a handful of codecs for the daemon's life)
     def codec(self, k: int) -> Codec:
@@ -90,6 +94,7 @@ class RsProtector:
                     return ppb.ProtectRankResponse(already=True, parity_bytes=held.size, lane=held.lane)
                 slot = await self._share(man, chunk, k, stripe, row, lane)
                 if slot is None:
+                    await give_way(self.restoring, time.monotonic() + GIVE_WAY_S)
                     async with self._pulling:
                         slot = await self._pull_and_add(man, chunk, self.codec(k), stripe, row, lane)
                 return ppb.ProtectRankResponse(already=False, parity_bytes=slot.size, lane=slot.lane)

@@ -40,6 +40,7 @@ from ..offload import run_blocking
 from . import layout, rslayout
 from .bulkdecode import Into, Pulls, W
 from .decode import pull_range
+from .farside import pull_rebuilt
 from .ranges import read_range, write_range
 from .rebuild import Rebuilder
 from .rsdecode import solve
@@ -108,7 +109,30 @@ class RsRebuilder(Rebuilder):
 
     async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None) -> Manifest:
         recs = await self.records(job, step, None, self.near()) or await self.records(job, step, None, None)
-        mine = [r for r in recs if r.man.key == (job, step, rank) and job_owner in (None, r.man.job_owner)]
+        newest, plans, total = self.plans(recs, job, step, rank, lambda m: job_owner in (None, m.job_owner))
+        t0 = time.perf_counter()
+        self.receiver.restore_begun(1)
+        try:
+            with self.receiver.fetching_rank((job, step, rank)):
+                local = await self._rebuild(newest, self._deciders(plans), total)  # type: ignore[arg-type]
+        finally:
+            self.receiver.restore_begun(-1)
+        log.info("reconstructed %s step %d rank %d from parity: %d bytes in %.3fs", job, step, rank, newest.nbytes,
+                 time.perf_counter() - t0)
+        self.receiver.announce(local)
+        return local
+
+    @classmethod
+    def plans(cls, recs: list[_Rec], job: str, step: int, rank: int,
+              wanted: Any = lambda m: True) -> tuple[Manifest, dict[int, list[_Plan]], int]:
+        """The newest protected copy of ``job`` step ``step`` rank ``rank`` among ``recs`` whose
+        manifest passes ``wanted``: (its manifest, chunk -> its lanes' plans, most rows first, chunks).
+
+        Raises:
+            NotFoundError: no record of it. DataLossError: its records disagree on the chunk count.
+            UnavailableError: a chunk has no row on a live peer.
+        """
+        mine = [r for r in recs if r.man.key == (job, step, rank) and wanted(r.man)]
         if not mine:
             raise NotFoundError(f"{job} step {step} rank {rank} is not protected by parity on any live peer")
         newest = max(mine, key=lambda r: r.man.created).man
@@ -121,18 +145,21 @@ class RsRebuilder(Rebuilder):
             lanes = Counter((r.stripe, r.lane) for r in mine if r.chunk == c)
             if not lanes:
                 raise UnavailableError(f"{job} step {step} rank {rank}: no parity row of chunk {c} is on a live peer")
-            plans[c] = [self._plan(recs, mine, c, total, lane) for lane, _ in lanes.most_common()]
-        t0 = time.perf_counter()
-        self.receiver.restore_begun(1)
-        try:
-            with self.receiver.fetching_rank((job, step, rank)):
-                local = await self._rebuild(newest, plans, total)  # type: ignore[arg-type]
-        finally:
-            self.receiver.restore_begun(-1)
-        log.info("reconstructed %s step %d rank %d from parity: %d bytes in %.3fs", job, step, rank, newest.nbytes,
-                 time.perf_counter() - t0)
-        self.receiver.announce(local)
-        return local
+            plans[c] = [cls._plan(recs, mine, c, total, lane) for lane, _ in lanes.most_common()]
+        return newest, plans, total
+
+    def _deciders(self, plans: dict[int, list[_Plan]]) -> dict[int, tuple[list[_Plan], str | None]]:
+        """Chunk -> (its plans, the survivor asked to decode it: a row holder of its first lane,
+        the least loaded so far, so that the decodes' pulls spread over different nodes' links;
+        None: none but this node)."""
+        load: Counter[str] = Counter()
+        out: dict[int, tuple[list[_Plan], str | None]] = {}
+        for c, ps in sorted(plans.items()):
+            cands = sorted(set(ps[0].rows.values()) - {self.node_id}, key=lambda n: (load[n], n))
+            if cands:
+                load[cands[0]] += 1
+            out[c] = (ps, cands[0] if cands else None)
+        return out
 
     @staticmethod
     def _plan(recs: list[_Rec], mine: list[_Rec], c: int, total: int, lane: tuple[int, str]) -> _Plan:
@@ -145,19 +172,36 @@ class RsRebuilder(Rebuilder):
         return _Plan(lane, rows, members)
 
     async def _chunk(self, man: Manifest, chunk: int, chunks: int, holder: Any, opener: Any) -> None:
-        """Chunk ``chunk`` decoded from the first of its lanes (most rows first) that decodes."""
-        plans: list[_Plan] = holder
+        """Chunk ``chunk`` decoded by a survivor of its stripe and pulled from it over the bulk
+        channel (:mod:`.rsfar`); else decoded here from the first of its lanes that decodes."""
+        plans, via = holder
+        pulls = self.pulls()
+        if pulls is not None and via is not None:
+            try:
+                self.count_bulk(await pull_rebuilt(pulls, man, chunk, chunks, via, opener))
+                return
+            except (TierckptError, OSError) as e:  # an older daemon, a lost or corrupt row there: decode here
+                log.warning("chunk %d of %s step %d rank %d: %s could not decode it for us over bulk (%s); "
+                            "decoding it here", chunk, man.job, man.step, man.rank, via, e)
+        data = await self.solve_chunk(man, chunk, chunks, plans)
+        off, _ = layout.chunk_span(man.nbytes, chunks, chunk)
+        await run_blocking(write_range, opener, man, off, data)
+
+    async def solve_chunk(self, man: Manifest, chunk: int, chunks: int, plans: list[_Plan]) -> Any:
+        """Chunk ``chunk`` of ``man`` (its bytes) decoded here from the first of its lanes (most
+        rows first) that decodes."""
         for i, plan in enumerate(plans):
             try:
-                return await self._chunk_in(man, chunk, chunks, plan, opener)
+                return await self._chunk_in(man, chunk, chunks, plan)
             except (UnavailableError, DataLossError) as e:
                 if i == len(plans) - 1:
                     raise
                 log.info("chunk %d of %s step %d rank %d: lane %s did not decode (%s); trying lane %s", chunk,
                          man.job, man.step, man.rank, plan.lane[1], e, plans[i + 1].lane[1])
+        raise UnavailableError(f"chunk {chunk} of {man.job} step {man.step} rank {man.rank}: no lane to decode")
 
-    async def _chunk_in(self, man: Manifest, chunk: int, chunks: int, plan: _Plan, opener: Any) -> None:
-        off, length = layout.chunk_span(man.nbytes, chunks, chunk)
+    async def _chunk_in(self, man: Manifest, chunk: int, chunks: int, plan: _Plan) -> Any:
+        _, length = layout.chunk_span(man.nbytes, chunks, chunk)
         codec = self.protector.codec(chunks)
         positions: dict[int, Manifest] = {}
         for ms in plan.members.values():
@@ -193,7 +237,7 @@ class RsRebuilder(Rebuilder):
             msg = f"chunk {chunk} of {man.job} step {man.step} rank {man.rank}: {e}"
             log.error("%s%s", msg, f" ({bad})" if bad else "")
             raise (DataLossError(f"{msg}; {bad}") if bad else UnavailableError(msg)) from None
-        await run_blocking(write_range, opener, man, off, data)
+        return data
 
     async def _rows(self, man: Manifest, plan: _Plan, which: list[int], expect: int, rows: dict[int, Any],
                     lost: list[BaseException]) -> None:
