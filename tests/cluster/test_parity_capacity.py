@@ -27,7 +27,10 @@ def _parity_bytes(d) -> int:
     return sum(p.stat().st_size for p in (d.local_dir / "parity").rglob("slot-*.bin"))
 
 
-def test_a_full_protector_evicts_an_old_safe_step_to_make_room_for_parity(daemon_factory):
+def _full_protector(daemon_factory) -> dict:
+    """parity:2+1 on n0-n2; n1 (local_capacity CAPACITY) holds two steps of its own job "old",
+    then protects a chunk of n0's and n2's ranks of "big" (one slot, S_BIG / 2 bytes), which
+    does not fit beside them without an eviction."""
     ids = ["n0", "n1", "n2"]
     ports = {n: free_port() for n in ids}
     common = ("--peers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "--replicas", "0",
@@ -40,9 +43,14 @@ def test_a_full_protector_evicts_an_old_safe_step_to_make_room_for_parity(daemon
             c.save("old", step, 0, 1, {"w": _arr(step, S_OLD)}).wait("peer", timeout=60)
         before = c.status().used_bytes
         assert before + S_BIG // 2 > CAPACITY  # a parity chunk of "big" does not fit without an eviction
-    for n, rank in (("n0", 0), ("n2", 2)):  # n1 protects a chunk of each (one slot, S_BIG / 2 bytes)
+    for n, rank in (("n0", 0), ("n2", 2)):
         with d[n].client() as c:
             assert "n1" in c.save("big", 1, rank, 3, {"w": _arr(10 + rank, S_BIG)}).wait("peer", timeout=60)
+    return d
+
+
+def test_a_full_protector_evicts_an_old_safe_step_to_make_room_for_parity(daemon_factory):
+    d = _full_protector(daemon_factory)
     with d["n1"].client() as c:
         steps = {i.step for i in c.list("old") if any("n1" in r.nodes for r in i.ranks)}
         assert 1 not in steps and 2 in steps  # the oldest safe step made room; the newest stays
@@ -51,6 +59,28 @@ def test_a_full_protector_evicts_an_old_safe_step_to_make_room_for_parity(daemon
         st = c.status()
         assert parity <= st.used_bytes <= CAPACITY  # charged, within the capacity
     assert "no room here" not in d["n0"].log_tail(400) + d["n2"].log_tail(400)
+
+
+def test_a_protector_without_room_does_not_decode_for_a_restore_the_restorer_does(daemon_factory):
+    """n0 is replaced (kill -9, wiped): its rank's chunk 0 is decoded from n1's slot. n1 has less
+    free room than that chunk, so it refuses to decode it for n0 (nothing is evicted for a
+    restoring node's transient file, and the local tier never goes past local_capacity); n0
+    decodes the chunk itself from n1's slot and n2's chunk, and restores the exact bytes."""
+    d = _full_protector(daemon_factory)
+    with d["n1"].client() as c:
+        st = c.status()
+        assert st.capacity_bytes - st.used_bytes < S_BIG // 2
+    d["n0"].kill()
+    d["n0"].wipe()
+    d["n0"].start()
+    with d["n0"].client() as c:
+        wait_until(lambda: {p.node_id for p in c.status().peers if p.up} == {"n1", "n2"}, 30, "n0 sees its group")
+        ck = c.restore("big", 0, step=1)
+        assert checksum.digest(np.asarray(ck.shards["w"])) == checksum.digest(_arr(10, S_BIG))
+    assert "decoded for a restoring node" in d["n1"].log_tail(400) + d["n0"].log_tail(400)
+    assert "could not decode it for us over bulk" in d["n0"].log_tail(400)
+    with d["n1"].client() as c:
+        assert c.status().used_bytes <= CAPACITY
 
 
 def test_a_delta_update_of_a_shared_slot_makes_room_for_its_private_copy(daemon_factory):

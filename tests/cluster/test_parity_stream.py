@@ -170,7 +170,8 @@ def test_the_protector_answers_before_its_decode_ends_and_serves_what_is_decoded
 
     counted = []
     metrics = types.SimpleNamespace(parity_decode_bulk_bytes=types.SimpleNamespace(inc=counted.append))
-    far = farside.FarDecoder("n3", types.SimpleNamespace(pstore=PStore()), object, metrics)
+    room = types.SimpleNamespace(usage=lambda: types.SimpleNamespace(free=1 << 40))  # a local tier with room
+    far = farside.FarDecoder("n3", types.SimpleNamespace(pstore=PStore(), store=room), object, metrics)
     receiver = types.SimpleNamespace(blobs=BlobTickets(), bulk_port=1)
     req = types.SimpleNamespace(job="j", step=1, owner="n2", rank=2, generation="g", chunk=0, requester="n0")
 

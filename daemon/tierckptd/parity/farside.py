@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tierckpt.common.fileio import pwrite_all
-from tierckpt.errors import DataLossError, FailedPreconditionError, NotFoundError
+from tierckpt.errors import CapacityError, DataLossError, FailedPreconditionError, NotFoundError
 from tierckpt.v1 import peer_pb2 as ppb
 
 from ..knobs import KNOBS
@@ -83,6 +83,9 @@ class FarDecoder:
         self.node_id, self.protector, self.pulls, self.metrics = node_id, protector, pulls, metrics
         self._decoding = asyncio.Semaphore(MAX_DECODES)
         self._tasks: set[asyncio.Task] = set()  # decodes running behind the tickets they serve
+        self.held = 0
+        """Bytes of the chunks being decoded here: charged against local_capacity with the parity
+        (:meth:`.shapes.ParityShapes.nbytes`) while their decode runs."""
 
     async def open(self, req: ppb.RebuildChunkRequest, receiver: Any) -> ppb.OpenSlotReadResponse:
         """Decode the chunk here and issue a ticket for it.
@@ -93,6 +96,8 @@ class FarDecoder:
                 while it is decoded: the restorer's stream is then cut short).
             FailedPreconditionError: no bulk channel here (the restorer decodes it itself).
             UnavailableError: another member's chunk could not be pulled.
+            CapacityError: no free room here for the decoded chunk (nothing is evicted for a
+                restoring node's transient file: it decodes the chunk itself).
         """
         pulls = self.pulls()
         if pulls is None:
@@ -101,6 +106,11 @@ class FarDecoder:
         _, length = layout.chunk_span(man.nbytes, chunks, chunk)
         pstore = self.scratch()
         await self._decoding.acquire()  # held by the decode until it ends (below, or _decode)
+        try:
+            self._charge(man, length)
+        except BaseException:
+            self._decoding.release()
+            raise
         fd = -1
         try:
             name, fd = await run_blocking(pstore.incoming, man.job, man.step)
@@ -118,12 +128,24 @@ class FarDecoder:
         except BaseException:
             if fd >= 0:
                 os.close(fd)
-            self._decoding.release()
+            self._release(length)
             raise
-        task = asyncio.ensure_future(self._decode(decode, progress, fd, man, chunk))
+        task = asyncio.ensure_future(self._decode(decode, progress, fd, man, chunk, length))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return ppb.OpenSlotReadResponse(ticket=ticket, bulk_port=receiver.bulk_port, size=length)
+
+    def _charge(self, man: Manifest, length: int) -> None:
+        """Count a ``length``-byte decoded chunk against local_capacity, if it fits in the free room."""
+        free = self.protector.store.usage().free
+        if free < length:
+            raise CapacityError(f"local_capacity: no room on {self.node_id} for a {length}-byte chunk of "
+                                f"{man.key} decoded for a restoring node ({free} bytes free)")
+        self.held += length
+
+    def _release(self, length: int) -> None:
+        self.held -= length
+        self._decoding.release()
 
     def scratch(self) -> Any:
         """The parity store whose step dirs hold the decoded files (``incoming`` / ``discard``)."""
@@ -147,7 +169,8 @@ class FarDecoder:
         return await open_chunk(pulls, self.protector, man, chunk, chunks, self.node_id, None, self.metrics,
                                 write=write, window=WINDOW)
 
-    async def _decode(self, decode: Decode, progress: Progress, fd: int, man: Manifest, chunk: int) -> None:
+    async def _decode(self, decode: Decode, progress: Progress, fd: int, man: Manifest, chunk: int,
+                      length: int) -> None:
         """Decode into ``fd`` while the ticket serves what is written: on success the held-back
         end is released; on failure (a slot failing its checksum, a member that cannot be pulled)
         the restorer's stream is cut short, and it decodes the chunk itself (:mod:`.rebuild`)."""
@@ -164,7 +187,7 @@ class FarDecoder:
                         man.job, man.step, man.rank, e)
         finally:
             os.close(fd)
-            self._decoding.release()
+            self._release(length)
 
 
 def _writer(fd: int, progress: Progress) -> Callable[[int, Any], None]:

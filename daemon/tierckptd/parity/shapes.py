@@ -147,7 +147,8 @@ class ParityShapes:
             return None
 
     def nbytes(self) -> int:
-        return sum(p.pstore.nbytes() for p in list(self._codes.values()))
+        """Parity held here for peers, and the chunks being decoded here for restoring nodes."""
+        return sum(p.pstore.nbytes() + p.far.held for p in list(self._codes.values()))
 
     def watch(self) -> None:
         """Watch every code's group (their health decides catch-up and take-over)."""
