@@ -88,15 +88,20 @@ class Rebuilder:
         if any(c not in chunks for c in range(total)):
             raise UnavailableError(f"{job} step {step} rank {rank}: the parity of chunks "
                                    f"{sorted(set(range(total)) - set(chunks))} is not on any live peer")
+        return await self.reconstruct(newest, {c: h for c, (h, _) in chunks.items()}, total)
+
+    async def reconstruct(self, man: Manifest, holders: dict[int, Any], chunks: int) -> Manifest:
+        """Rebuild ``man``'s rank into the local tier from its ``chunks`` chunks' ``holders`` (what
+        :meth:`_rebuild` takes), counted as a restore under way, logged and announced."""
         t0 = time.perf_counter()
         self.receiver.restore_begun(1)
         try:
-            with self.receiver.fetching_rank((job, step, rank)):
-                local = await self._rebuild(newest, {c: h for c, (h, _) in chunks.items()}, total)
+            with self.receiver.fetching_rank(man.key):
+                local = await self._rebuild(man, holders, chunks)
         finally:
             self.receiver.restore_begun(-1)
-        log.info("reconstructed %s step %d rank %d from parity: %d bytes in %.3fs", job, step, rank, newest.nbytes,
-                 time.perf_counter() - t0)
+        log.info("reconstructed %s step %d rank %d from parity: %d bytes in %.3fs", man.job, man.step, man.rank,
+                 man.nbytes, time.perf_counter() - t0)
         self.receiver.announce(local)
         return local
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +67,14 @@ class _Plan:
     rows: dict[int, str]  # row -> holder
     members: dict[int, dict[int, Manifest]]  # row -> data position -> member's manifest
 
+    def positions(self, man: Manifest, chunk: int) -> dict[int, Manifest]:
+        """Data position -> its member's manifest, across the lane's rows, ``chunk`` being ``man``'s."""
+        out: dict[int, Manifest] = {}
+        for ms in self.members.values():
+            out.update(ms)
+        out[chunk] = man
+        return out
+
 
 class RsRebuilder(Rebuilder):
     """:class:`.rebuild.Rebuilder` with the chunks decoded here from the rows of their lanes."""
@@ -110,17 +117,7 @@ class RsRebuilder(Rebuilder):
     async def fetch(self, job: str, step: int, rank: int, job_owner: str | None = None) -> Manifest:
         recs = await self.records(job, step, None, self.near()) or await self.records(job, step, None, None)
         newest, plans, total = self.plans(recs, job, step, rank, lambda m: job_owner in (None, m.job_owner))
-        t0 = time.perf_counter()
-        self.receiver.restore_begun(1)
-        try:
-            with self.receiver.fetching_rank((job, step, rank)):
-                local = await self._rebuild(newest, self._deciders(plans), total)  # type: ignore[arg-type]
-        finally:
-            self.receiver.restore_begun(-1)
-        log.info("reconstructed %s step %d rank %d from parity: %d bytes in %.3fs", job, step, rank, newest.nbytes,
-                 time.perf_counter() - t0)
-        self.receiver.announce(local)
-        return local
+        return await self.reconstruct(newest, self._deciders(plans), total)  # type: ignore[arg-type]
 
     @classmethod
     def plans(cls, recs: list[_Rec], job: str, step: int, rank: int,
@@ -203,10 +200,7 @@ class RsRebuilder(Rebuilder):
     async def _chunk_in(self, man: Manifest, chunk: int, chunks: int, plan: _Plan) -> Any:
         _, length = layout.chunk_span(man.nbytes, chunks, chunk)
         codec = self.protector.codec(chunks)
-        positions: dict[int, Manifest] = {}
-        for ms in plan.members.values():
-            positions.update(ms)
-        positions[chunk] = man
+        positions = plan.positions(man, chunk)
         known: dict[int, bytes | bytearray] = {}
         reads = {i: self._member(m, i, chunks) for i, m in positions.items() if i != chunk}
         got = await asyncio.gather(*reads.values(), return_exceptions=True)

@@ -105,10 +105,7 @@ async def open_streamed(rb: Any, pulls: Pulls, man: Manifest, chunk: int, chunks
     """
     _, length = layout.chunk_span(man.nbytes, chunks, chunk)
     codec = rb.protector.codec(chunks)
-    positions: dict[int, Manifest] = {}
-    for ms in plan.members.values():
-        positions.update(ms)
-    positions[chunk] = man
+    positions = plan.positions(man, chunk)
     expect = max(layout.chunk_span(mm.nbytes, chunks, i)[1] for i, mm in positions.items())
     others = sorted(i for i in positions if i != chunk)
     spans = {i: layout.chunk_span(positions[i].nbytes, chunks, i) for i in others}
