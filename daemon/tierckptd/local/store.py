@@ -54,12 +54,13 @@ from tierckpt.common.names import MAX_METADATA_BYTES, MAX_SHARDS_PER_RANK
 from ..knobs import KNOBS
 from .commit import Committer
 from .eviction import Evictor
-from .index import Catalog, CompletenessFn, check_job_owner
+from .index import Catalog, CompletenessFn
 from .links import share_fn
 from .localfs import LocalDir, fs_is_tmpfs
 from .manifest import Manifest
 from .paths import StoreLayout
 from .policies import JobPolicies, JobPolicy
+from .queries import StoreQueries
 from .recycle import RecyclePool
 from .reserve import Reserve
 from .retain import StoreRetention
@@ -107,7 +108,7 @@ class Usage:
         return max(0, self.capacity - max(self.charged, self.used))
 
 
-class LocalStore(StoreRetention):
+class LocalStore(StoreRetention, StoreQueries):
     """The node's local tier. See the module docstring for layout, protocol and bounds.
 
     Args:
@@ -355,10 +356,6 @@ class LocalStore(StoreRetention):
 
     # ----------------------------------------------------------------------------- reading
 
-    def get(self, job: str, step: int, rank: int) -> Manifest | None:
-        with self._lock:
-            return self._catalog.get(job, step, rank)
-
     def lend(self, man: Manifest) -> list[Path]:
         """Paths of a rank's data files for a reader to map: one loan, ended by :meth:`release`;
         the files are not recycled while a loan is open (see :mod:`.recycle`)."""
@@ -371,31 +368,6 @@ class LocalStore(StoreRetention):
         """End one loan of :meth:`lend`; False when none of that copy is open."""
         with self._lock:
             return self._recycle.unlend((job, step, rank, generation))
-
-    def jobs(self) -> list[str]:
-        with self._lock:
-            return self._catalog.jobs()
-
-    def job_owner(self, job: str) -> str | None:
-        """The identity that owns ``job`` on this node (None: the node holds none of it)."""
-        with self._lock:
-            return self._catalog.owner(job)
-
-    def check_owner(self, job: str, job_owner: str, action: str) -> None:
-        """PermissionDeniedError when this node holds ``job`` for another identity (see
-        :func:`.index.check_job_owner`; ``action`` names what was refused)."""
-        with self._lock:
-            owners = self._catalog.owners(job)
-        check_job_owner(job, owners, job_owner, action)
-
-    def steps(self, job: str) -> dict[int, dict[int, Manifest]]:
-        """Snapshot: step -> rank -> manifest."""
-        with self._lock:
-            return self._catalog.steps(job)
-
-    def complete_steps(self, job: str) -> list[int]:
-        with self._lock:
-            return self._catalog.complete(job)
 
     def usage(self) -> Usage:
         with self._lock:
