@@ -131,14 +131,16 @@ class Knobs:
     (``upload_threads`` at a time), so at most this many encoded chunks (about twice
     ``chunk_bytes`` each, with the chunk) wait in memory."""
     drain_yield: float = 0.0
-    """Seconds at most a drain worker waits, before reading or encoding a chunk, while a save is
-    open or committing on this node (a trainer's, an inbound replica's or a restore's): saves come
-    first, and only chunks begun before a save run alongside it (bench/save_during_drain.py); 0
-    (the default): the drain never waits. With the drain's work in child processes
-    (``drain_processes``), 2.0 gave saves a median 1.16x instead of 1.31x of their no-drain blocking
-    on a loaded 2-core machine (bench/README.md; better in 4 of 6 paired runs), and 1.15-1.73x
-    against the default's 1.35-1.78x in four quiet pairs of 2026-12-07 (within the noise). Off by default: a
-    node whose ranks keep saves open most of the time would drain one chunk per ``drain_yield``."""
+    """Seconds at most the drain is held back at a time while a save is open or committing on this
+    node (a trainer's, an inbound replica's or a restore's): saves come first. With the drain's
+    work in child processes (``drain_processes``) the children are stopped (``SIGSTOP``) the
+    moment a save opens, wherever a chunk is, and continued when the last save leaves; a pause
+    that reaches this limit is followed by at least as long a run, so a node whose saves never
+    stop still drains half the time (:mod:`tierckptd.persistent.pause`). Uploads wait before each
+    chunk (and, on the drain's threads, so do reads). 0 (the default): the drain never waits.
+    Measured within this machine's noise so far (bench/README.md: paused 1.04-1.76x of the
+    no-drain blocking against 0.97-2.24x unpaused in four 8-10-round runs of 2026-12-07, and
+    worse in an earlier branch's loaded runs), hence off by default."""
     switch_interval: float = 0.0
     """Seconds a Python thread holding the GIL keeps it while another waits for it
     (``sys.setswitchinterval``; Python's default is 0.005): the RPCs and commits of saves wait

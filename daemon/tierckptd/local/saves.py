@@ -86,6 +86,8 @@ class OpenSaves:
         self.last_begin = time.monotonic()
         self.committing_bytes = 0  # saves between leaving the open ones and entering the catalog (charged)
         self.committing_data = 0  # the same saves' shard bytes
+        self.listeners: list[Callable[[bool], None]] = []  # called (under the lock) when busy() changes
+        self._was_busy = False
 
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
               stream: bool = False, prefault: Callable[[int, int], None] | None = None,
@@ -195,6 +197,7 @@ class OpenSaves:
                 staging.files[shard].reserved = fsize >= staging.files[shard].size
         self._open[staging.save_id] = staging
         self._by_key[key] = staging.save_id
+        self._busy_changed_locked()
         return reused
 
     def get(self, save_id: str) -> Staging:
@@ -306,6 +309,7 @@ class OpenSaves:
         self.committing_bytes -= charge(st)
         self.committing_data -= st.new_bytes
         self._unshare_locked(st)
+        self._busy_changed_locked()
 
     def abort(self, save_id: str) -> None:
         """Drop an open save and its staging files. Idempotent."""
@@ -320,6 +324,7 @@ class OpenSaves:
             del self._by_key[(st.job, st.step, st.rank)]
         self._layout.remove_staging(save_id)
         self._unshare_locked(st)
+        self._busy_changed_locked()
 
     def reclaim_expired(self, timeout: float) -> int:
         """Abort saves open longer than ``timeout`` seconds (a client that died mid-save); release
@@ -343,6 +348,14 @@ class OpenSaves:
         """Whether a save is open or committing here: a trainer's, an inbound copy's or a
         restore's (safe without the lock: a snapshot)."""
         return bool(self._open) or self.committing_bytes > 0
+
+    def _busy_changed_locked(self) -> None:
+        """Tell the listeners when :meth:`busy` changed (a save opened here, or the last left)."""
+        busy = self.busy()
+        if busy != self._was_busy:
+            self._was_busy = busy
+            for fn in self.listeners:
+                fn(busy)
 
     def open_jobs_locked(self) -> set[str]:
         """The jobs with a save open here (a trainer's or an inbound copy's)."""

@@ -354,6 +354,11 @@ class LocalStore(StoreRetention, StoreQueries):
         """Whether a save is open or committing here (a snapshot, without the lock)."""
         return self._saves.busy()
 
+    def watch_saving(self, fn: Callable[[bool], None]) -> None:
+        """Call ``fn(saving)`` whenever :meth:`saving` changes, under the lock (no blocking)."""
+        with self._lock:
+            self._saves.listeners.append(fn)
+
     # ----------------------------------------------------------------------------- reading
 
     def lend(self, man: Manifest) -> list[Path]:

@@ -74,10 +74,10 @@ BUF_BYTES = 4 << 20
 CHUNK = BUF_BYTES
 """Run length of a split shard's pieces (one receive buffer, hashed while still in cache)."""
 IO_TIMEOUT = 60.0
+"""Seconds a blocked send or receive waits before the transfer is abandoned."""
 MIN_CHUNK = 1 << 20
 """Smallest run a piece may ask for (unless the shard's rest is smaller): degenerate pieces
 (chunk = stride = 1) would cost a system call per byte."""
-"""Seconds a blocked send or receive waits before the transfer is abandoned."""
 _LEN = struct.Struct(">I")
 
 

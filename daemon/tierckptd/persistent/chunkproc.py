@@ -23,16 +23,20 @@ fails with an ``OSError`` (the drain retries the rank like any local read error)
 Children are started on first use (``python -m tierckptd.persistent._chunkmain``: no
 multiprocessing, whose spawn would import the daemon's ``__main__``), at most one per codec slot
 (``KNOBS.codec_threads``), and kept for the daemon's life (each holds numpy and zstandard, ~50
-MiB, and one chunk buffer); they exit when the daemon's end of their socket closes.
+MiB, and one chunk buffer); they exit when the daemon's end of their socket closes, and are
+killed with the daemon (:func:`die_with_parent`: one thread of the daemon starts them all).
+While a save is open on the node they are stopped (:mod:`.pause`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import json
 import logging
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +52,9 @@ from ..knobs import KNOBS
 __all__ = ["ChunkWorker", "ChunkWorkers", "encode_checked", "lower_priority", "serve"]
 
 _MAX_MSG = 1 << 16
+READY = b'{"ready": true}'
+"""A child's first message (:meth:`ChunkWorker._ready`)."""
+_START_TIMEOUT = 60.0
 _SLACK = 32  # output bytes beyond a stored chunk's most (size + 1): at least .planeout.slack(4)
 
 log = logging.getLogger(__name__)
@@ -63,12 +70,13 @@ class ChunkWorker:
         roots = [str(Path(__file__).resolve().parents[2]), str(Path(tierckpt.__file__).resolve().parents[1])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])}
         try:
-            argv = [sys.executable, "-m", "tierckptd.persistent._chunkmain", str(theirs.fileno())]
+            argv = [sys.executable, "-m", "tierckptd.persistent._chunkmain", str(theirs.fileno()), str(os.getpid())]
             self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                          close_fds=True)
         finally:
             theirs.close()
         self.sock = ours
+        self._ready()
         self.out_fd = os.memfd_create("tierckpt-chunk", os.MFD_CLOEXEC)
         self.out_size = 0
         self.out: mmap.mmap | None = None
@@ -77,6 +85,26 @@ class ChunkWorker:
         self.lifted = False  # at the normal policy for the chunk in progress (see _answer)
         self.lifts = 0
         self.can_lift = True  # false once the kernel refused a change of policy
+
+    def _ready(self) -> None:
+        """Wait for the child's first message: it dies with the daemon from then on, so it may be
+        stopped (:mod:`.pause`; one stopped before that would outlive a killed daemon).
+
+        Raises:
+            OSError: it exited or said something else (not used; the drain threads do the work).
+        """
+        try:
+            self.sock.settimeout(_START_TIMEOUT)
+            got = self.sock.recv(_MAX_MSG)
+        except OSError as err:
+            got = repr(err).encode()
+        finally:
+            self.sock.settimeout(None)
+        if got != READY:
+            self.sock.close()
+            self.proc.kill()
+            self.proc.wait()
+            raise OSError(f"drain chunk worker did not start: {got[:200]!r}")
 
     def _fit(self, size: int) -> None:
         """The output buffer holds any stored chunk of ``size`` plain bytes (at most size + 1),
@@ -183,6 +211,19 @@ class ChunkWorker:
             self.proc.wait(1.0)
 
 
+_SPAWNER: list[cf.ThreadPoolExecutor] = []
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawner() -> cf.ThreadPoolExecutor:
+    """The one thread that starts every child (for the process's life): a child dies with the
+    thread that started it (:func:`die_with_parent`), and the drain's threads end when idle."""
+    with _SPAWNER_LOCK:
+        if not _SPAWNER:
+            _SPAWNER.append(cf.ThreadPoolExecutor(1, thread_name_prefix="chunk-worker-start"))
+        return _SPAWNER[0]
+
+
 class ChunkWorkers:
     """Children kept between chunks and drains; :meth:`take` lends one to a drain thread."""
 
@@ -206,7 +247,7 @@ class ChunkWorkers:
             dead.close()
         if worker is None:
             try:
-                worker = ChunkWorker(size)
+                worker = _spawner().submit(ChunkWorker, size).result()
             except OSError as err:  # a sandbox that forbids memfd or a child: the drain threads do the work
                 if not self.failed:
                     log.warning("drain chunk worker processes cannot start (%s): chunks are read and encoded on "
@@ -257,6 +298,21 @@ def encode_checked(data: memoryview, digest: str, codec: str, what: str, offset:
     if xxhash.xxh3_128_hexdigest(data) != digest:
         raise DataLossError(f"{what}: the local copy changed while uploading (chunk at {offset}); not published")
     return encode(codec, data)
+
+
+def die_with_parent(parent: int) -> None:
+    """The child gets ``SIGKILL`` when the daemon thread that started it ends (a daemon killed
+    while its children are stopped by :mod:`.pause` leaves none behind: a stopped process never
+    reads the end of its socket), and exits now if the daemon is already gone."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def lower_priority() -> None:

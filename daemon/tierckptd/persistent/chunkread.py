@@ -4,7 +4,8 @@ Two ways, one contract (the bytes sent are the bytes hashed, and a shard is only
 all of it matched its checksum): in a child process (:mod:`.chunkproc`, ``KNOBS.drain_processes``:
 the daemon's GIL is never held for it), or on the calling drain thread, into a reused buffer
 (:mod:`.buffers`: no allocation, page fault or zero-fill under the GIL). Either way the worker
-first waits, at most ``KNOBS.drain_yield``, while a save is open or committing on the node.
+waits, at most ``KNOBS.drain_yield``, while a save is open or committing on the node: a child
+is stopped wherever it is (:mod:`.pause`), a drain thread waits before each chunk.
 The caller (:class:`.content.ContentStore`) owns the concurrency: a codec slot per call.
 """
 
@@ -25,6 +26,7 @@ from ..local.manifest import Manifest
 from ..local.store import LocalStore
 from .buffers import ChunkBuffers
 from .chunkproc import ChunkWorker, ChunkWorkers, encode_checked
+from .pause import DrainPause
 from .verify import VerifyingReader
 
 __all__ = ["ChunkReader"]
@@ -45,6 +47,13 @@ class ChunkReader:
         self.halt = halt
         self.buffers = ChunkBuffers()  # read buffers of the drain's threads, reused from chunk to chunk
         self.workers = ChunkWorkers()  # child processes doing the reads, hashes and encodes (drain_processes)
+        self.pause = DrainPause(self.workers.pids)  # the children stopped while a save is open (drain_yield)
+        store.watch_saving(self.pause.busy)
+
+    def close(self) -> None:
+        """The tier stops: paused children continue, idle ones end."""
+        self.pause.close()
+        self.workers.close()
 
     @contextlib.contextmanager
     def child(self, size: int) -> Iterator[ChunkWorker | None]:
@@ -92,8 +101,7 @@ class ChunkReader:
         fd = self.open(held, shard)
         try:
             out = []
-            for off in range(0, entry.size, size):
-                self.yield_to_saves()
+            for off in range(0, entry.size, size):  # no yield_to_saves: the child is paused (.pause)
                 n = min(size, entry.size - off)
                 last = off + n >= entry.size
                 out.append((worker.hash(fd, off, n, off == 0, entry.checksum if last else None, what), n))
@@ -119,8 +127,8 @@ class ChunkReader:
 
     def encoded_in(self, worker: ChunkWorker, held: Manifest, shard: str, offset: int, digest: str, size: int,
                     codec: str) -> memoryview:
-        """:meth:`encoded` by a child process (:mod:`.chunkproc`): a view of its output buffer."""
-        self.yield_to_saves()
+        """:meth:`encoded` by a child process (:mod:`.chunkproc`): a view of its output buffer
+        (no :meth:`yield_to_saves`: the child is stopped while a save is open, :mod:`.pause`)."""
         fd = self.open(held, shard)
         try:
             return worker.encode(fd, offset, size, digest, codec, _what(held, shard))

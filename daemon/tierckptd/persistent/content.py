@@ -217,6 +217,7 @@ class ContentStore:
 
     def _store_chunk(self, held: Manifest, shard: str, key: str, stored: bytes | memoryview) -> None:
         be = self.calls.be
+        self.reader.yield_to_saves()  # an upload copies the chunk too: saves first (drain_yield)
         be.put_bytes(key, stored)  # a damaged chunk is replaced: its name fixes its plain bytes
         self.stored[key] = len(stored)
         if self.damaged.pop(key, None):

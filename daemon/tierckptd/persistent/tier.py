@@ -185,7 +185,7 @@ class PersistentTier(RemoteTier):
             log.warning("shutdown: the drain queue directory %s does not answer", self.queue.root)
         log.info("persistent tier stopped: %d ranks left in the drain queue", len(self.ledger.pending))
         self.calls.stop()
-        self.content.reader.workers.close()
+        self.content.reader.close()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         task = asyncio.create_task(coro)

@@ -1,0 +1,162 @@
+"""Issue 28 item 3: the drain's chunk worker processes are stopped while a save is open or
+committing on the node, continued when the last one leaves, never for longer than
+``drain_yield`` at a time, and never left behind stopped by a daemon that is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from tierckptd.knobs import KNOBS
+from tierckptd.persistent.pause import DrainPause
+
+from .rig import Rig
+from .test_drain_quiet import CHUNK, _drain, _restored, _save, _shards
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _fake(pids: list[int], limit: float = 2.0) -> tuple[DrainPause, _Clock, list[tuple[int, int]]]:
+    clock, sent = _Clock(), []
+    pause = DrainPause(lambda: list(pids), limit=lambda: limit, clock=clock, kill=lambda p, s: sent.append((p, s)))
+    return pause, clock, sent
+
+
+def test_a_save_stops_every_worker_and_its_end_continues_them() -> None:
+    pause, _, sent = _fake([11, 12])
+    pause.busy(True)
+    assert sent == [(11, signal.SIGSTOP), (12, signal.SIGSTOP)] and pause.stopped == [11, 12]
+    pause.busy(True)  # still busy: nothing sent twice
+    assert len(sent) == 2
+    pause.busy(False)
+    assert sent[2:] == [(11, signal.SIGCONT), (12, signal.SIGCONT)] and pause.stopped == []
+    pause.close()
+
+
+def test_drain_yield_zero_never_pauses_and_a_vanished_worker_is_skipped() -> None:
+    pause, _, sent = _fake([11], limit=0.0)
+    pause.busy(True)
+    pause.busy(False)
+    assert sent == []
+
+    def kill(pid: int, sig: int) -> None:
+        if pid == 11:
+            raise ProcessLookupError(pid)
+        sent.append((pid, sig))
+
+    pause = DrainPause(lambda: [11, 12], limit=lambda: 2.0, kill=kill)
+    pause.busy(True)
+    assert pause.stopped == [12]
+    pause.busy(False)
+    assert sent == [(12, signal.SIGSTOP), (12, signal.SIGCONT)]
+    pause.close()
+
+
+def _wait_for(cond, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.005)
+
+
+def test_a_save_left_open_pauses_the_drain_at_most_half_the_time() -> None:
+    """A pause ends at drain_yield; the drain then runs as long before the next one (real time)."""
+    sent: list[tuple[float, int]] = []
+    pause = DrainPause(lambda: [7], limit=lambda: 0.2, kill=lambda p, s: sent.append((time.monotonic(), s)))
+    pause.busy(True)
+    _wait_for(lambda: len(sent) >= 4)  # stop, continue at the limit, stop again after the run
+    pause.busy(False)
+    pause.close()
+    sigs = [s for _, s in sent]
+    assert sigs[:4] == [signal.SIGSTOP, signal.SIGCONT, signal.SIGSTOP, signal.SIGCONT]
+    stopped_for, ran_for = sent[1][0] - sent[0][0], sent[2][0] - sent[1][0]
+    assert 0.15 <= stopped_for < 1.0 and ran_for >= 0.15
+    assert pause.pauses >= 2
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_real_chunk_workers_stop_while_a_save_is_open_and_the_drain_then_completes(tmp_path: Path) -> None:
+    async def body() -> None:
+        with KNOBS.overridden(chunk_bytes=CHUNK, drain_processes=1, codec_threads=2, drain_yield=60.0):
+            rig = Rig(tmp_path)
+            await rig.tier.start()
+            _save(rig, 1, _shards(1))
+            await _drain(rig, 1)  # the children exist now
+            pids = rig.tier.content.reader.workers.pids()
+            assert pids and all(_state(p) != "T" for p in pids)
+            trainer = rig.store.begin("other", 1, 0, 1, [("x", 16, "", ())])  # a save open on the node
+            assert all(_state(p) == "T" for p in pids)  # stopped at once, wherever they were
+            sent = rig.tier.content.sent
+            _save(rig, 2, _shards(2))  # committed meanwhile: the other save keeps the node busy
+            await asyncio.sleep(0.5)
+            assert all(_state(p) == "T" for p in pids)
+            assert rig.tier.content.sent == sent  # nothing of step 2 went up
+            rig.store.abort(trainer.save_id)
+            assert all(_state(p) != "T" for p in pids)
+            await _drain(rig, 2)
+            await _restored(rig, tmp_path, 2, _shards(2))
+            await rig.tier.stop(1.0)
+
+    asyncio.run(body())
+
+
+_ORPHAN = textwrap.dedent("""
+    import os, signal, sys, time
+    from tierckptd.persistent.chunkproc import ChunkWorkers
+    workers = ChunkWorkers()
+    with workers.take(4096) as w:
+        pass
+    pid = workers.pids()[0]
+    os.kill(pid, signal.SIGSTOP)
+    print(pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_stopped_chunk_worker_dies_with_its_daemon() -> None:
+    """A daemon killed while its children are stopped leaves none behind (a stopped child never
+    sees its socket close): they die with the thread that started them."""
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN], stdout=subprocess.PIPE, env=os.environ.copy())
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    _wait_for(lambda: _state(child) == "T")
+    proc.kill()
+    proc.wait(10)
+    _wait_for(lambda: not Path(f"/proc/{child}").exists() or _state(child) == "Z", timeout=10)
+
+
+@pytest.mark.parametrize("busy_first", [True, False])
+def test_the_local_store_tells_its_listeners_when_saving_changes(tmp_path: Path, busy_first: bool) -> None:
+    async def body() -> None:
+        rig = Rig(tmp_path)
+        await rig.tier.start()
+        seen: list[bool] = []
+        rig.store.watch_saving(seen.append)
+        a = rig.store.begin("a", 1, 0, 1, [("x", 16, "", ())])
+        b = rig.store.begin("b", 1, 0, 1, [("x", 16, "", ())])
+        assert seen == [True]  # one change: a second open save changes nothing
+        rig.store.abort((a if busy_first else b).save_id)
+        assert seen == [True]
+        rig.store.abort((b if busy_first else a).save_id)
+        assert seen == [True, False]
+        _save(rig, 1, _shards(1))  # begin ... commit: busy, then idle again
+        assert seen == [True, False, True, False]
+        await rig.tier.stop(1.0)
+
+    asyncio.run(body())
