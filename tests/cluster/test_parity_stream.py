@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tierckpt
 from tierckpt.common import checksum as _checksum
+from tierckptd.knobs import KNOBS
 from tierckptd.parity import farside
 from tierckptd.peer import bulk
 from tierckptd.peer.blobs import HOLD_BACK, BlobTickets, Progress
@@ -193,6 +194,72 @@ def test_the_protector_answers_before_its_decode_ends_and_serves_what_is_decoded
             await asyncio.sleep(0.01)
         assert not errors and counted == [123]
         assert far._decoding._value == farside.MAX_DECODES  # its place given back
+
+    asyncio.run(scenario())
+
+
+def test_a_decoded_chunk_stays_charged_until_its_file_is_gone(monkeypatch, tmp_path: Path):
+    """The charge outlives the decode: the unlinked file takes room until its ticket was read (and
+    the serve let go of it) or expired; then local_capacity gets it back, once."""
+    length = farside.WINDOW + HOLD_BACK
+    data = np.random.default_rng(3).integers(0, 256, length, dtype=np.uint8).tobytes()
+    made: list[_FakeDecode] = []
+
+    async def open_chunk(pulls, protector, man, chunk, chunks, holder, opener, metrics=None, write=None, window=0):
+        made.append(_FakeDecode(write, [data]))
+        return made[-1]
+
+    monkeypatch.setattr(farside, "open_chunk", open_chunk)
+    man = types.SimpleNamespace(job="j", step=1, rank=2, nbytes=4 * length, key=("j", 1, 2))
+    monkeypatch.setattr(farside.Manifest, "from_json", staticmethod(lambda s: man))
+    member = types.SimpleNamespace(key=("n2", 2, "g", 0), manifest="{}", chunks=4, chunk=0)
+    files = iter(range(10))
+
+    class PStore:
+        def find(self, *a):
+            return types.SimpleNamespace(members=[member])
+
+        def incoming(self, job, step):
+            name = f"in{next(files)}"
+            return name, os.open(tmp_path / name, os.O_RDWR | os.O_CREAT)
+
+        def discard(self, job, step, name):
+            os.unlink(tmp_path / name)
+
+    metrics = types.SimpleNamespace(parity_decode_bulk_bytes=types.SimpleNamespace(inc=lambda n: None))
+    room = types.SimpleNamespace(usage=lambda: types.SimpleNamespace(free=1 << 40))
+    far = farside.FarDecoder("n3", types.SimpleNamespace(pstore=PStore(), store=room), object, metrics)
+    receiver = types.SimpleNamespace(blobs=BlobTickets(), bulk_port=1)
+    req = types.SimpleNamespace(job="j", step=1, owner="n2", rank=2, generation="g", chunk=0, requester="n0")
+
+    async def decoded(resp) -> None:
+        made[-1].steps[0].set()
+        while far._tasks:
+            await asyncio.sleep(0.01)
+        assert far.held >= length  # the decode is over, the file is not: still charged
+
+    async def scenario() -> None:
+        read = await far.open(req, receiver)
+        await decoded(read)
+        sock, errors = _serve_in_thread(receiver.blobs, read.ticket, length)
+        loop = asyncio.get_running_loop()
+        with sock:
+            assert (await loop.run_in_executor(None, bulk.recv_msg, sock))["length"] == length
+            assert await loop.run_in_executor(None, _recv_exactly, sock, length) == data
+        for _ in range(200):
+            if far.held == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert far.held == 0 and not errors  # read to the end and let go of: given back
+        unread = await far.open(req, receiver)
+        await decoded(unread)
+        assert far.held == length
+        with KNOBS.overridden(read_ticket_ttl=0.0):
+            await asyncio.sleep(0.01)
+            receiver.blobs.expire()
+        assert far.held == 0 and not receiver.blobs.holds(unread.ticket)  # expired: given back, once
+        receiver.blobs.close()
+        assert far.held == 0
 
     asyncio.run(scenario())
 

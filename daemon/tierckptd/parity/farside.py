@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -84,8 +85,10 @@ class FarDecoder:
         self._decoding = asyncio.Semaphore(MAX_DECODES)
         self._tasks: set[asyncio.Task] = set()  # decodes running behind the tickets they serve
         self.held = 0
-        """Bytes of the chunks being decoded here: charged against local_capacity with the parity
-        (:meth:`.shapes.ParityShapes.nbytes`) while their decode runs."""
+        """Bytes of the chunks decoded here for restoring nodes: charged against local_capacity with
+        the parity (:meth:`.shapes.ParityShapes.nbytes`) from the decode's start until the file is
+        gone (its decode ended, and its ticket was read or expired and no serve holds it)."""
+        self._held_lock = threading.Lock()  # held changes on the event loop and on bulk threads
 
     async def open(self, req: ppb.RebuildChunkRequest, receiver: Any) -> ppb.OpenSlotReadResponse:
         """Decode the chunk here and issue a ticket for it.
@@ -112,13 +115,15 @@ class FarDecoder:
             self._decoding.release()
             raise
         fd = -1
+        file = _File(self, length)  # the room is the decode's and the ticket's until both are done
         try:
             name, fd = await run_blocking(pstore.incoming, man.job, man.step)
             progress = Progress(length)
             try:
                 decode = await self.start(pulls, man, chunk, chunks, found, _writer(fd, progress))
                 try:
-                    ticket = receiver.blobs.issue(os.dup(fd), length, req.requester, progress)  # owns the dup
+                    ticket = receiver.blobs.issue(os.dup(fd), length, req.requester, progress,  # owns the dup
+                                                  on_close=file.done)
                 except BaseException:
                     decode.close()
                     raise
@@ -128,9 +133,10 @@ class FarDecoder:
         except BaseException:
             if fd >= 0:
                 os.close(fd)
-            self._release(length)
+            self._decoding.release()
+            file.done(parts=2)
             raise
-        task = asyncio.ensure_future(self._decode(decode, progress, fd, man, chunk, length))
+        task = asyncio.ensure_future(self._decode(decode, progress, fd, man, chunk, file))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return ppb.OpenSlotReadResponse(ticket=ticket, bulk_port=receiver.bulk_port, size=length)
@@ -141,11 +147,12 @@ class FarDecoder:
         if free < length:
             raise CapacityError(f"local_capacity: no room on {self.node_id} for a {length}-byte chunk of "
                                 f"{man.key} decoded for a restoring node ({free} bytes free)")
-        self.held += length
+        with self._held_lock:
+            self.held += length
 
-    def _release(self, length: int) -> None:
-        self.held -= length
-        self._decoding.release()
+    def uncharge(self, length: int) -> None:
+        with self._held_lock:
+            self.held -= length
 
     def scratch(self) -> Any:
         """The parity store whose step dirs hold the decoded files (``incoming`` / ``discard``)."""
@@ -170,7 +177,7 @@ class FarDecoder:
                                 write=write, window=WINDOW)
 
     async def _decode(self, decode: Decode, progress: Progress, fd: int, man: Manifest, chunk: int,
-                      length: int) -> None:
+                      file: _File) -> None:
         """Decode into ``fd`` while the ticket serves what is written: on success the held-back
         end is released; on failure (a slot failing its checksum, a member that cannot be pulled)
         the restorer's stream is cut short, and it decodes the chunk itself (:mod:`.rebuild`)."""
@@ -187,7 +194,24 @@ class FarDecoder:
                         man.job, man.step, man.rank, e)
         finally:
             os.close(fd)
-            self._release(length)
+            self._decoding.release()
+            file.done()
+
+
+class _File:
+    """A decoded chunk's charge, given back when both its decode and its ticket are done with it
+    (the unlinked file takes room until its last descriptor closes)."""
+
+    def __init__(self, far: FarDecoder, length: int) -> None:
+        self.far, self.length, self.parts = far, length, 2
+        self._lock = threading.Lock()
+
+    def done(self, parts: int = 1) -> None:
+        with self._lock:
+            self.parts -= parts
+            last = self.parts == 0
+        if last:
+            self.far.uncharge(self.length)
 
 
 def _writer(fd: int, progress: Progress) -> Callable[[int, Any], None]:

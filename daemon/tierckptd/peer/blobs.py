@@ -106,6 +106,9 @@ class _Blob:
     used: float = field(default_factory=time.monotonic)
     served: list[tuple[int, int]] = field(default_factory=list)  # disjoint [start, end)
     left: int = 0
+    on_close: Callable[[], None] | None = None
+    readers: int = 0  # serves holding a descriptor of the file
+    dropped: bool = False
 
 
 class BlobTickets:
@@ -115,15 +118,17 @@ class BlobTickets:
         self._lock = threading.Lock()
         self._blobs: dict[str, _Blob] = {}
 
-    def issue(self, fd: int, size: int, requester: str, progress: Progress | None = None) -> str:
+    def issue(self, fd: int, size: int, requester: str, progress: Progress | None = None,
+              on_close: Callable[[], None] | None = None) -> str:
         """A ticket for ``size`` bytes of ``fd``; the ticket owns ``fd`` from now on. With
-        ``progress``, the file is still being written: bytes are served as it allows."""
+        ``progress``, the file is still being written: bytes are served as it allows.
+        ``on_close()`` is called once when the ticket ended (spent, expired or dropped) and no
+        serve of it holds the file any more (a decoded chunk's room is given back then)."""
         ticket = secrets.token_urlsafe(18)
         with self._lock:
             if len(self._blobs) >= MAX_TICKETS:
-                oldest = min(self._blobs, key=lambda t: self._blobs[t].used)
-                os.close(self._blobs.pop(oldest).fd)
-            self._blobs[ticket] = _Blob(fd, size, requester, progress, left=max(1, size))
+                self._drop(min(self._blobs, key=lambda t: self._blobs[t].used))
+            self._blobs[ticket] = _Blob(fd, size, requester, progress, left=max(1, size), on_close=on_close)
         return ticket
 
     def holds(self, ticket: str) -> bool:
@@ -131,8 +136,8 @@ class BlobTickets:
             return ticket in self._blobs
 
     def take(self, ticket: str, shard: str, ranges: list[tuple[int, int]]) -> tuple[int, str]:
-        """Claim ``ranges`` of the ticket's file: a new descriptor of it (the caller closes it) and
-        the node the ticket was issued to.
+        """Claim ``ranges`` of the ticket's file: a new descriptor of it (the caller closes it, then
+        calls :meth:`read_done`) and the node the ticket was issued to.
 
         Raises:
             FailedPreconditionError: unknown, expired or spent ticket, or bytes served already.
@@ -157,6 +162,7 @@ class BlobTickets:
             b.left -= sum(max(1, n) for _, n in ranges)
             b.used = now
             fd = os.dup(b.fd)
+            b.readers += 1  # until the caller's read_done()
             if b.left <= 0:
                 self._drop(ticket)
             return fd, b.requester
@@ -182,22 +188,35 @@ class BlobTickets:
         bulk.check_piece(*piece, b.size)
         ranges = list(bulk.runs(*piece, b.size))
         fd, _ = self.take(ticket, shard, ranges)
-        with os.fdopen(fd, "rb") as fh:
-            bulk.send_msg(sock, {"ok": True, "length": sum(n for _, n in ranges)})
-            for start, length in ranges:
-                if b.progress is None:
-                    bulk.send_range(sock, fh, start, length, buf)
-                    continue
-                pos, end = start, start + length
-                while pos < end:  # as the writer allows
-                    try:
-                        upto = min(end, b.progress.wait_past(pos, bulk.IO_TIMEOUT), pos + STREAM_STEP)
-                    except UnavailableError as e:
-                        # mid-stream: no error reply (the reader would take it for data), the
-                        # connection is closed short instead (an OSError, not answered)
-                        raise ConnectionAbortedError(str(e)) from None
-                    bulk.send_range(sock, fh, pos, upto - pos, buf)
-                    pos = upto
+        try:
+            with os.fdopen(fd, "rb") as fh:
+                self._send(sock, b, fh, ranges, buf)
+        finally:
+            self.read_done(b)
+
+    def read_done(self, b: _Blob) -> None:
+        """A reader of :meth:`take` closed its descriptor."""
+        with self._lock:
+            b.readers -= 1
+            self._closed_locked(b)
+
+    @staticmethod
+    def _send(sock: socket.socket, b: _Blob, fh: Any, ranges: list[tuple[int, int]], buf: bytearray) -> None:
+        bulk.send_msg(sock, {"ok": True, "length": sum(n for _, n in ranges)})
+        for start, length in ranges:
+            if b.progress is None:
+                bulk.send_range(sock, fh, start, length, buf)
+                continue
+            pos, end = start, start + length
+            while pos < end:  # as the writer allows
+                try:
+                    upto = min(end, b.progress.wait_past(pos, bulk.IO_TIMEOUT), pos + STREAM_STEP)
+                except UnavailableError as e:
+                    # mid-stream: no error reply (the reader would take it for data), the
+                    # connection is closed short instead (an OSError, not answered)
+                    raise ConnectionAbortedError(str(e)) from None
+                bulk.send_range(sock, fh, pos, upto - pos, buf)
+                pos = upto
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -214,3 +233,11 @@ class BlobTickets:
         b = self._blobs.pop(ticket, None)
         if b is not None:
             os.close(b.fd)
+            b.dropped = True
+            self._closed_locked(b)
+
+    @staticmethod
+    def _closed_locked(b: _Blob) -> None:
+        if b.dropped and b.readers <= 0 and b.on_close is not None:
+            fn, b.on_close = b.on_close, None
+            fn()
