@@ -132,15 +132,15 @@ class Knobs:
     ``chunk_bytes`` each, with the chunk) wait in memory."""
     drain_yield: float = 0.0
     """Seconds at most the drain is held back at a time while a save is open or committing on this
-    node (a trainer's, an inbound replica's or a restore's): saves come first. With the drain's
-    work in child processes (``drain_processes``) the children are stopped (``SIGSTOP``) the
-    moment a save opens, wherever a chunk is, and continued when the last save leaves; a pause
-    that reaches this limit is followed by at least as long a run, so a node whose saves never
-    stop still drains half the time (:mod:`tierckptd.persistent.pause`). Uploads wait before each
-    chunk (and, on the drain's threads, so do reads). 0 (the default): the drain never waits.
-    Measured within this machine's noise so far (bench/README.md: paused 1.04-1.76x of the
-    no-drain blocking against 0.97-2.24x unpaused in four 8-10-round runs of 2026-12-07, and
-    worse in an earlier branch's loaded runs), hence off by default."""
+    node (a trainer's, an inbound replica's or a restore's): saves come first. The drain's child
+    processes (``drain_processes``) are stopped (``SIGSTOP``) the moment a save opens, wherever a
+    chunk is, and continued when the last save leaves; its threads wait before each upload (and,
+    without children, each chunk's read), and a ``file://`` store writes an upload out in 1 MiB
+    pieces with a wait before each. A pause that reaches this limit is followed by at least as
+    long a run, so a node whose saves never stop still drains half the time
+    (:mod:`tierckptd.persistent.pause`). 0 (the default): the drain never waits. Off by default:
+    on the 2-core bench machine it measured within the noise, better and worse
+    (bench/save_during_drain.py, bench/README.md "Session of 2026-12-07, 12:36 UTC")."""
     switch_interval: float = 0.0
     """Seconds a Python thread holding the GIL keeps it while another waits for it
     (``sys.setswitchinterval``; Python's default is 0.005): the RPCs and commits of saves wait

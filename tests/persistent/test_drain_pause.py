@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -101,14 +102,14 @@ def test_real_chunk_workers_stop_while_a_save_is_open_and_the_drain_then_complet
             pids = rig.tier.content.reader.workers.pids()
             assert pids and all(_state(p) != "T" for p in pids)
             trainer = rig.store.begin("other", 1, 0, 1, [("x", 16, "", ())])  # a save open on the node
-            assert all(_state(p) == "T" for p in pids)  # stopped at once, wherever they were
+            _wait_for(lambda: all(_state(p) == "T" for p in pids), 2.0)  # stopped at once, wherever they were
             sent = rig.tier.content.sent
             _save(rig, 2, _shards(2))  # committed meanwhile: the other save keeps the node busy
             await asyncio.sleep(0.5)
             assert all(_state(p) == "T" for p in pids)
             assert rig.tier.content.sent == sent  # nothing of step 2 went up
             rig.store.abort(trainer.save_id)
-            assert all(_state(p) != "T" for p in pids)
+            _wait_for(lambda: all(_state(p) != "T" for p in pids), 2.0)
             await _drain(rig, 2)
             await _restored(rig, tmp_path, 2, _shards(2))
             await rig.tier.stop(1.0)
@@ -160,3 +161,44 @@ def test_the_local_store_tells_its_listeners_when_saving_changes(tmp_path: Path,
         await rig.tier.stop(1.0)
 
     asyncio.run(body())
+
+
+def test_drain_threads_wait_while_paused_and_go_on_when_the_save_ends() -> None:
+    pause = DrainPause(lambda: [], limit=lambda: 60.0)
+    halt = threading.Event()
+    done = threading.Event()
+
+    def drain_thread() -> None:
+        pause.wait_idle(halt)
+        done.set()
+
+    pause.wait_idle(halt)  # not paused: returns at once
+    pause.busy(True)
+    assert pause.paused
+    t = threading.Thread(target=drain_thread)
+    t.start()
+    assert not done.wait(0.3)  # held while the save is open
+    pause.busy(False)
+    assert done.wait(2.0)  # woken when it ends
+    t.join()
+    pause.busy(True)
+    t = threading.Thread(target=drain_thread)
+    done.clear()
+    t.start()
+    halt.set()  # the tier stops: waiters go
+    assert done.wait(2.0)
+    t.join()
+    pause.close()
+
+
+def test_a_paced_file_store_writes_exact_bytes_waiting_between_pieces(tmp_path: Path) -> None:
+    from tierckptd.backends.file import FileBackend
+
+    be = FileBackend(str(tmp_path / "store"))
+    paces: list[int] = []
+    be.pace = lambda: paces.append(1)
+    data = os.urandom((3 << 20) + 12345)
+    be.put_bytes("job/chunks/a", memoryview(data))
+    assert be.get_bytes("job/chunks/a") == data and len(paces) == 4  # one wait before each 1 MiB piece
+    be.put_bytes("job/chunks/empty", b"")
+    assert be.get_bytes("job/chunks/empty") == b""

@@ -41,7 +41,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +233,8 @@ class ChunkWorkers:
         self._lock = threading.Lock()
         self.failed = False
         """A child could not be started: the caller does the work itself from then on."""
+        self.on_start: Callable[[int], None] | None = None
+        """Called with each new child's pid before its first request (:meth:`.pause.DrainPause.adopt`)."""
 
     @contextlib.contextmanager
     def take(self, size: int) -> Iterator[ChunkWorker]:
@@ -256,6 +258,8 @@ class ChunkWorkers:
                 raise
             with self._lock:
                 self._all.append(worker)
+            if self.on_start is not None:
+                self.on_start(worker.proc.pid)
         try:
             yield worker
         finally:

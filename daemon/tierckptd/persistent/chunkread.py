@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator
 
 import xxhash
@@ -48,6 +47,7 @@ class ChunkReader:
         self.buffers = ChunkBuffers()  # read buffers of the drain's threads, reused from chunk to chunk
         self.workers = ChunkWorkers()  # child processes doing the reads, hashes and encodes (drain_processes)
         self.pause = DrainPause(self.workers.pids)  # the children stopped while a save is open (drain_yield)
+        self.workers.on_start = self.pause.adopt
         store.watch_saving(self.pause.busy)
 
     def close(self) -> None:
@@ -152,12 +152,11 @@ class ChunkReader:
             return encode_checked(data, digest, codec, _what(held, shard), offset)
 
     def yield_to_saves(self) -> None:
-        """Wait (a worker thread) while a save is open or committing on this node, at most
-        ``KNOBS.drain_yield`` seconds: saves get the cores, the memory bandwidth and the GIL that
-        the drain's reading, hashing and encoding would take (bench/save_during_drain.py)."""
-        until = time.monotonic() + KNOBS.drain_yield
-        while self.store.saving() and time.monotonic() < until and not self.halt.wait(0.002):
-            pass
+        """Wait (a drain thread) while the drain is paused for a save open or committing on this
+        node (:mod:`.pause`: at most ``KNOBS.drain_yield`` seconds at a time): saves get the cores,
+        the memory bandwidth and the GIL that the drain's reading, encoding and uploading would
+        take (bench/save_during_drain.py)."""
+        self.pause.wait_idle(self.halt)
 
 
 def _what(held: Manifest, shard: str) -> str:

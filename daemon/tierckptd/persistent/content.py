@@ -113,6 +113,8 @@ class ContentStore:
         self.sent = 0  # stored bytes uploaded by this process (benchmarks)
         self._putting = 0  # put_rank calls in flight (the buffers are unmapped when none is)
         self.reader = ChunkReader(store, calls.halt)  # reads, checks and encodes chunks (threads or children)
+        if hasattr(calls.be, "pace") and KNOBS.drain_yield > 0:  # a file store writes a chunk out piece by
+            calls.be.pace = self.reader.yield_to_saves  # piece, waiting for saves between them (drain_yield)
 
     # ----------------------------------------------------------------------------- upload
 

@@ -9,6 +9,10 @@ processes (``KNOBS.drain_processes``), the daemon stops them (``SIGSTOP``) the m
 opens and continues them (``SIGCONT``) when the last one has committed or was aborted: no drain
 work runs alongside a save, whatever point a chunk was at (bench/save_during_drain.py).
 
+The drain's threads wait in :meth:`DrainPause.wait_idle` before each upload (and, without child
+processes, before each chunk's read): woken when the pause ends, never polling. A ``file://``
+store writes an upload out in 1 MiB pieces, waiting between them (:mod:`..backends.file`).
+
 Bounded, so that a node whose saves never stop still drains: a pause lasts at most
 ``KNOBS.drain_yield`` seconds, and one that lasted that long is followed by at least as long a
 run before the next pause (the drain then keeps half the time). ``drain_yield = 0``: never
@@ -37,7 +41,8 @@ log = logging.getLogger(__name__)
 
 
 class DrainPause:
-    """Stops and continues the processes ``pids()`` names as the node's saves come and go.
+    """Holds the drain back while the node's saves come and go: stops and continues the processes
+    ``pids()`` names, and keeps :meth:`wait_idle` callers (the drain's threads) waiting.
 
     Args:
         pids: the drain's chunk worker processes, asked at each pause.
@@ -52,11 +57,13 @@ class DrainPause:
         self._clock, self._kill = clock, kill
         self._cv = threading.Condition()
         self._busy = False
+        self._paused = False
         self._stopped: list[int] = []  # processes stopped by the pause in progress
         self._since = 0.0
         self._run_until = 0.0  # after a pause that reached its limit: none before this
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._unsignalable = False
         self.pauses = 0
         """Pauses begun (tests and benchmarks)."""
 
@@ -65,45 +72,61 @@ class DrainPause:
         with self._cv:
             return list(self._stopped)
 
+    @property
+    def paused(self) -> bool:
+        with self._cv:
+            return self._paused
+
     def busy(self, busy: bool) -> None:
         """The local store's listener: a save opened here (True) or the last one left (False).
-        Called under the store's lock: it only signals processes and wakes the watcher."""
+        Called under the store's lock: it only signals processes and wakes the others."""
         with self._cv:
             self._busy = busy
             if busy:
-                self._stop_locked()
+                self._pause_locked()
             else:
-                self._continue_locked()
+                self._resume_locked()
             self._cv.notify_all()
 
+    def adopt(self, pid: int) -> None:
+        """A child started during a pause is stopped with the others before its first request."""
+        with self._cv:
+            if self._paused and not self._unsignalable and self._signal(pid, signal.SIGSTOP):
+                self._stopped.append(pid)
+
+    def wait_idle(self, halt: threading.Event) -> None:
+        """Block (a drain thread) while the drain is paused, or until ``halt``: woken by
+        :meth:`busy` and the watcher, not polling (pollers would take the daemon's GIL from the
+        save's own RPCs hundreds of times a second)."""
+        with self._cv:
+            while self._paused and not self._closed and not halt.is_set():
+                self._cv.wait(0.05)  # halt is looked at 20 times a second: the tier's stop
+
     def close(self) -> None:
-        """Continue every stopped process and end the watcher (the tier stops)."""
+        """Continue every stopped process, release the waiters and end the watcher (the tier stops)."""
         with self._cv:
             self._closed = True
-            self._continue_locked()
+            self._resume_locked()
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(5.0)
 
-    def _stop_locked(self) -> None:
-        if self._stopped or self._closed or self._limit() <= 0 or self._clock() < self._run_until:
+    def _pause_locked(self) -> None:
+        if self._paused or self._closed or self._limit() <= 0 or self._clock() < self._run_until:
             return
-        stopped = []
-        for pid in self._pids():
-            if self._signal(pid, signal.SIGSTOP):
-                stopped.append(pid)
-        if not stopped:
-            return
-        self._stopped, self._since = stopped, self._clock()
+        self._paused, self._since = True, self._clock()
         self.pauses += 1
+        if not self._unsignalable:
+            self._stopped = [pid for pid in self._pids() if self._signal(pid, signal.SIGSTOP)]
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="drain-pause", daemon=True)
             self._thread.start()
 
-    def _continue_locked(self) -> None:
+    def _resume_locked(self) -> None:
         for pid in self._stopped:
             self._signal(pid, signal.SIGCONT)
         self._stopped = []
+        self._paused = False
 
     def _signal(self, pid: int, sig: int) -> bool:
         try:
@@ -111,9 +134,10 @@ class DrainPause:
             return True
         except ProcessLookupError:  # exited meanwhile: the pool replaces it
             return False
-        except OSError as err:  # not ours to signal (cannot happen for our children): never paused again
-            log.warning("drain chunk worker %d cannot be paused (%s): the drain runs alongside saves", pid, err)
-            self._closed = True
+        except OSError as err:  # not ours to signal (cannot happen for our children): threads only
+            log.warning("drain chunk worker %d cannot be paused (%s): only the drain's threads wait for saves",
+                        pid, err)
+            self._unsignalable = True
             return False
 
     def _watch(self) -> None:
@@ -122,19 +146,18 @@ class DrainPause:
         with self._cv:
             while not self._closed:
                 now, limit = self._clock(), self._limit()
-                if self._stopped:
+                if self._paused:
                     end = self._since + limit
                     if now < end:
                         self._cv.wait(end - now)
                         continue
-                    self._continue_locked()
+                    self._resume_locked()
                     self._run_until = now + limit
+                    self._cv.notify_all()
                     log.debug("drain paused for %.1f s while saves stay open: it runs for %.1f s", limit, limit)
                 elif self._busy and now < self._run_until:
                     self._cv.wait(self._run_until - now)
-                elif self._busy:
-                    self._stop_locked()
-                    if not self._stopped:
-                        self._cv.wait()
+                elif self._busy and limit > 0:
+                    self._pause_locked()
                 else:
                     self._cv.wait()
