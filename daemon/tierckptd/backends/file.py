@@ -39,7 +39,8 @@ _SYNC_FILE_RANGE = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER: this range on 
 
 def _write_out(fd: int, offset: int, length: int) -> None:
     """Write ``[offset, offset + length)`` of ``fd`` out to the medium now (``sync_file_range``;
-    the final ``fsync`` still makes it durable). Where it is missing, the ``fsync`` does it all."""
+    the final ``fsync`` still makes it durable and reports any error). Where it is missing, the
+    ``fsync`` does it all."""
     libc = _libc()
     if libc is not None:
         libc.sync_file_range(fd, ctypes.c_longlong(offset), ctypes.c_longlong(length), _SYNC_FILE_RANGE)
@@ -53,6 +54,8 @@ def _libc() -> ctypes.CDLL | None:
         return libc
     except (OSError, AttributeError):
         return None
+
+
 _RETRYABLE_ERRNOS = frozenset(
     {errno.EAGAIN, errno.EINTR, errno.EIO, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE, errno.ENOSPC,
      errno.EDQUOT, errno.ENOLCK, errno.ECONNRESET, errno.ECONNREFUSED, errno.EHOSTUNREACH}
