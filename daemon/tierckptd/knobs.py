@@ -121,7 +121,8 @@ class Knobs:
     """Seconds a drain chunk worker (``drain_processes``) may take over one chunk at ``SCHED_IDLE``
     before the daemon lifts it to the normal policy at nice 19 for the rest of that
     chunk: on a node whose every core stays busy a ``SCHED_IDLE`` process gets almost no CPU, and
-    a drain must still make progress (a chunk takes well under a second otherwise). An unprivileged
+    a drain must still make progress (a chunk takes well under a second otherwise); time it spent
+    stopped for a save (``drain_yield``) does not count. An unprivileged
     daemon needs ``RLIMIT_NICE`` >= 1 for that (the systemd unit's ``LimitNICE=1``); refused, it
     warns and the chunk waits for idle CPU; 0: never."""
     codec_threads: int = max(2, os.cpu_count() or 2)

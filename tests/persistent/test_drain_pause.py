@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tierckptd.knobs import KNOBS
 from tierckptd.persistent.pause import DrainPause
@@ -202,3 +203,60 @@ def test_a_paced_file_store_writes_exact_bytes_waiting_between_pieces(tmp_path: 
     assert be.get_bytes("job/chunks/a") == data and len(paces) == 4  # one wait before each 1 MiB piece
     be.put_bytes("job/chunks/empty", b"")
     assert be.get_bytes("job/chunks/empty") == b""
+
+
+def test_paused_seconds_count_every_pause_and_the_one_in_progress() -> None:
+    pause, clock, _ = _fake([5], limit=60.0)
+    pause.busy(True)
+    clock.now += 3
+    pause.busy(False)
+    clock.now += 10  # running: not counted
+    assert pause.paused_seconds() == 3
+    pause.busy(True)
+    clock.now += 1.5
+    assert pause.paused_seconds() == 4.5
+    pause.close()
+
+
+def test_a_chunk_worker_stopped_by_a_pause_is_not_taken_for_starved(tmp_path: Path) -> None:
+    """drain_idle_grace counts the time a child could have run: one stopped for a save is
+    not lifted to the normal policy when its chunk takes longer than the grace."""
+    from tierckptd.persistent.chunkproc import ChunkWorker
+
+    data = np.random.default_rng(4).standard_normal(1 << 18).astype("<f4").tobytes()  # 1 MiB
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    worker = ChunkWorker(len(data))
+    stopped_at = [time.monotonic()]
+    worker.paused_seconds = lambda: time.monotonic() - stopped_at[0]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        stopped_at[0] = time.monotonic()
+
+        def wake() -> None:
+            time.sleep(3.0)
+            held = time.monotonic() - stopped_at[0]
+            worker.paused_seconds = lambda: held  # the pause ended: its length stays counted
+            os.kill(worker.proc.pid, signal.SIGCONT)
+
+        t = threading.Thread(target=wake)
+        t.start()
+        with KNOBS.overridden(drain_idle_grace=2.0):  # stopped for 3 s: past it, but not starved
+            worker.hash(fd, 0, len(data), True, None, "shard")
+        t.join()
+        assert worker.lifts == 0 and not worker.lifted
+    finally:
+        os.close(fd)
+        worker.close()
+
+
+def test_a_stopped_tier_no_longer_listens_to_the_store(tmp_path: Path) -> None:
+    async def body() -> None:
+        rig = Rig(tmp_path)
+        await rig.tier.start()
+        assert rig.tier.content.reader.pause.busy in rig.store._saves.listeners
+        await rig.tier.stop(1.0)
+        assert rig.store._saves.listeners == []
+
+    asyncio.run(body())

@@ -359,6 +359,11 @@ class LocalStore(StoreRetention, StoreQueries):
         with self._lock:
             self._saves.listeners.append(fn)
 
+    def unwatch_saving(self, fn: Callable[[bool], None]) -> None:
+        with self._lock:
+            if fn in self._saves.listeners:
+                self._saves.listeners.remove(fn)
+
     # ----------------------------------------------------------------------------- reading
 
     def lend(self, man: Manifest) -> list[Path]:

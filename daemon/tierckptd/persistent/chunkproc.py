@@ -41,6 +41,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,9 @@ class ChunkWorker:
         self.lifted = False  # at the normal policy for the chunk in progress (see _answer)
         self.lifts = 0
         self.can_lift = True  # false once the kernel refused a change of policy
+        self.paused_seconds: Callable[[], float] = lambda: 0.0
+        """Seconds the drain was paused in all (:meth:`.pause.DrainPause.paused_seconds`): a
+        child stopped for a save is not starved, so that time does not count toward the grace."""
 
     def _ready(self) -> None:
         """Wait for the child's first message: it dies with the daemon from then on, so it may be
@@ -148,10 +152,14 @@ class ChunkWorker:
         grace = KNOBS.drain_idle_grace
         if grace <= 0 or not self.can_lift:
             return self.sock.recv(_MAX_MSG)
-        self.sock.settimeout(grace)
+        t0, p0 = time.monotonic(), self.paused_seconds()
         try:
-            return self.sock.recv(_MAX_MSG)
-        except TimeoutError:
+            while (left := grace - (time.monotonic() - t0) + (self.paused_seconds() - p0)) > 0:
+                self.sock.settimeout(left)
+                try:
+                    return self.sock.recv(_MAX_MSG)
+                except TimeoutError:
+                    continue  # the grace is over unless the drain was paused meanwhile
             self.lift(True)
             self.sock.settimeout(None)
             return self.sock.recv(_MAX_MSG)
@@ -235,6 +243,8 @@ class ChunkWorkers:
         """A child could not be started: the caller does the work itself from then on."""
         self.on_start: Callable[[int], None] | None = None
         """Called with each new child's pid before its first request (:meth:`.pause.DrainPause.adopt`)."""
+        self.paused_seconds: Callable[[], float] = lambda: 0.0
+        """Given to each child (:attr:`ChunkWorker.paused_seconds`)."""
 
     @contextlib.contextmanager
     def take(self, size: int) -> Iterator[ChunkWorker]:
@@ -256,6 +266,7 @@ class ChunkWorkers:
                                 "the drain's threads", err)
                 self.failed = True
                 raise
+            worker.paused_seconds = self.paused_seconds
             with self._lock:
                 self._all.append(worker)
             if self.on_start is not None:

@@ -48,10 +48,12 @@ class ChunkReader:
         self.workers = ChunkWorkers()  # child processes doing the reads, hashes and encodes (drain_processes)
         self.pause = DrainPause(self.workers.pids)  # the children stopped while a save is open (drain_yield)
         self.workers.on_start = self.pause.adopt
+        self.workers.paused_seconds = self.pause.paused_seconds
         store.watch_saving(self.pause.busy)
 
     def close(self) -> None:
         """The tier stops: paused children continue, idle ones end."""
+        self.store.unwatch_saving(self.pause.busy)
         self.pause.close()
         self.workers.close()
 

@@ -60,6 +60,7 @@ class DrainPause:
         self._paused = False
         self._stopped: list[int] = []  # processes stopped by the pause in progress
         self._since = 0.0
+        self._paused_before = 0.0  # seconds of the pauses that ended
         self._run_until = 0.0  # after a pause that reached its limit: none before this
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -76,6 +77,11 @@ class DrainPause:
     def paused(self) -> bool:
         with self._cv:
             return self._paused
+
+    def paused_seconds(self) -> float:
+        """Seconds the drain was paused in all, the pause in progress included."""
+        with self._cv:
+            return self._paused_before + (self._clock() - self._since if self._paused else 0.0)
 
     def busy(self, busy: bool) -> None:
         """The local store's listener: a save opened here (True) or the last one left (False).
@@ -126,6 +132,8 @@ class DrainPause:
         for pid in self._stopped:
             self._signal(pid, signal.SIGCONT)
         self._stopped = []
+        if self._paused:
+            self._paused_before += self._clock() - self._since
         self._paused = False
 
     def _signal(self, pid: int, sig: int) -> bool:
