@@ -4,6 +4,7 @@ the writer."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -433,6 +434,38 @@ def test_touching_never_changes_a_files_bytes_even_under_a_concurrent_writer(scr
         touch_pages(fd, 12345, 3 * MIB)  # any offset: the map starts at the page below
         assert os.pread(fd, size, 0) == data[: 4 * MIB] + bytes(4 * MIB) + data[8 * MIB:]
         assert os.fstat(fd).st_size == size and os.fstat(fd).st_blocks * 512 == size
+    finally:
+        os.close(fd)
+
+
+def test_touching_pages_lets_other_threads_run(scratch):
+    """Populating pages can take tens of milliseconds per chunk (a VM that hands free memory back
+    to its host): it must not hold the GIL meanwhile, or every RPC of the daemon stalls behind
+    the warmer (Python's own ``mmap.madvise`` holds it)."""
+    size = 256 * MIB
+    fd = os.open(scratch / "big", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        window: list[float] = []
+
+        def touch() -> None:
+            window.append(time.perf_counter())
+            touch_pages(fd, 0, size)
+            window.append(time.perf_counter())
+
+        toucher = Checked(touch)
+        ticks = [time.perf_counter()]
+        toucher.start()
+        while toucher.is_alive():
+            time.sleep(0.001)
+            ticks.append(time.perf_counter())
+        toucher.join(120)
+        assert os.fstat(fd).st_blocks * 512 == size
+        start, end = window
+        inside = [t for t in ticks if start < t < end]
+        gaps = [b - a for a, b in itertools.pairwise(ticks) if b > start and a < end]
+        # Held, the whole populate would be one gap with no tick inside it.
+        assert len(inside) >= 3 and max(gaps) < 0.5 * (end - start), (end - start, max(gaps), len(inside))
     finally:
         os.close(fd)
 

@@ -141,6 +141,7 @@ _libc: ctypes.CDLL | None
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
     _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 except (OSError, AttributeError):  # pragma: no cover - every Linux libc has fallocate
     _libc = None
 
@@ -173,9 +174,22 @@ def touch_pages(fd: int, offset: int, length: int) -> None:
             there would have raised SIGBUS), ENOMEM, ...
     """
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with mmap.mmap(fd, offset + length - start, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
-                   offset=start) as m:
-        m.madvise(_MADV_POPULATE_WRITE)
+    size = offset + length - start
+    with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start) as m:
+        if _libc is None:  # pragma: no cover
+            m.madvise(_MADV_POPULATE_WRITE)
+            return
+        # Through ctypes, which lets go of the GIL for the call: Python's ``mmap.madvise`` holds
+        # it, and populating 8 MiB of pages a hypervisor took back takes 10-35 ms here, during
+        # which none of the daemon's RPCs could run (bench/README.md, "the warmer held the GIL").
+        view = (ctypes.c_char * size).from_buffer(m)
+        try:
+            rc = _libc.madvise(ctypes.addressof(view), size, _MADV_POPULATE_WRITE)
+        finally:
+            del view  # the map cannot close while a view of it is exported
+        if rc != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e))
 
 
 @functools.cache
