@@ -3,8 +3,8 @@
 Two daemons, each with its own ``file://`` persistent store on disk (``--store-dir``: elsewhere,
 e.g. /dev/shm), content layout,
 ``codec = auto`` (byte planes + zstd for floats), default knobs but one: ``drain_yield=2.0``
-(opt-in: drain workers wait while a save is open or committing) on one, ``drain_yield=0`` (the
-default: the drain never waits) on the other. Per round and daemon (alternating): a
+(the default: the drain's workers are stopped while a save is open or committing) on one,
+``drain_yield=0`` (the drain never waits) on the other. Per round and daemon (alternating): a
 --mib MiB float32 rank (16 shards, trained-weight-like values) is saved with ``persist=True``;
 from its local commit until its drain has stored the manifest, small saves (--small MiB, not
 persisted) run --gap seconds apart (0: back to back): their blocking times (the save and its
