@@ -140,7 +140,7 @@ class Knobs:
     pieces with a wait before each. A pause that reaches this limit is followed by at least as
     long a run, so a node whose saves never stop still drains half the time
     (:mod:`tierckptd.persistent.pause`). 0: the drain never waits. On the 2-core bench machine
-    a 16 MiB save during a drain blocked 1.05-1.15x its time with no drain, against 1.18-1.51x
+    a 16 MiB save during a drain blocked 1.05-1.18x its time with no drain, against 1.18-1.51x
     with 0, and the drain took no longer (bench/save_during_drain.py, bench/README.md "Session
     of 2026-12-07, 15:51 UTC")."""
     switch_interval: float = 0.0

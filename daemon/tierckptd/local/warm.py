@@ -31,7 +31,9 @@ by allocating a file's pages ahead of its writer without changing its bytes (how
   bulk receive writes each piece at increasing offsets), so allocation overlaps the transfer.
   Always with fallocate: touching pages just ahead of their writer was measured slower (a node
   replacement's restore of 1 GiB, median 4.7 s against 3.1 s, in a VM where touching is the
-  pool's default: both threads then fault the same file's pages in).
+  pool's default: both threads then fault the same file's pages in). That was measured while
+  :func:`touch_pages` still held the GIL for each chunk (until 2026-12-07), which stalled the
+  receiving thread too; not measured again since.
 
 How a page is allocated (``KNOBS.warm_touch``): ``fallocate(FALLOC_FL_KEEP_SIZE)`` allocates it
 without writing it; :func:`touch_pages` (``MADV_POPULATE_WRITE``) also writes it (zeroes it).
@@ -181,8 +183,8 @@ def touch_pages(fd: int, offset: int, length: int) -> None:
             return
         # Through ctypes, which lets go of the GIL for the call: Python's ``mmap.madvise`` holds
         # it, and populating 8 MiB of pages a hypervisor took back takes 10-35 ms here, during
-        # which none of the daemon's RPCs could run (bench/README.md, "the warmer held the GIL").
-        view = (ctypes.c_char * size).from_buffer(m)
+        # which none of the daemon's RPCs could run (bench/README.md, "Session of 2026-12-07, 15:51 UTC").
+        view = ctypes.c_char.from_buffer(m)  # its first byte: the map's address
         try:
             rc = _libc.madvise(ctypes.addressof(view), size, _MADV_POPULATE_WRITE)
         finally:
