@@ -9,7 +9,9 @@ e.g. /dev/shm), content layout,
 from its local commit until its drain has stored the manifest, small saves (--small MiB, not
 persisted) run --gap seconds apart (0: back to back): their blocking times (the save and its
 local commit, ``save(...).result()``) are "during a drain"; then as many small saves run with no
-drain in flight: "no drain". Reported: median blocking during / no drain (same daemon, same run),
+drain in flight: "no drain". The other daemon is stopped (``SIGSTOP``) during a round, so its
+background work after its own round (refilling its page pool) stays out of this one's figures
+(``--no-freeze-other``: not stopped). Reported: median blocking during / no drain (same daemon, same run),
 and the drain time of the big rank per daemon (what yielding costs the drain).
 
 Command: PYTHONPATH=client:daemon .venv/bin/python bench/save_during_drain.py
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -89,6 +92,9 @@ def main() -> int:
     ap.add_argument("--store-dir", default=None,
                     help="where the file:// stores go (default: the temporary directory, on disk; /dev/shm: tmpfs)")
     ap.add_argument("--knobs", default="", help="more daemon knobs, e.g. drain_nice=0 (the drain at full priority)")
+    ap.add_argument("--no-freeze-other", dest="freeze_other", action="store_false",
+                    help="leave the other arm's daemon running during a round (by default it is stopped with SIGSTOP: "
+                         "its pool warming after its own round would land in this round's saves)")
     args = ap.parse_args()
     root = scratch_dir("tck-sdd-")
     workers = tuple(args.variants)
@@ -108,7 +114,14 @@ def main() -> int:
         for r in range(1, args.rounds + 1):
             big = _state(args.mib, 16, r)
             for w, c in clients.items():
-                a, b, t = _round(c, big, small, r, args.gap)
+                others = [d for v, d in ds.items() if v != w] if args.freeze_other else []
+                for d in others:  # the other arm's background work (pool warming) stays out of this one
+                    os.kill(d.proc.pid, signal.SIGSTOP)
+                try:
+                    a, b, t = _round(c, big, small, r, args.gap)
+                finally:
+                    for d in others:
+                        os.kill(d.proc.pid, signal.SIGCONT)
                 during[w] += a
                 idle[w] += b
                 drains[w].append(t)
