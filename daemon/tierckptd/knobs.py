@@ -140,9 +140,9 @@ class Knobs:
     pieces with a wait before each. A pause that reaches this limit is followed by at least as
     long a run, so a node whose saves never stop still drains half the time
     (:mod:`tierckptd.persistent.pause`). 0: the drain never waits. On the 2-core bench machine
-    a 16 MiB save during a drain blocked a median 1.05x its time with no drain (ten runs,
-    0.94-1.26x), against 1.23x with 0, and the drain took no longer (bench/save_during_drain.py,
-    bench/README.md "Session of 2026-12-07, 15:51 UTC")."""
+    a 16 MiB save during a drain blocked a median 1.14x its time with no drain (fifteen runs,
+    0.94-1.30x), against 1.25x with 0; on a slow local disk a ``file://`` drain took up to 1.75x
+    longer (bench/save_during_drain.py, bench/README.md "Session of 2026-12-07, 15:51 UTC")."""
     switch_interval: float = 0.0
     """Seconds a Python thread holding the GIL keeps it while another waits for it
     (``sys.setswitchinterval``; Python's default is 0.005): the RPCs and commits of saves wait
