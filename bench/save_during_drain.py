@@ -51,7 +51,16 @@ def _save(c: object, step: int, small: dict) -> tuple[float, float]:
     return s1 - s0, time.perf_counter() - s0
 
 
-def _round(c: object, big: dict, small: dict, step: int, gap: float) -> tuple[list, list, float]:
+def _train_step(work: np.ndarray | None, gap: float) -> None:
+    """What a trainer does between two saves: ``gap`` seconds, with ``work`` (its activations and
+    gradients, --step-mib) written once, so the caches hold the trainer's data, not the last save's."""
+    if work is not None:
+        work += 1
+    time.sleep(gap)
+
+
+def _round(c: object, big: dict, small: dict, step: int, gap: float,
+           work: np.ndarray | None = None) -> tuple[list, list, float]:
     """(blocking during the drain, blocking with no drain: (copy, commit) pairs; drain seconds) of one round."""
     fut = c.save("big", step, 0, 1, big, persist=True)  # type: ignore[attr-defined]
     fut.result(600)
@@ -72,11 +81,11 @@ def _round(c: object, big: dict, small: dict, step: int, gap: float) -> tuple[li
         timed = _save(c, step * 1000 + k, small)
         if not done.is_set():  # only saves that ended while the drain still ran
             during.append(timed)
-        time.sleep(gap)
+        _train_step(work, gap)
     idle = []
     for j in range(max(3, len(during))):
         idle.append(_save(c, step * 1000 + 500 + j, small))
-        time.sleep(gap)
+        _train_step(work, gap)
     return during, idle, drain[0]
 
 
@@ -86,6 +95,9 @@ def main() -> int:
     ap.add_argument("--small", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--gap", type=float, default=0.05, help="seconds between two small saves (a trainer's step)")
+    ap.add_argument("--step-mib", type=int, default=0,
+                    help="MiB the trainer writes between two saves (its activations and gradients; 0: none, so a "
+                         "save with no drain finds the last save's bytes still in the CPU caches)")
     ap.add_argument("--codec", default="auto", help="the daemons' codec setting (none: the drain without a codec)")
     ap.add_argument("--variants", nargs=2, default=["drain_yield=2.0", "drain_yield=0"],
                     help="the knobs of the two daemons (default: the drain yields to saves, and it does not)")
@@ -107,6 +119,7 @@ def main() -> int:
     idle: dict[str, list[tuple[float, float]]] = {w: [] for w in workers}
     drains: dict[str, list[float]] = {w: [] for w in workers}
     small = _state(args.small, 4, 0)
+    work = np.zeros(args.step_mib << 18, dtype=np.float32) if args.step_mib else None
     try:
         for d in ds.values():
             d.start()
@@ -118,7 +131,7 @@ def main() -> int:
                 for d in others:  # the other arm's background work (pool warming) stays out of this one
                     os.kill(d.proc.pid, signal.SIGSTOP)
                 try:
-                    a, b, t = _round(c, big, small, r, args.gap)
+                    a, b, t = _round(c, big, small, r, args.gap, work)
                 finally:
                     for d in others:
                         os.kill(d.proc.pid, signal.SIGCONT)
@@ -137,7 +150,8 @@ def main() -> int:
         for s in stores.values():
             shutil.rmtree(s, ignore_errors=True)
     mb = args.mib * 1.048576
-    print(f"\n{args.mib} MiB float32 drained per round; small saves of {args.small} MiB; {args.rounds} rounds")
+    print(f"\n{args.mib} MiB float32 drained per round; small saves of {args.small} MiB; {args.rounds} rounds; "
+          f"{args.step_mib} MiB written between saves")
     for w in workers:
         dm, im = (statistics.median(t for _, t in x[w]) for x in (during, idle))
         dc, ic = (statistics.median(c for c, _ in x[w]) for x in (during, idle))

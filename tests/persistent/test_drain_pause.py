@@ -32,8 +32,10 @@ class _Clock:
 
 
 def _fake(pids: list[int], limit: float = 2.0) -> tuple[DrainPause, _Clock, list[tuple[int, int]]]:
+    """A pause on a fake clock that continues the workers the moment the last save leaves."""
     clock, sent = _Clock(), []
-    pause = DrainPause(lambda: list(pids), limit=lambda: limit, clock=clock, kill=lambda p, s: sent.append((p, s)))
+    pause = DrainPause(lambda: list(pids), limit=lambda: limit, clock=clock, kill=lambda p, s: sent.append((p, s)),
+                       linger=lambda: 0.0)
     return pause, clock, sent
 
 
@@ -59,12 +61,52 @@ def test_drain_yield_zero_never_pauses_and_a_vanished_worker_is_skipped() -> Non
             raise ProcessLookupError(pid)
         sent.append((pid, sig))
 
-    pause = DrainPause(lambda: [11, 12], limit=lambda: 2.0, kill=kill)
+    pause = DrainPause(lambda: [11, 12], limit=lambda: 2.0, kill=kill, linger=lambda: 0.0)
     pause.busy(True)
     assert pause.stopped == [12]
     pause.busy(False)
     assert sent == [(12, signal.SIGSTOP), (12, signal.SIGCONT)]
     pause.close()
+
+
+def test_the_drain_stays_stopped_a_moment_after_the_last_save_leaves() -> None:
+    """drain_resume_delay: the commit's reply reaches the trainer, and a save that follows at once
+    finds the workers still stopped (not continued and stopped again), before the drain runs."""
+    sent: list[tuple[float, int, int]] = []
+    pause = DrainPause(lambda: [21, 22], limit=lambda: 60.0, linger=lambda: 0.3,
+                       kill=lambda p, s: sent.append((time.monotonic(), p, s)))
+    pause.busy(True)
+    t0 = time.monotonic()
+    pause.busy(False)
+    assert pause.paused and [s for _, _, s in sent] == [signal.SIGSTOP] * 2
+    pause.busy(True)  # the next save, within the delay: the same pause goes on, nothing signalled
+    pause.busy(False)
+    time.sleep(0.15)
+    assert pause.paused and len(sent) == 2
+    _wait_for(lambda: not pause.paused)
+    assert [(p, s) for _, p, s in sent[2:]] == [(21, signal.SIGCONT), (22, signal.SIGCONT)]
+    assert sent[2][0] - t0 >= 0.3 and pause.stopped == [] and pause.pauses == 1
+    pause.close()
+
+
+def test_the_delay_after_the_last_save_stays_within_drain_yield() -> None:
+    sent: list[int] = []
+    pause = DrainPause(lambda: [31], limit=lambda: 0.2, linger=lambda: 30.0, kill=lambda p, s: sent.append(s))
+    t0 = time.monotonic()
+    pause.busy(True)
+    pause.busy(False)
+    _wait_for(lambda: not pause.paused)
+    assert sent == [signal.SIGSTOP, signal.SIGCONT] and time.monotonic() - t0 < 5.0
+    pause.close()
+
+
+def test_closing_continues_workers_held_after_the_last_save() -> None:
+    sent: list[int] = []
+    pause = DrainPause(lambda: [41], limit=lambda: 60.0, linger=lambda: 30.0, kill=lambda p, s: sent.append(s))
+    pause.busy(True)
+    pause.busy(False)
+    pause.close()
+    assert sent == [signal.SIGSTOP, signal.SIGCONT] and not pause.paused
 
 
 def _wait_for(cond, timeout: float = 5.0) -> None:

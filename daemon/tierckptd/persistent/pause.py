@@ -6,8 +6,10 @@ memory bandwidth and the last-level cache the copy needs. Waiting between chunks
 (:meth:`.chunkread.ChunkReader.yield_to_saves`) leaves the chunk begun before the save running
 through it, and a chunk takes longer than most saves' copies. So, with the work in child
 processes (``KNOBS.drain_processes``), the daemon stops them (``SIGSTOP``) the moment a save
-opens and continues them (``SIGCONT``) when the last one has committed or was aborted: no drain
-work runs alongside a save, whatever point a chunk was at (bench/save_during_drain.py).
+opens and continues them (``SIGCONT``) ``KNOBS.drain_resume_delay`` seconds after the last one
+has committed or was aborted (unless another opened meanwhile): no drain work runs alongside a
+save, whatever point a chunk was at, nor while the commit's reply travels back to the trainer
+(bench/save_during_drain.py).
 
 The drain's threads wait in :meth:`DrainPause.wait_idle` before each upload (and, without child
 processes, before each chunk's read): woken when the pause ends, never polling. A ``file://``
@@ -51,15 +53,18 @@ class DrainPause:
     """
 
     def __init__(self, pids: Callable[[], list[int]], limit: Callable[[], float] | None = None,
-                 clock: Callable[[], float] = time.monotonic, kill: Callable[[int, int], None] = os.kill) -> None:
+                 clock: Callable[[], float] = time.monotonic, kill: Callable[[int, int], None] = os.kill,
+                 linger: Callable[[], float] | None = None) -> None:
         self._pids = pids
         self._limit = limit or (lambda: KNOBS.drain_yield)
+        self._linger = linger or (lambda: KNOBS.drain_resume_delay)
         self._clock, self._kill = clock, kill
         self._cv = threading.Condition()
         self._busy = False
         self._paused = False
         self._stopped: list[int] = []  # processes stopped by the pause in progress
         self._since = 0.0
+        self._resume_at = 0.0  # the last save left: the pause ends then, unless another opens first
         self._paused_before = 0.0  # seconds of the pauses that ended
         self._run_until = 0.0  # after a pause that reached its limit: none before this
         self._thread: threading.Thread | None = None
@@ -88,8 +93,11 @@ class DrainPause:
         Called under the store's lock: it only signals processes and wakes the others."""
         with self._cv:
             self._busy = busy
+            self._resume_at = 0.0
             if busy:
                 self._pause_locked()
+            elif self._paused and (linger := self._linger()) > 0 and self._thread is not None:
+                self._resume_at = self._clock() + linger  # the watcher continues them then
             else:
                 self._resume_locked()
             self._cv.notify_all()
@@ -129,6 +137,7 @@ class DrainPause:
             self._thread.start()
 
     def _resume_locked(self) -> None:
+        self._resume_at = 0.0
         for pid in self._stopped:
             self._signal(pid, signal.SIGCONT)
         self._stopped = []
@@ -154,7 +163,13 @@ class DrainPause:
         with self._cv:
             while not self._closed:
                 now, limit = self._clock(), self._limit()
-                if self._paused:
+                if self._paused and not self._busy and self._resume_at:
+                    if now < self._resume_at and now < self._since + limit:
+                        self._cv.wait(min(self._resume_at, self._since + limit) - now)
+                        continue
+                    self._resume_locked()
+                    self._cv.notify_all()
+                elif self._paused:
                     end = self._since + limit
                     if now < end:
                         self._cv.wait(end - now)
