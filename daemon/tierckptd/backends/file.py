@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import ctypes
 import errno
-import functools
 import os
 import secrets
 import shutil
@@ -17,6 +15,7 @@ from typing import BinaryIO
 
 from tierckpt.errors import NotFoundError, TierckptError
 
+from .. import libc
 from ..local.localfs import open_checked
 from .base import (
     _TMP_MARK,
@@ -41,19 +40,8 @@ def _write_out(fd: int, offset: int, length: int) -> None:
     """Write ``[offset, offset + length)`` of ``fd`` out to the medium now (``sync_file_range``;
     the final ``fsync`` still makes it durable and reports any error). Where it is missing, the
     ``fsync`` does it all."""
-    libc = _libc()
-    if libc is not None:
-        libc.sync_file_range(fd, ctypes.c_longlong(offset), ctypes.c_longlong(length), _SYNC_FILE_RANGE)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-        return libc
-    except (OSError, AttributeError):
-        return None
+    with contextlib.suppress(OSError):
+        libc.sync_file_range(fd, offset, length, _SYNC_FILE_RANGE)
 
 
 _RETRYABLE_ERRNOS = frozenset(

@@ -63,6 +63,7 @@ from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import libc
 from ..knobs import KNOBS
 from .rules import charge_file
 
@@ -139,13 +140,6 @@ def hinted_pool_size(hints: dict[int, int], have: dict[int, int], free: int,
 log = logging.getLogger(__name__)
 
 _FALLOC_FL_KEEP_SIZE = 1
-_libc: ctypes.CDLL | None
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
-    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-except (OSError, AttributeError):  # pragma: no cover - every Linux libc has fallocate
-    _libc = None
 
 
 def fallocate_keep_size(fd: int, offset: int, length: int) -> None:
@@ -154,11 +148,7 @@ def fallocate_keep_size(fd: int, offset: int, length: int) -> None:
     Raises:
         OSError: ENOSPC, EOPNOTSUPP (the filesystem cannot), ...
     """
-    if _libc is None:  # pragma: no cover
-        raise OSError(errno.EOPNOTSUPP, "fallocate is not available")
-    if _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
+    libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length)
 
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11 lacks the name
@@ -178,7 +168,7 @@ def touch_pages(fd: int, offset: int, length: int) -> None:
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     size = offset + length - start
     with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start) as m:
-        if _libc is None:  # pragma: no cover
+        if not libc.available():  # pragma: no cover
             m.madvise(_MADV_POPULATE_WRITE)
             return
         # Through ctypes, which lets go of the GIL for the call: Python's ``mmap.madvise`` holds
@@ -186,12 +176,9 @@ def touch_pages(fd: int, offset: int, length: int) -> None:
         # which none of the daemon's RPCs could run (bench/README.md, "Session of 2026-12-07, 15:51 UTC").
         view = ctypes.c_char.from_buffer(m)  # its first byte: the map's address
         try:
-            rc = _libc.madvise(ctypes.addressof(view), size, _MADV_POPULATE_WRITE)
+            libc.madvise(ctypes.addressof(view), size, _MADV_POPULATE_WRITE)
         finally:
             del view  # the map cannot close while a view of it is exported
-        if rc != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, os.strerror(e))
 
 
 @functools.cache

@@ -319,15 +319,12 @@ def die_with_parent(parent: int) -> None:
     """The child gets ``SIGKILL`` when the daemon thread that started it ends (a daemon killed
     while its children are stopped by :mod:`.pause` leaves none behind: a stopped process never
     reads the end of its socket), and exits now if the daemon is already gone."""
-    import ctypes
+    from .. import libc
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    with contextlib.suppress(OSError):
+        libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(0)
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 def lower_priority() -> None:
