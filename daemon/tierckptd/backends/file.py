@@ -145,20 +145,21 @@ class FileBackend(Backend):
             raise _LinkRefused(errno.EINVAL, f"{name!r} below the root is not a regular file")
         return fd
 
-    def _write(self, key: str, fill: Callable[[BinaryIO], object]) -> None:
+    def _write(self, key: str, fill: Callable[[BinaryIO], object], pace: Callable[[], None] | None = None) -> None:
         *parents, name = check_key(key).split("/")
         tmp = f"{name}{_TMP_MARK}{secrets.token_hex(4)}"
         with self._errors("put", key):
             for attempt in range(3):  # a concurrent delete may prune the directory we just made
                 try:
                     with self._dir(parents, create=True) as dfd:
-                        self._put_in(dfd, tmp, name, fill)
+                        self._put_in(dfd, tmp, name, fill, pace)
                     return
                 except FileNotFoundError:
                     if attempt == 2:
                         raise
 
-    def _put_in(self, dfd: int, tmp: str, name: str, fill: Callable[[BinaryIO], object]) -> None:
+    def _put_in(self, dfd: int, tmp: str, name: str, fill: Callable[[BinaryIO], object],
+                pace: Callable[[], None] | None = None) -> None:
         fd = self._open_file(dfd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             os.fchmod(fd, _FILE_MODE)
@@ -166,6 +167,8 @@ class FileBackend(Backend):
                 fill(out)
                 if self._fsync:
                     out.flush()
+                    if pace is not None:  # a journal commit is disk and CPU work too: not during a save
+                        pace()
                     os.fsync(out.fileno())
             os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces an entry, never follows it
         except BaseException:
@@ -173,6 +176,8 @@ class FileBackend(Backend):
                 os.unlink(tmp, dir_fd=dfd)
             raise
         if self._fsync:
+            if pace is not None:
+                pace()
             os.fsync(dfd)
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
@@ -211,7 +216,7 @@ class FileBackend(Backend):
                 out.flush()
                 _write_out(out.fileno(), off, len(view[off:off + _PACE_PIECE]))
 
-        self._write(key, paced)
+        self._write(key, paced, pace)
 
     @contextlib.contextmanager
     def _open_object(self, key: str) -> Iterator[BinaryIO]:

@@ -51,6 +51,10 @@ class ChunkReader:
         self.workers.paused_seconds = self.pause.paused_seconds
         store.watch_saving(self.pause.busy)
 
+    def halted(self) -> None:
+        """``halt`` was set: drain threads waiting for saves to end stop waiting."""
+        self.pause.wake()
+
     def close(self) -> None:
         """The tier stops: paused children continue, idle ones end."""
         self.store.unwatch_saving(self.pause.busy)

@@ -110,11 +110,17 @@ class DrainPause:
 
     def wait_idle(self, halt: threading.Event) -> None:
         """Block (a drain thread) while the drain is paused, or until ``halt``: woken by
-        :meth:`busy` and the watcher, not polling (pollers would take the daemon's GIL from the
-        save's own RPCs hundreds of times a second)."""
+        :meth:`busy`, the watcher and :meth:`wake` (whoever sets ``halt`` calls it), not polling:
+        pollers would take the daemon's GIL from the save's own RPCs many times a second (eight
+        upload threads at 20 Hz did until 2026-12-07)."""
         with self._cv:
             while self._paused and not self._closed and not halt.is_set():
-                self._cv.wait(0.05)  # halt is looked at 20 times a second: the tier's stop
+                self._cv.wait(1.0)  # a backstop only
+
+    def wake(self) -> None:
+        """Let every :meth:`wait_idle` caller look at its ``halt`` again (the tier stops)."""
+        with self._cv:
+            self._cv.notify_all()
 
     def close(self) -> None:
         """Continue every stopped process, release the waiters and end the watcher (the tier stops)."""

@@ -177,6 +177,7 @@ class PersistentTier(RemoteTier):
         """Let in-flight uploads finish within ``timeout``; queued ranks stay in the durable queue."""
         await self.drainer.stop(timeout)
         self.calls.halt.set()
+        self.content.reader.halted()
         for t in self.drainer.running | self._tasks:
             t.cancel()
         try:
