@@ -63,25 +63,7 @@ def _check_owner(staging: Staging, catalog: Catalog, open_saves: Iterable[Stagin
     check_job_owner(staging.job, owners, staging.job_owner, "copy" if staging.inbound else "save")
 
 
-class _BusyListeners:
-    """Listeners told (under the store's lock) when :meth:`busy` changes: a save opened here, or
-    the last one left (the drain's pause, :mod:`tierckptd.persistent.pause`)."""
-
-    listeners: list[Callable[[bool], None]]
-    _was_busy = False
-
-    def busy(self) -> bool:
-        raise NotImplementedError
-
-    def _busy_changed_locked(self) -> None:
-        busy = self.busy()
-        if busy != self._was_busy:
-            self._was_busy = busy
-            for fn in self.listeners:
-                fn(busy)
-
-
-class OpenSaves(_BusyListeners):
+class OpenSaves:
     """Args:
         lock: the store's lock (guards this state together with the catalog).
         make_room: ``make_room(bytes, evictable, job)`` under the lock: evict what may be evicted
@@ -104,7 +86,10 @@ class OpenSaves(_BusyListeners):
         self.last_begin = time.monotonic()
         self.committing_bytes = 0  # saves between leaving the open ones and entering the catalog (charged)
         self.committing_data = 0  # the same saves' shard bytes
-        self.listeners = []
+        self.listeners: list[Callable[[bool], None]] = []
+        """Told (under the store's lock) when :meth:`busy` changes: a save opened here, or the
+        last one left (the drain's pause, :mod:`tierckptd.persistent.pause`)."""
+        self._was_busy = False
 
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
               stream: bool = False, prefault: Callable[[int, int], None] | None = None,
@@ -365,6 +350,13 @@ class OpenSaves(_BusyListeners):
         """Whether a save is open or committing here: a trainer's, an inbound copy's or a
         restore's (safe without the lock: a snapshot)."""
         return bool(self._open) or self.committing_bytes > 0
+
+    def _busy_changed_locked(self) -> None:
+        busy = self.busy()
+        if busy != self._was_busy:
+            self._was_busy = busy
+            for fn in self.listeners:
+                fn(busy)
 
     def open_jobs_locked(self) -> set[str]:
         """The jobs with a save open here (a trainer's or an inbound copy's)."""
