@@ -140,14 +140,15 @@ class Knobs:
     pieces with a wait before each. A pause that reaches this limit is followed by at least as
     long a run, so a node whose saves never stop still drains half the time
     (:mod:`tierckptd.persistent.pause`). 0: the drain never waits. On the 2-core bench machine
-    a 16 MiB save during a drain blocked a median 1.14x its time with no drain (fifteen runs,
-    0.94-1.30x), against 1.25x with 0; on a slow local disk a ``file://`` drain took up to 1.75x
-    longer (bench/save_during_drain.py, bench/README.md "Session of 2026-12-07, 15:51 UTC")."""
+    a 16 MiB save during a drain blocked a median 1.05x its time with no drain (28 runs,
+    0.91-1.30x), against 1.26x with 0; with saves 50 ms apart the drain took a median 1.4x
+    longer (bench/save_during_drain.py, bench/README.md "Session of 2026-12-07, 18:57 UTC")."""
     drain_resume_delay: float = 0.02
     """Seconds the drain stays paused (``drain_yield``) after the last save left the node: the
     commit's reply reaches the trainer, and a save that follows at once finds the drain still
     stopped, before the drain's processes run again. Within ``drain_yield``'s bound. 0: continued
-    at once."""
+    at once. Same-run pairs on the bench machine: a save during a drain 1.00-1.09x its time with
+    no drain, against 1.03-1.37x with 0 (bench/README.md "Session of 2026-12-07, 18:57 UTC")."""
     switch_interval: float = 0.0
     """Seconds a Python thread holding the GIL keeps it while another waits for it
     (``sys.setswitchinterval``; Python's default is 0.005): the RPCs and commits of saves wait
