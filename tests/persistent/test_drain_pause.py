@@ -299,8 +299,8 @@ def test_a_stopped_tier_no_longer_listens_to_the_store(tmp_path: Path) -> None:
     async def body() -> None:
         rig = Rig(tmp_path)
         await rig.tier.start()
-        assert rig.tier.content.reader.pause.busy in rig.store._saves.listeners
+        assert rig.tier.content.reader.pause.busy in rig.store._saves.watch.listeners
         await rig.tier.stop(1.0)
-        assert rig.store._saves.listeners == []
+        assert rig.store._saves.watch.listeners == []
 
     asyncio.run(body())

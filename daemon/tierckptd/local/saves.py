@@ -63,6 +63,24 @@ def _check_owner(staging: Staging, catalog: Catalog, open_saves: Iterable[Stagin
     check_job_owner(staging.job, owners, staging.job_owner, "copy" if staging.inbound else "save")
 
 
+class BusyWatch:
+    """Listeners told (under the store's lock) when ``busy()`` changes: a save opened here, or the
+    last one left (the drain's pause, :mod:`tierckptd.persistent.pause`)."""
+
+    def __init__(self, busy: Callable[[], bool]) -> None:
+        self._busy = busy
+        self._was = False
+        self.listeners: list[Callable[[bool], None]] = []
+
+    def changed_locked(self) -> None:
+        """Tell every listener if ``busy()`` changed since the last call (the store's lock held)."""
+        busy = self._busy()
+        if busy != self._was:
+            self._was = busy
+            for fn in self.listeners:
+                fn(busy)
+
+
 class OpenSaves:
     """Args:
         lock: the store's lock (guards this state together with the catalog).
@@ -86,10 +104,7 @@ class OpenSaves:
         self.last_begin = time.monotonic()
         self.committing_bytes = 0  # saves between leaving the open ones and entering the catalog (charged)
         self.committing_data = 0  # the same saves' shard bytes
-        self.listeners: list[Callable[[bool], None]] = []
-        """Told (under the store's lock) when :meth:`busy` changes: a save opened here, or the
-        last one left (the drain's pause, :mod:`tierckptd.persistent.pause`)."""
-        self._was_busy = False
+        self.watch = BusyWatch(self.busy)
 
     def begin(self, job: str, step: int, rank: int, world_size: int, specs: Sequence[ShardSpec], *,
               stream: bool = False, prefault: Callable[[int, int], None] | None = None,
@@ -199,7 +214,7 @@ class OpenSaves:
                 staging.files[shard].reserved = fsize >= staging.files[shard].size
         self._open[staging.save_id] = staging
         self._by_key[key] = staging.save_id
-        self._busy_changed_locked()
+        self.watch.changed_locked()
         return reused
 
     def get(self, save_id: str) -> Staging:
@@ -311,7 +326,7 @@ class OpenSaves:
         self.committing_bytes -= charge(st)
         self.committing_data -= st.new_bytes
         self._unshare_locked(st)
-        self._busy_changed_locked()
+        self.watch.changed_locked()
 
     def abort(self, save_id: str) -> None:
         """Drop an open save and its staging files. Idempotent."""
@@ -326,7 +341,7 @@ class OpenSaves:
             del self._by_key[(st.job, st.step, st.rank)]
         self._layout.remove_staging(save_id)
         self._unshare_locked(st)
-        self._busy_changed_locked()
+        self.watch.changed_locked()
 
     def reclaim_expired(self, timeout: float) -> int:
         """Abort saves open longer than ``timeout`` seconds (a client that died mid-save); release
@@ -350,13 +365,6 @@ class OpenSaves:
         """Whether a save is open or committing here: a trainer's, an inbound copy's or a
         restore's (safe without the lock: a snapshot)."""
         return bool(self._open) or self.committing_bytes > 0
-
-    def _busy_changed_locked(self) -> None:
-        busy = self.busy()
-        if busy != self._was_busy:
-            self._was_busy = busy
-            for fn in self.listeners:
-                fn(busy)
 
     def open_jobs_locked(self) -> set[str]:
         """The jobs with a save open here (a trainer's or an inbound copy's)."""

@@ -357,12 +357,12 @@ class LocalStore(StoreRetention, StoreQueries):
     def watch_saving(self, fn: Callable[[bool], None]) -> None:
         """Call ``fn(saving)`` whenever :meth:`saving` changes, under the lock (no blocking)."""
         with self._lock:
-            self._saves.listeners.append(fn)
+            self._saves.watch.listeners.append(fn)
 
     def unwatch_saving(self, fn: Callable[[bool], None]) -> None:
         with self._lock:
-            if fn in self._saves.listeners:
-                self._saves.listeners.remove(fn)
+            if fn in self._saves.watch.listeners:
+                self._saves.watch.listeners.remove(fn)
 
     # ----------------------------------------------------------------------------- reading
 
