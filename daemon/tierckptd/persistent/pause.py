@@ -96,8 +96,8 @@ class DrainPause:
             self._resume_at = 0.0
             if busy:
                 self._pause_locked()
-            elif self._paused and (linger := self._linger()) > 0 and self._thread is not None:
-                self._resume_at = self._clock() + linger  # the watcher continues them then
+            elif self._paused and (linger := self._linger()) > 0:  # a pause has its watcher running
+                self._resume_at = self._clock() + linger  # which continues them then
             else:
                 self._resume_locked()
             self._cv.notify_all()
