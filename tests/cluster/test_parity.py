@@ -4,6 +4,7 @@ persistent tier; a corrupt parity slot is detected and never yields wrong bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -220,6 +221,15 @@ def test_a_lost_nodes_rank_is_reconstructed_on_another_node(daemon_factory):
         assert c.restore(job, 0, step=9).tier == "local"
 
 
+def _full_slots(d) -> int:
+    """Parity slots on ``d`` that protect all four members of their stripe."""
+    full = 0
+    for m in (d.local_dir / "parity").rglob("slot-*.json"):
+        with contextlib.suppress(FileNotFoundError, ValueError):  # (a slot being rewritten)
+            full += len(json.loads(m.read_text())["members"]) == 4
+    return full
+
+
 def test_parity_lost_on_a_protector_is_protected_again(daemon_factory):
     """A slot caught mid-XOR by a crash is dropped at start-up, and a step's parity dropped on a
     protector is noticed at the next audit: the owners protect their chunks again."""
@@ -244,9 +254,8 @@ def test_parity_lost_on_a_protector_is_protected_again(daemon_factory):
         removed = ppb_grpc.PeerStub(ch).DropParity(ppb.DropParityRequest(requester="n0", job=job, step=6), timeout=10)
     assert removed.removed == 1 and _parity_bytes(cl.d["n2"]) == 0
     wait_until(lambda: _parity_bytes(cl.d["n2"]) > 0, timeout=60, what="n2's slot protected again after the audit")
-    wait_until(lambda: len([m for m in (cl.d["n2"].local_dir / "parity").rglob("slot-*.json")
-                            if len(json.loads(m.read_text())["members"]) == 4]) == 1, timeout=60,
-               what="all four members back in n2's slot")
+    for n in ("n1", "n2"):  # a slot holds bytes as soon as its first member is back: wait for all four
+        wait_until(lambda n=n: _full_slots(cl.d[n]) == 1, timeout=60, what=f"all four members back in {n}'s slot")
     assert "is no longer on n2: protecting it again" in cl.d["n0"].log_tail(400)
     cl.replace("n3")
     cl.wait_peers("n3")

@@ -201,3 +201,52 @@ def test_a_starved_chunk_worker_is_lifted_for_its_chunk_and_put_back_at_sched_id
     finally:
         os.close(fd)
         worker.close()
+
+
+
+def test_a_chunk_worker_taken_by_a_sched_idle_thread_on_a_busy_node_starts_at_once(tmp_path: Path) -> None:
+    """The drain thread that first needs a child runs at ``SCHED_IDLE``: a child started from it
+    inherited that, and on a node whose every core is busy its interpreter got almost no CPU (the
+    start timed out after 60 s and the drain fell back to its threads). Children are started by a
+    thread the tier starts as it is built; a child drops to ``SCHED_IDLE`` once it is ready."""
+    import subprocess
+    import sys
+    import time
+
+    from tierckptd.persistent import chunkproc
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(chunkproc, "_SPAWNER", [])  # a fresh spawner, as in a new daemon
+    workers = chunkproc.ChunkWorkers()  # built here, on a thread at the normal policy, like the tier
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    got: dict[str, object] = {}
+
+    def drain_thread() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only, like a drain thread
+        t0 = time.monotonic()
+        try:
+            with workers.take(1 << 20) as w:
+                got["pid"] = w.proc.pid
+        except OSError as err:
+            got["error"] = err
+        got["seconds"] = time.monotonic() - t0
+
+    try:
+        time.sleep(0.5)  # the burners are running
+        t = threading.Thread(target=drain_thread)
+        t.start()
+        t.join(90)
+        assert "pid" in got and got["seconds"] < 10, got  # 60 s (the start-up timeout) before
+        pid = got["pid"]
+        assert isinstance(pid, int)
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(pid) != os.SCHED_IDLE and time.monotonic() < deadline:
+            time.sleep(0.05)  # (it lowers itself right after saying it is ready)
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE and os.getpriority(os.PRIO_PROCESS, pid) == 19
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+        workers.close()
+        monkeypatch.undo()

@@ -12,8 +12,8 @@ from .compress import warm
 
 if __name__ == "__main__":
     die_with_parent(int(sys.argv[2]))  # first: a daemon killed while this child is stopped takes it along
-    lower_priority()  # before the imports: threads they start (numpy's) inherit SCHED_IDLE and nice 19
     sock = socket.socket(fileno=int(sys.argv[1]))
-    sock.send(READY)  # from here on the daemon may stop this child (.pause)
+    sock.send(READY)  # from here on the daemon may stop this child (.pause); it started at the normal policy
+    lower_priority()  # before the imports: threads they start (numpy's) inherit SCHED_IDLE and nice 19
     warm()
     serve(sock)

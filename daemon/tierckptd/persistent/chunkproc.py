@@ -225,10 +225,19 @@ _SPAWNER_LOCK = threading.Lock()
 
 def _spawner() -> cf.ThreadPoolExecutor:
     """The one thread that starts every child (for the process's life): a child dies with the
-    thread that started it (:func:`die_with_parent`), and the drain's threads end when idle."""
+    thread that started it (:func:`die_with_parent`), and the drain's threads end when idle.
+
+    The thread is started by the first caller, :class:`ChunkWorkers` as the tier is built (the
+    daemon's thread, at the normal policy), never by a drain thread: a thread inherits its
+    creator's ``SCHED_IDLE`` and nice 19, and so does a process, and a child's interpreter that
+    starts at ``SCHED_IDLE`` on a node whose every core is busy got almost no CPU: its start
+    timed out after a minute and the drain fell back to its threads. A child lowers itself once
+    it is ready (``_chunkmain``)."""
     with _SPAWNER_LOCK:
         if not _SPAWNER:
-            _SPAWNER.append(cf.ThreadPoolExecutor(1, thread_name_prefix="chunk-worker-start"))
+            pool = cf.ThreadPoolExecutor(1, thread_name_prefix="chunk-worker-start")
+            pool.submit(int).result()  # its thread starts now, from this one
+            _SPAWNER.append(pool)
         return _SPAWNER[0]
 
 
@@ -245,6 +254,7 @@ class ChunkWorkers:
         """Called with each new child's pid before its first request (:meth:`.pause.DrainPause.adopt`)."""
         self.paused_seconds: Callable[[], float] = lambda: 0.0
         """Given to each child (:attr:`ChunkWorker.paused_seconds`)."""
+        _spawner()  # its thread, started from this one (see there)
 
     @contextlib.contextmanager
     def take(self, size: int) -> Iterator[ChunkWorker]:
