@@ -73,3 +73,22 @@ def test_a_corrupt_download_is_discarded_and_a_good_one_restored(tmp_path: Path)
         await reader.tier.stop(1.0)
 
     asyncio.run(body())
+
+
+def test_a_probe_cut_between_its_put_and_its_delete_leaves_nothing_behind(tmp_path: Path) -> None:
+    """The store fails after the probe's put: the probe fails (the tier shows degraded), and its
+    object is deleted with the next probe's once the store works again."""
+    from tierckptd.backends.base import BackendError
+
+    async def body() -> None:
+        rig = Rig(tmp_path)
+        rig.faulty.fail("delete", times=2, where=".tierckpt-probe/")
+        for _ in range(2):
+            with pytest.raises(BackendError, match="injected"):
+                await rig.tier.probe()
+        assert len(rig.memory.list(".tierckpt-probe/")) == 2  # each put landed, neither delete
+        await rig.tier.probe()
+        assert rig.memory.list(".tierckpt-probe/") == []
+        await rig.tier.stop(1.0)
+
+    asyncio.run(body())

@@ -45,6 +45,9 @@ from .uploader import RankUploader
 __all__ = ["PersistentTier"]
 
 log = logging.getLogger(__name__)
+_PROBES_LEFT_MAX = 64
+"""Probe objects remembered for a later delete at most (a probe runs every 30 s, and one is left
+only when the store fails between its put and its delete)."""
 
 
 def _warm_codecs() -> None:
@@ -85,6 +88,9 @@ class PersistentTier(RemoteTier):
         self.cluster = cluster
         self.queue = DrainQueue(store.root / QUEUE_DIR, fsync=store.fsync)
         self._tasks: set[asyncio.Task] = set()
+        self._probes_left: list[str] = []
+        """Probe objects whose delete failed (the store went away between the put and the
+        delete): deleted with the next probe's, so an outage leaves nothing behind."""
         self.calls = BackendCalls(metrics, backend)
         self.ledger = Ledger()
         self.catalog_cache = Catalog(self.calls, self.url, metrics, self._spawn)
@@ -166,10 +172,17 @@ class PersistentTier(RemoteTier):
         """
         be = self.calls.be
         key = f".tierckpt-probe/{self.config.node_id}.{secrets.token_hex(4)}"  # never a job's key
+        left = self._probes_left
 
         def put_delete() -> None:
             be.put_bytes(key, b"tierckpt write probe\n")
-            be.delete([key])
+            try:
+                be.delete([key, *left])
+            except BaseException:
+                if len(left) < _PROBES_LEFT_MAX:
+                    left.append(key)
+                raise
+            left.clear()
 
         await run_blocking(put_delete, pool=self.calls.threads)
 
