@@ -203,8 +203,8 @@ def test_a_starved_chunk_worker_is_lifted_for_its_chunk_and_put_back_at_sched_id
         worker.close()
 
 
-
-def test_a_chunk_worker_taken_by_a_sched_idle_thread_on_a_busy_node_starts_at_once(tmp_path: Path) -> None:
+def test_a_chunk_worker_taken_by_a_sched_idle_thread_on_a_busy_node_starts_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The drain thread that first needs a child runs at ``SCHED_IDLE``: a child started from it
     inherited that, and on a node whose every core is busy its interpreter got almost no CPU (the
     start timed out after 60 s and the drain fell back to its threads). Children are started by a
@@ -215,7 +215,6 @@ def test_a_chunk_worker_taken_by_a_sched_idle_thread_on_a_busy_node_starts_at_on
 
     from tierckptd.persistent import chunkproc
 
-    monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(chunkproc, "_SPAWNER", [])  # a fresh spawner, as in a new daemon
     workers = chunkproc.ChunkWorkers()  # built here, on a thread at the normal policy, like the tier
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
@@ -249,4 +248,3 @@ def test_a_chunk_worker_taken_by_a_sched_idle_thread_on_a_busy_node_starts_at_on
             b.kill()
             b.wait()
         workers.close()
-        monkeypatch.undo()
