@@ -333,25 +333,29 @@ def test_closed_stdout_is_quiet(daemon):
     assert err.getvalue() == ""
 
 
-def _small_files() -> None:
-    """In the child: files may not grow past 1000 bytes (EFBIG instead of SIGXFSZ)."""
-    import resource
-    import signal
+_SMALL_FILES = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); "
+                "sys.argv[0] = 'tierckpt'; runpy.run_module('tierckpt.cli', run_name='__main__')")
 
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+
+def _run_small_files(*argv: str) -> subprocess.CompletedProcess:
+    """The CLI in a process whose files may not grow past 1000 bytes (EFBIG: Python ignores
+    SIGXFSZ). The limit is set by the child's own interpreter, not by a ``preexec_fn``: that
+    forks this process, which runs gRPC, and gRPC's fork handler restarts its poller in the
+    child, whose epoll descriptor ``close_fds`` then closes: the child aborted before its exec
+    now and then ("epoll_wait error: Bad file descriptor", grpc/grpc#43055)."""
+    return subprocess.run([sys.executable, "-c", _SMALL_FILES, *argv], capture_output=True, text=True, env=ENV,
+                          timeout=60)
 
 
 def test_error_from_an_answering_daemon_is_exit_1(daemon, tmp_path):
     out = tmp_path / "ro"
-    p = run("--address", daemon.address, "restore", "job", "--rank", "0", "--out", str(out),
-            preexec_fn=_small_files)  # the 4000-byte shard cannot be written
+    p = _run_small_files("--address", daemon.address, "restore", "job", "--rank", "0", "--out", str(out))
+    # (the 4000-byte shard cannot be written)
     assert p.returncode == 1 and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert str(out / "w") in p.stderr
     assert os.listdir(tmp_path) == []  # nothing left behind, not even the temporary directory
     out.mkdir()  # an existing empty directory is written in place, and emptied again on failure
-    p = run("--address", daemon.address, "restore", "job", "--rank", "0", "--out", str(out),
-            preexec_fn=_small_files)
+    p = _run_small_files("--address", daemon.address, "restore", "job", "--rank", "0", "--out", str(out))
     assert p.returncode == 1 and os.listdir(out) == [], p.stderr
 
 
