@@ -138,6 +138,15 @@ class Daemon:
             self.port = self.info["tcp_port"]
         return self
 
+    def log_text(self) -> str:
+        """The whole log of this daemon (every start of it: the file is appended to). Tests that
+        look for a line read this, not a tail, which other lines (a dead peer's reconnects) can
+        push it out of."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

@@ -68,7 +68,7 @@ def test_sigterm_finishes_commits_and_replicas_keeps_the_drain_queue_and_exits_0
             wait_until(lambda: rd.is_dir() and len(list(rd.iterdir())) >= len(SIZES), 20, "step 3's commit to start")
             assert not (rd / "manifest.json").exists()
             n0.proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: "shutdown: stop accepting saves" in n0.log_tail(50), 20, "the shutdown to start")
+            wait_until(lambda: "shutdown: stop accepting saves" in n0.log_text(), 20, "the shutdown to start")
             with pytest.raises(tierckpt.TierckptError):  # no new save while shutting down
                 c.save("job", 5, 0, 1, _shards(5)).result(30)
         finally:
@@ -81,7 +81,7 @@ def test_sigterm_finishes_commits_and_replicas_keeps_the_drain_queue_and_exits_0
         assert fut3.result(30).step == 3  # the in-flight commit was finished, not dropped
     finally:
         c.close()
-    log = n0.log_tail(200)
+    log = n0.log_text()
     assert "peer tier: waiting up to" in log and "shutdown complete" in log
     assert queued.exists()  # the drain that was uploading stays queued on disk
     with open_backend(s3.url) as be:

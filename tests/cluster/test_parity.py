@@ -122,7 +122,7 @@ def test_one_node_lost_every_rank_restored_exactly_with_a_quarter_more_memory(da
         assert ck.step == 7 and ck.tier == "peer"
         assert {n: _checksum.digest(np.asarray(ck.shards[n])) for n in ("a", "b")} == sums[2]
         assert ck.metadata == {"rank": 2}
-    assert "reconstructed par step 7 rank 2 from parity" in cl.d[victim].log_tail(400)
+    assert "reconstructed par step 7 rank 2 from parity" in cl.d[victim].log_text()
     # every other rank is still restorable on the replaced node too (full copies from their owners)
     with cl.d[victim].client() as c:
         for rank in (0, 4):
@@ -167,7 +167,7 @@ def test_corrupt_parity_is_detected_and_never_restored(daemon_factory):
     with cl.d["n0"].client() as c:
         with pytest.raises(tierckpt.DataLossError, match="fails its checksum"):
             c.restore(job, 0, step=4)
-    assert "parity slot of parc step 4 on" in cl.d["n0"].log_tail(400)
+    assert "parity slot of parc step 4 on" in cl.d["n0"].log_text()
     assert not (cl.d["n0"].local_dir / "jobs" / job).exists() or not list((cl.d["n0"].local_dir / "jobs" / job).rglob(
         "rank-0000000"))  # nothing committed
 
@@ -190,7 +190,7 @@ def test_one_corrupt_slot_falls_back_to_the_persistent_tier(daemon_factory, scra
         ck = c.restore(job, 0, step=2)
         assert ck.tier == "persistent"
         assert {n: _checksum.digest(np.asarray(ck.shards[n])) for n in ("a", "b")} == sums[0]
-    assert "parity slot of parf step 2 on n3 fails its checksum" in cl.d["n0"].log_tail(400)
+    assert "parity slot of parf step 2 on n3 fails its checksum" in cl.d["n0"].log_text()
 
 
 def test_retention_drops_the_parity_of_evicted_steps(daemon_factory):
@@ -248,7 +248,7 @@ def test_parity_lost_on_a_protector_is_protected_again(daemon_factory):
     cl.start("n1")
     cl.wait_peers("n1")
     wait_until(lambda: _parity_bytes(cl.d["n1"]) > 0, timeout=60, what="n1's slot rebuilt after the crash")
-    assert "was being written at a crash: dropped" in cl.d["n1"].log_tail(400)
+    assert "was being written at a crash: dropped" in cl.d["n1"].log_text()
     # the step's parity dropped on n2 behind its members' backs: the audit notices
     with grpc.insecure_channel(f"127.0.0.1:{cl.ports['n2']}") as ch:
         removed = ppb_grpc.PeerStub(ch).DropParity(ppb.DropParityRequest(requester="n0", job=job, step=6), timeout=10)
@@ -256,7 +256,7 @@ def test_parity_lost_on_a_protector_is_protected_again(daemon_factory):
     wait_until(lambda: _parity_bytes(cl.d["n2"]) > 0, timeout=60, what="n2's slot protected again after the audit")
     for n in ("n1", "n2"):  # a slot holds bytes as soon as its first member is back: wait for all four
         wait_until(lambda n=n: _full_slots(cl.d[n]) == 1, timeout=60, what=f"all four members back in {n}'s slot")
-    assert "is no longer on n2: protecting it again" in cl.d["n0"].log_tail(400)
+    assert "is no longer on n2: protecting it again" in cl.d["n0"].log_text()
     cl.replace("n3")
     cl.wait_peers("n3")
     with cl.d["n3"].client() as c:

@@ -107,7 +107,7 @@ def test_aborted_and_expired_saves_are_aborted_error(daemon_factory, matrix) -> 
         assert err.code() == grpc.StatusCode.ABORTED
         assert type(status.error_from_rpc(err)) is tierckpt.AbortedError  # named in the trailing metadata
         sid = begin(2)
-        wait_until(lambda: "reclaiming staging of save" in d.log_tail(50), what="the save expired")
+        wait_until(lambda: "reclaiming staging of save" in d.log_text(), what="the save expired")
         err = commit(sid)
         assert err.code() == grpc.StatusCode.ABORTED and type(status.error_from_rpc(err)) is tierckpt.AbortedError
         matrix.code("ABORTED", 2)
