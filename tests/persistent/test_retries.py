@@ -92,3 +92,29 @@ def test_a_probe_cut_between_its_put_and_its_delete_leaves_nothing_behind(tmp_pa
         await rig.tier.stop(1.0)
 
     asyncio.run(body())
+
+
+def test_a_probe_beside_a_slow_one_keeps_the_objects_it_could_not_delete(tmp_path: Path) -> None:
+    """A probe's delete that fails while an earlier probe's delete is still running (a probe that
+    timed out leaves its thread behind) stays listed, and the next probe deletes it."""
+    from tierckptd.backends.base import BackendError
+
+    async def body() -> None:
+        rig = Rig(tmp_path)
+        rig.faulty.fail("delete", times=1, where=".tierckpt-probe/")
+        with pytest.raises(BackendError, match="injected"):
+            await rig.tier.probe()  # A: its object is left for the next probe
+        rig.faulty.hang("delete")
+        slow = asyncio.ensure_future(rig.tier.probe())  # B: deleting its own and A's, held
+        assert await asyncio.to_thread(rig.faulty.wait_held, "delete")
+        rig.faulty.fail("delete", times=1, where=".tierckpt-probe/")
+        with pytest.raises(BackendError, match="injected"):
+            await rig.tier.probe()  # C, beside B: its delete fails at once
+        rig.faulty.release("delete")
+        await slow
+        assert len(rig.memory.list(".tierckpt-probe/")) == 1  # C's object, still to be deleted
+        await rig.tier.probe()
+        assert rig.memory.list(".tierckpt-probe/") == []
+        await rig.tier.stop(1.0)
+
+    asyncio.run(body())

@@ -232,7 +232,9 @@ def _spawner() -> cf.ThreadPoolExecutor:
     creator's ``SCHED_IDLE`` and nice 19, and so does a process, and a child's interpreter that
     starts at ``SCHED_IDLE`` on a node whose every core is busy got almost no CPU: its start
     timed out after a minute and the drain fell back to its threads. A child lowers itself once
-    it is ready (``_chunkmain``)."""
+    it is ready (``_chunkmain``). It is started with ``drain_processes=0`` too: the knob may be
+    turned on later (tests do), and a thread started then would be a drain thread's child; an
+    idle thread costs a stack's address space and no CPU."""
     with _SPAWNER_LOCK:
         if not _SPAWNER:
             pool = cf.ThreadPoolExecutor(1, thread_name_prefix="chunk-worker-start")

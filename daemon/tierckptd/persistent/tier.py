@@ -13,6 +13,7 @@ import asyncio
 import functools
 import logging
 import secrets
+import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -91,6 +92,9 @@ class PersistentTier(RemoteTier):
         self._probes_left: list[str] = []
         """Probe objects whose delete failed (the store went away between the put and the
         delete): deleted with the next probe's, so an outage leaves nothing behind."""
+        self._probes_lock = threading.Lock()
+        """Guards ``_probes_left``: a probe that timed out leaves its thread running, and the next
+        probe's thread may run beside it."""
         self.calls = BackendCalls(metrics, backend)
         self.ledger = Ledger()
         self.catalog_cache = Catalog(self.calls, self.url, metrics, self._spawn)
@@ -172,17 +176,21 @@ class PersistentTier(RemoteTier):
         """
         be = self.calls.be
         key = f".tierckpt-probe/{self.config.node_id}.{secrets.token_hex(4)}"  # never a job's key
-        left = self._probes_left
+        left, lock = self._probes_left, self._probes_lock
 
         def put_delete() -> None:
             be.put_bytes(key, b"tierckpt write probe\n")
+            with lock:
+                earlier = list(left)
             try:
-                be.delete([key, *left])
+                be.delete([key, *earlier])
             except BaseException:
-                if len(left) < _PROBES_LEFT_MAX:
-                    left.append(key)
+                with lock:
+                    if len(left) < _PROBES_LEFT_MAX:
+                        left.append(key)
                 raise
-            left.clear()
+            with lock:  # only those this delete covered: another probe's thread may have added one since
+                left[:] = [k for k in left if k not in earlier]
 
         await run_blocking(put_delete, pool=self.calls.threads)
 
