@@ -122,7 +122,9 @@ class Knobs:
     before the daemon lifts it to the normal policy at nice 19 for the rest of that
     chunk: on a node whose every core stays busy a ``SCHED_IDLE`` process gets almost no CPU, and
     a drain must still make progress (a chunk takes well under a second otherwise); time it spent
-    stopped for a save (``drain_yield``) does not count. An unprivileged
+    stopped for a save (``drain_yield``) does not count. A call on a drain thread (an upload;
+    with ``drain_processes=0`` also the codec) is lifted the same way after this long, then the
+    thread goes back under ``SCHED_IDLE`` (``persistent.calls.Lifter``). An unprivileged
     daemon needs ``RLIMIT_NICE`` >= 1 for that (the systemd unit's ``LimitNICE=1``); refused, it
     warns and the chunk waits for idle CPU; 0: never."""
     codec_threads: int = max(2, os.cpu_count() or 2)

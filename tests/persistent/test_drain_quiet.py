@@ -73,6 +73,35 @@ def test_a_waiting_thread_takes_the_next_call_of_its_own_policy_only() -> None:
     assert pool.active == 0
 
 
+def test_a_drain_call_starved_under_sched_idle_finishes_lifted_and_its_thread_goes_back() -> None:
+    """On a node whose cores stay busy a SCHED_IDLE drain thread gets almost no CPU: a call still
+    running after ``drain_idle_grace`` finishes at the normal policy (at its niceness), and the
+    thread drops back under SCHED_IDLE for its next call; with a grace of 0 nothing is lifted."""
+    import time
+
+    pool = DaemonThreads("t", lambda: (19, True), keep=30.0, lift=True)
+    assert pool.lifter is not None
+    lifts = pool.lifter.lifts
+
+    def call(seconds: float) -> tuple[int, int, int, int]:
+        before = os.sched_getscheduler(0)
+        time.sleep(seconds)
+        return threading.get_native_id(), before, os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)
+
+    with KNOBS.overridden(drain_idle_grace=0.05):
+        tid, before, after, nice = pool.submit(call, 0.5).result(10)
+        assert (before, after, nice) == (os.SCHED_IDLE, os.SCHED_OTHER, 19)  # lifted during the call
+        assert pool.lifter.lifts == lifts + 1
+        deadline = time.monotonic() + 5
+        while os.sched_getscheduler(tid) != os.SCHED_IDLE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE  # back, parked for the next call
+        assert pool.submit(call, 0.0).result(10)[:3] == (tid, os.SCHED_IDLE, os.SCHED_IDLE)  # quick: not lifted
+    with KNOBS.overridden(drain_idle_grace=0):  # 0: never lifted
+        assert pool.submit(call, 0.3).result(10)[1:3] == (os.SCHED_IDLE, os.SCHED_IDLE)
+    assert pool.lifter.lifts == lifts + 1 and pool.active == 0
+
+
 @pytest.mark.parametrize("drain_idle", [1, 0])
 def test_chunk_workers_are_sched_idle_processes_kept_between_drains(tmp_path: Path, drain_idle: int) -> None:
     """Every thread of a child is at SCHED_IDLE and nice 19, the one numpy's imports start too,

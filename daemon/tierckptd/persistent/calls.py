@@ -22,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import functools
+import itertools
+import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -38,6 +41,7 @@ from ..retry import RetryPolicy, call_with_retry
 __all__ = ["BackendCalls", "DaemonThreads", "Stopped"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 DRAIN_THREAD_KEEP = 30.0
 """Seconds a drain thread waits for its next call before it ends (:class:`DaemonThreads`)."""
@@ -59,13 +63,17 @@ class DaemonThreads(cf.Executor):
     """
 
     def __init__(self, name: str, policy: Callable[[], tuple[int, bool]] = lambda: (0, False),
-                 keep: float = 0.0) -> None:
+                 keep: float = 0.0, *, lift: bool = False) -> None:
         self.name = name
         self.policy = policy
         self.keep = keep
         self.active = 0
         self._lock = threading.Lock()
         self._parked: list[tuple[tuple[int, bool], queue.SimpleQueue]] = []
+        self.lifter = _lifter() if lift else None
+        """With ``lift``: a call under ``SCHED_IDLE`` still running after ``KNOBS.drain_idle_grace``
+        seconds finishes at the normal policy (:class:`Lifter`). Its thread is started here, by
+        the thread that builds the pool, never by one of the pool's own."""
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future:
         fut: cf.Future = cf.Future()
@@ -84,7 +92,12 @@ class DaemonThreads(cf.Executor):
         _apply(policy)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         while True:
-            self._run(*item)
+            watch = self.lifter.watch(policy) if self.lifter is not None and policy[1] else None
+            try:
+                self._run(*item)
+            finally:
+                if watch is not None and self.lifter is not None and self.lifter.unwatch(watch):
+                    _apply(policy)  # lifted during the call: back under SCHED_IDLE (a thread may lower itself)
             if self.keep <= 0:
                 return
             with self._lock:
@@ -113,6 +126,92 @@ class DaemonThreads(cf.Executor):
             fut.set_result(outcome[1])
         else:
             fut.set_exception(cast(BaseException, outcome[1]))
+
+
+class Lifter:
+    """Lifts drain threads starved under ``SCHED_IDLE``: a call that is still running
+    ``KNOBS.drain_idle_grace`` seconds after it began finishes at the normal policy (still at its
+    niceness), then its thread goes back under ``SCHED_IDLE``.
+
+    On a node whose every core stays busy a ``SCHED_IDLE`` thread gets almost no CPU, so a drain
+    whose uploads (or, with ``drain_processes=0`` or children that cannot start, whose codec) run
+    on such threads would stall for as long as the node is busy. The chunk workers have the same
+    lift (:meth:`.chunkproc.ChunkWorker.lift`). One thread per process does the lifting; it must
+    itself run at the normal policy, so it is started by the first pool built with ``lift``
+    (:class:`BackendCalls`, as the tier is built), never by a drain thread, whose policy a new
+    thread would inherit. Raising a thread's policy needs ``RLIMIT_NICE`` >= 1 for an
+    unprivileged daemon (the systemd unit's ``LimitNICE=1``); refused, it warns once and the
+    calls wait for idle CPU.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._due: dict[int, tuple[int, float]] = {}  # watch -> (thread id, deadline)
+        self._lifted: set[int] = set()
+        self._ids = itertools.count(1)
+        self.lifts = 0
+        self.can_lift = True
+        threading.Thread(target=self._loop, name="tierckpt-drain-lifter", daemon=True).start()
+
+    def watch(self, policy: tuple[int, bool]) -> int | None:
+        """Watch the calling thread's call from now on; None where nothing will be lifted."""
+        grace = KNOBS.drain_idle_grace
+        if grace <= 0 or not self.can_lift:
+            return None
+        with self._cv:
+            watch = next(self._ids)
+            self._due[watch] = (threading.get_native_id(), time.monotonic() + grace)
+            self._cv.notify()
+        return watch
+
+    def unwatch(self, watch: int) -> bool:
+        """The call ended; whether its thread was lifted meanwhile (then it lowers itself)."""
+        with self._cv:
+            self._due.pop(watch, None)
+            if watch in self._lifted:
+                self._lifted.discard(watch)
+                return True
+        return False
+
+    def _loop(self) -> None:
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                for watch, (tid, deadline) in list(self._due.items()):
+                    if deadline <= now:
+                        del self._due[watch]
+                        if self._lift(tid):
+                            self._lifted.add(watch)
+                nxt = min((deadline for _, deadline in self._due.values()), default=None)
+                self._cv.wait(None if nxt is None else max(0.001, nxt - now))
+
+    def _lift(self, tid: int) -> bool:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except (OSError, AttributeError) as err:
+            if self.can_lift:
+                log.warning("a drain thread got no CPU for %.1f s under SCHED_IDLE and cannot be lifted (%s): on a "
+                            "busy node the drain waits for idle CPU (RLIMIT_NICE >= 1 or CAP_SYS_NICE lets it be "
+                            "lifted)", KNOBS.drain_idle_grace, err)
+            self.can_lift = False
+            return False
+        self.lifts += 1
+        if self.lifts == 1:
+            log.warning("a drain thread got no CPU for %.1f s under SCHED_IDLE (a busy node): such calls finish at "
+                        "the normal policy at nice %d (said once)", KNOBS.drain_idle_grace, KNOBS.drain_nice)
+        return True
+
+
+_LIFTER: list[Lifter] = []
+_LIFTER_LOCK = threading.Lock()
+
+
+def _lifter() -> Lifter:
+    """The process's :class:`Lifter` (started by the first caller)."""
+    with _LIFTER_LOCK:
+        if not _LIFTER:
+            _LIFTER.append(Lifter())
+        return _LIFTER[0]
 
 
 def _apply(policy: tuple[int, bool]) -> None:
@@ -144,7 +243,7 @@ class BackendCalls:
         self.backend = backend
         self.threads = DaemonThreads("tierckpt-persistent")
         self.drain_threads = DaemonThreads("tierckpt-drain", lambda: (KNOBS.drain_nice, bool(KNOBS.drain_idle)),
-                                           keep=DRAIN_THREAD_KEEP)
+                                           keep=DRAIN_THREAD_KEEP, lift=True)
         self.halt = threading.Event()
         self._uploads = asyncio.Semaphore(KNOBS.upload_threads)
         self.coding = asyncio.Semaphore(KNOBS.codec_threads)
