@@ -92,7 +92,7 @@ class DaemonThreads(cf.Executor):
         _apply(policy)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         while True:
-            watch = self.lifter.watch(policy) if self.lifter is not None and policy[1] else None
+            watch = self.lifter.watch() if self.lifter is not None and policy[1] else None
             try:
                 self._run(*item)
             finally:
@@ -149,19 +149,22 @@ class Lifter:
         self._due: dict[int, tuple[int, float]] = {}  # watch -> (thread id, deadline)
         self._lifted: set[int] = set()
         self._ids = itertools.count(1)
+        self._wake = float("inf")  # the deadline the lifting thread waits for
         self.lifts = 0
         self.can_lift = True
         threading.Thread(target=self._loop, name="tierckpt-drain-lifter", daemon=True).start()
 
-    def watch(self, policy: tuple[int, bool]) -> int | None:
+    def watch(self) -> int | None:
         """Watch the calling thread's call from now on; None where nothing will be lifted."""
         grace = KNOBS.drain_idle_grace
         if grace <= 0 or not self.can_lift:
             return None
         with self._cv:
             watch = next(self._ids)
-            self._due[watch] = (threading.get_native_id(), time.monotonic() + grace)
-            self._cv.notify()
+            deadline = time.monotonic() + grace
+            self._due[watch] = (threading.get_native_id(), deadline)
+            if deadline < self._wake:  # usually a later one is due first: no wake-up per call
+                self._cv.notify()
         return watch
 
     def unwatch(self, watch: int) -> bool:
@@ -182,8 +185,8 @@ class Lifter:
                         del self._due[watch]
                         if self._lift(tid):
                             self._lifted.add(watch)
-                nxt = min((deadline for _, deadline in self._due.values()), default=None)
-                self._cv.wait(None if nxt is None else max(0.001, nxt - now))
+                self._wake = min((deadline for _, deadline in self._due.values()), default=float("inf"))
+                self._cv.wait(None if self._wake == float("inf") else max(0.001, self._wake - now))
 
     def _lift(self, tid: int) -> bool:
         try:
