@@ -102,6 +102,38 @@ def test_a_drain_call_starved_under_sched_idle_finishes_lifted_and_its_thread_go
     assert pool.lifter.lifts == lifts + 1 and pool.active == 0
 
 
+def test_a_drain_thread_that_cannot_be_lifted_says_so_once_and_waits(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Where the kernel refuses the lift (no ``RLIMIT_NICE``), the call still finishes, under
+    SCHED_IDLE; the refusal is logged once and no later call is watched."""
+    import logging
+    import time
+
+    from tierckptd.persistent.calls import Lifter
+
+    pool = DaemonThreads("t", lambda: (19, True), keep=30.0)
+    pool.lifter = lifter = Lifter()  # its own: the process's one is shared by the other tests
+    real = os.sched_setscheduler
+
+    def refuse(pid: int, policy: int, param: os.sched_param) -> None:
+        if policy != os.SCHED_IDLE:
+            raise PermissionError(1, "Operation not permitted")
+        real(pid, policy, param)
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+
+    def call() -> int:
+        time.sleep(0.3)
+        return os.sched_getscheduler(0)
+
+    with KNOBS.overridden(drain_idle_grace=0.05), caplog.at_level(logging.WARNING, "tierckptd.persistent.calls"):
+        assert pool.submit(call).result(10) == os.SCHED_IDLE
+        assert not lifter.can_lift and lifter.lifts == 0
+        assert pool.submit(call).result(10) == os.SCHED_IDLE
+    said = [r.getMessage() for r in caplog.records if "cannot be lifted" in r.getMessage()]
+    assert len(said) == 1 and "RLIMIT_NICE" in said[0], said
+
+
 @pytest.mark.parametrize("drain_idle", [1, 0])
 def test_chunk_workers_are_sched_idle_processes_kept_between_drains(tmp_path: Path, drain_idle: int) -> None:
     """Every thread of a child is at SCHED_IDLE and nice 19, the one numpy's imports start too,
