@@ -148,10 +148,8 @@ class Daemon:
             return ""
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        """The last ``n`` lines of :meth:`log_text` (for failure messages)."""
+        return "\n".join(self.log_text().splitlines()[-n:])
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
